@@ -1,0 +1,243 @@
+"""Uploading one file: per-attempt timeouts, retries with backoff, request hedging, cleanup.
+
+The state machine, for one upload (every attempt writes its *own* object name, so that the loser
+of a hedge can be deleted without touching the winner's object):
+
+1. Start attempt 1. Arm the hedge timer at the current hedge delay (an adaptive percentile of
+   recent primary-attempt latencies, see ``HedgeDelay``).
+2. First successful attempt wins: the others are cancelled, and every other object name that was
+   tried is deleted in the background (a cancelled or timed-out request may still have written).
+3. Hedge timer fires while the attempt runs: if attempts remain and the budget has a token,
+   start one more attempt (the primary keeps running; the first to finish wins).
+4. An attempt fails (error, or its per-attempt timeout): when nothing else is running and
+   attempts remain, start another one after ``retry_delay * 2**(failures-1)``. When no attempt
+   remains, every object tried is deleted and the upload fails with ``UploadFailedError``; a
+   timed-out *last* attempt fails the upload too (Flink's FLINK-26396 did not).
+
+Hedges count as attempts (``max_attempts`` bounds the load one upload can cause). Time comes from
+the running loop's clock only, so tests drive the whole machine on a virtual-time loop.
+
+Latency samples for the hedge delay come from primary attempts only: a primary cancelled because
+its hedge won contributes its elapsed time, a lower bound that lies above the hedge delay anyway,
+so the percentile estimate is not biased towards the fast hedges that won.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dstl.config import ChangelogConfig, HedgingPolicy
+from dstl.metrics import ChangelogMetrics
+from dstl.types import UploadFailedError
+from dstl.uploaders import Uploader
+
+
+class HedgeDelay:
+    """The ``percentile`` of a sliding window of latencies, clamped to the policy's bounds."""
+
+    def __init__(self, policy: HedgingPolicy) -> None:
+        self._policy = policy
+        self._window: deque[float] = deque()
+        self._sorted: list[float] = []
+
+    def observe(self, latency_s: float) -> None:
+        if len(self._window) == self._policy.window:
+            old = self._window.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._window.append(latency_s)
+        bisect.insort(self._sorted, latency_s)
+
+    def current(self) -> float:
+        p = self._policy
+        if len(self._sorted) < p.min_samples:
+            value = p.initial_delay_s
+        else:
+            index = min(len(self._sorted) - 1, int(p.percentile * len(self._sorted)))
+            value = self._sorted[index]
+        return min(p.max_delay_s, max(p.min_delay_s, value))
+
+
+class HedgeBudget:
+    """Token bucket: each upload earns ``budget`` tokens (up to ``burst``); a hedge costs one.
+
+    It starts empty, so hedges never exceed ``budget`` times the uploads so far.
+    """
+
+    def __init__(self, policy: HedgingPolicy) -> None:
+        self._rate = policy.budget
+        self._burst = max(1.0, policy.burst)
+        self.tokens = 0.0
+
+    def earn(self) -> None:
+        self.tokens = min(self._burst, self.tokens + self._rate)
+
+    def try_take(self) -> bool:
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class UploadOutcome:
+    path: str
+    attempts: int
+    hedged: bool
+    hedge_won: bool
+    latency_s: float
+
+
+class UploadExecutor:
+    """Runs uploads through one ``Uploader`` with the retry/hedge state machine above."""
+
+    def __init__(
+        self,
+        uploader: Uploader,
+        config: ChangelogConfig,
+        metrics: ChangelogMetrics,
+        name_factory: Callable[[], str],
+    ) -> None:
+        self._uploader = uploader
+        self._config = config
+        self._metrics = metrics
+        self._new_name = name_factory
+        self.hedge_delay = HedgeDelay(config.hedging)
+        self.budget = HedgeBudget(config.hedging)
+        self._cleanups: set[asyncio.Task[None]] = set()
+
+    async def _attempt(self, path: str, data: bytes) -> None:
+        async with asyncio.timeout(self._config.upload_timeout_s):
+            await self._uploader.put(path, data)
+
+    async def upload(self, data: bytes) -> UploadOutcome:
+        loop = asyncio.get_running_loop()
+        cfg, metrics, policy = self._config, self._metrics, self._config.hedging
+        start = loop.time()
+        self.budget.earn()
+        metrics.upload_requests += 1
+        running: dict[asyncio.Task[None], str] = {}
+        tried: list[str] = []
+        errors: list[BaseException] = []
+        primary: asyncio.Task[None] | None = None
+        hedge_at = start + self.hedge_delay.current() if policy.enabled else None
+        retry_at: float | None = None
+        hedged = False
+
+        def launch() -> asyncio.Task[None]:
+            path = self._new_name()
+            tried.append(path)
+            task = asyncio.ensure_future(self._attempt(path, data))
+            running[task] = path
+            metrics.upload_attempts += 1
+            return task
+
+        primary = launch()
+        try:
+            while running or retry_at is not None:
+                wakeups = [t for t in (hedge_at, retry_at) if t is not None]
+                timeout = max(0.0, min(wakeups) - loop.time()) if wakeups else None
+                if running:
+                    done, _ = await asyncio.wait(running, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    await asyncio.sleep(timeout or 0.0)
+                    done = set()
+                for task in done:
+                    path = running.pop(task)
+                    exc = task.exception()
+                    if exc is None:
+                        return self._won(task, path, primary, start, tried, running, hedged)
+                    if isinstance(exc, TimeoutError):
+                        metrics.attempt_timeouts += 1
+                    if task is primary and policy.enabled:
+                        self.hedge_delay.observe(loop.time() - start)
+                    errors.append(exc)
+                now = loop.time()
+                if hedge_at is not None and now >= hedge_at:
+                    hedge_at = None
+                    if running and len(tried) < cfg.max_attempts:
+                        if self.budget.try_take():
+                            launch()
+                            hedged = True
+                            metrics.hedges += 1
+                        else:
+                            metrics.hedges_denied_by_budget += 1
+                if retry_at is not None and now >= retry_at:
+                    retry_at = None
+                    launch()
+                    metrics.retries += 1
+                if not running and retry_at is None and len(tried) < cfg.max_attempts:
+                    retry_at = now + cfg.retry_delay_s * 2 ** (len(errors) - 1)
+            metrics.upload_failures += 1
+            metrics.attempts_per_upload.observe(len(tried))
+            await self._delete_all(tried)
+            causes = "; ".join(f"attempt {i + 1}: {_describe(e)}" for i, e in enumerate(errors))
+            raise UploadFailedError(f"upload of {len(data)} bytes failed after {len(tried)} attempts ({causes})")
+        except asyncio.CancelledError:
+            for task in running:
+                task.cancel()
+            self._cleanup_later(list(running), tried)
+            raise
+
+    def _won(
+        self,
+        winner: asyncio.Task[None],
+        path: str,
+        primary: asyncio.Task[None] | None,
+        start: float,
+        tried: list[str],
+        running: dict[asyncio.Task[None], str],
+        hedged: bool,
+    ) -> UploadOutcome:
+        loop = asyncio.get_running_loop()
+        latency = loop.time() - start
+        if self._config.hedging.enabled:
+            # The primary's latency, or a lower bound of it when a hedge won.
+            self.hedge_delay.observe(latency)
+        for task in running:
+            task.cancel()
+        losers = [p for p in tried if p != path]
+        if losers:
+            self._cleanup_later(list(running), losers)
+        hedge_won = winner is not primary
+        metrics = self._metrics
+        metrics.hedges_won += hedge_won
+        metrics.upload_latencies_s.observe(latency)
+        metrics.attempts_per_upload.observe(len(tried))
+        return UploadOutcome(path=path, attempts=len(tried), hedged=hedged, hedge_won=hedge_won, latency_s=latency)
+
+    def _cleanup_later(self, tasks: list[asyncio.Task[None]], paths: list[str]) -> None:
+        async def cleanup() -> None:
+            if tasks:
+                await asyncio.wait(tasks)
+            await self._delete_all(paths)
+
+        self.track(asyncio.ensure_future(cleanup()))
+
+    def track(self, task: asyncio.Task[None]) -> None:
+        """Keep a background deletion alive until done; ``drain`` waits for all of them."""
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    async def _delete_all(self, paths: list[str]) -> None:
+        for path in paths:
+            # Best effort: an object we fail to delete is unreferenced and removed by orphan cleanup.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(max(self._config.upload_timeout_s, 5.0)):
+                    await self._uploader.delete(path)
+                self._metrics.deleted_orphans += 1
+
+    async def drain(self) -> None:
+        """Wait for background deletions of losers (used on close and by tests)."""
+        while self._cleanups:
+            await asyncio.wait(list(self._cleanups))
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

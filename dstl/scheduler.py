@@ -1,0 +1,154 @@
+"""The batching upload scheduler shared by every writer of a storage (runs on the loop thread).
+
+Batching is what makes one changelog file per flush per process possible (FLIP-158): changesets
+of all writers wait in one queue, and the queue is flushed as ONE file when
+
+(a) ``persist_delay`` has passed since the first pending entry was queued,
+(b) the pending bytes reach ``persist_size_threshold``, or
+(c) every registered writer has a persist request pending: nobody else will contribute soon,
+    so waiting longer would only add latency.
+
+Entries are the writer's closed changesets (``UploadEntry``). The scheduler encodes a batch into a
+file in a worker thread (zstd releases the GIL), hands the bytes to the ``UploadExecutor`` and
+resolves each entry's future with its ``SegmentRef`` (or the upload's error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dstl.config import ChangelogConfig
+from dstl.format import ChangeSet, encode_file
+from dstl.hedging import UploadExecutor
+from dstl.metrics import ChangelogMetrics
+from dstl.types import SegmentRef
+
+
+@dataclass(eq=False)
+class UploadEntry:
+    """One closed changeset and its upload state. ``scheduled``/``ref``/``truncated`` are guarded
+    by the owning writer's lock; ``future`` is created and resolved on the loop thread."""
+
+    changeset: ChangeSet | None
+    sqn: int
+    size: int
+    scheduled: bool = False
+    truncated: bool = False
+    ref: SegmentRef | None = None
+    future: asyncio.Future[SegmentRef] | None = None
+
+
+class BatchingScheduler:
+    def __init__(
+        self,
+        config: ChangelogConfig,
+        executor: UploadExecutor,
+        metrics: ChangelogMetrics,
+        on_uploaded: Callable[[str, list[UploadEntry]], None],
+        on_failed: Callable[[list[UploadEntry]], None],
+        release_in_flight: Callable[[int], None],
+    ) -> None:
+        self._config = config
+        self._executor = executor
+        self._metrics = metrics
+        self._on_uploaded = on_uploaded
+        self._on_failed = on_failed
+        self._release_in_flight = release_in_flight
+        self._pending: list[UploadEntry] = []
+        self._pending_bytes = 0
+        self._writers: set[str] = set()
+        self._waiting: set[str] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._uploads: set[asyncio.Task[None]] = set()
+
+    # All methods below run on the loop thread.
+
+    def register(self, log_id: str) -> None:
+        self._writers.add(log_id)
+
+    def unregister(self, log_id: str) -> None:
+        self._writers.discard(log_id)
+        self._waiting.discard(log_id)
+        self._maybe_flush_now()
+
+    def submit(self, log_id: str, entries: list[UploadEntry], persist_request: bool) -> None:
+        loop = asyncio.get_running_loop()
+        for entry in entries:
+            entry.future = loop.create_future()
+            entry.future.add_done_callback(_consume_exception)
+            self._pending.append(entry)
+            self._pending_bytes += entry.size
+        if persist_request:
+            self._waiting.add(log_id)
+        self._metrics.upload_queue_size = len(self._pending)
+        if not self._maybe_flush_now() and self._pending and self._timer is None:
+            self._timer = loop.call_later(self._config.persist_delay_s, self.flush)
+
+    def _maybe_flush_now(self) -> bool:
+        full = self._pending_bytes >= self._config.persist_size_threshold
+        everyone_waits = bool(self._writers) and self._waiting >= self._writers
+        if self._pending and (full or everyone_waits):
+            self.flush()
+            return True
+        return False
+
+    def flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch, self._pending, self._pending_bytes = self._pending, [], 0
+        self._waiting.clear()
+        self._metrics.upload_queue_size = 0
+        if not batch:
+            return
+        self._metrics.flushes += 1
+        task = asyncio.ensure_future(self._upload(batch))
+        self._uploads.add(task)
+        task.add_done_callback(self._uploads.discard)
+
+    async def _upload(self, batch: list[UploadEntry]) -> None:
+        size = sum(e.size for e in batch)
+        try:
+            changesets = [e.changeset for e in batch if e.changeset is not None]
+            data, segments = await asyncio.to_thread(encode_file, changesets, self._config.compression_level)
+            self._metrics.upload_sizes.observe(len(data))
+            self._metrics.changesets_per_file.observe(len(batch))
+            outcome = await self._executor.upload(data)
+        except Exception as exc:
+            self._on_failed(batch)
+            for entry in batch:
+                assert entry.future is not None
+                entry.future.set_exception(exc)
+        else:
+            for entry, seg in zip(batch, segments, strict=True):
+                entry.ref = SegmentRef(
+                    path=outcome.path,
+                    offset=seg.offset,
+                    length=seg.length,
+                    sqn=seg.sqn,
+                    records=seg.records,
+                    min_key_group=seg.min_key_group,
+                    max_key_group=seg.max_key_group,
+                )
+            self._on_uploaded(outcome.path, batch)
+            for entry in batch:
+                assert entry.future is not None and entry.ref is not None
+                entry.future.set_result(entry.ref)
+        finally:
+            self._release_in_flight(size)
+
+    async def drain(self) -> None:
+        """Flush what is pending and wait for every upload and background deletion."""
+        self.flush()
+        while self._uploads:
+            await asyncio.wait(list(self._uploads))
+        await self._executor.drain()
+
+
+def _consume_exception(fut: asyncio.Future[SegmentRef]) -> None:
+    # A pre-emptive upload may fail with nobody awaiting it; its entry is retried by the next
+    # persist. Retrieve the exception so asyncio does not log it as never retrieved.
+    if not fut.cancelled():
+        fut.exception()

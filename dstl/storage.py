@@ -1,0 +1,331 @@
+"""``StateChangelogStorage``: one per process ("TaskManager"), owning one asyncio loop thread.
+
+Every writer of the process shares this storage's batching scheduler, so one flush writes one
+file holding the changesets of many writers. Uploads, hedging and deletions run on the loop
+thread; writers and readers call in from their own threads.
+
+File ownership (the fix for Flink's FLINK-25511, where uploaded but never used files leaked):
+each uploaded file is reference counted by the changesets it holds that are not yet truncated,
+plus one reference per segment of every handle handed out by ``persist_durably`` and not yet
+confirmed or released. When the count drops to zero and no confirmed checkpoint owns the file,
+the storage deletes it. Once a handle is confirmed, its files belong to the checkpoint (the
+shared-state registry deletes them when no retained checkpoint references them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from dstl.config import ChangelogConfig
+from dstl.format import decode_segment, iter_records
+from dstl.hedging import UploadExecutor
+from dstl.metrics import ChangelogMetrics
+from dstl.scheduler import BatchingScheduler, UploadEntry
+from dstl.types import (
+    MAX_KEY_GROUP,
+    ChangelogHandle,
+    CorruptChangelogError,
+    KeyGroupRange,
+    SegmentRef,
+    WriterClosedError,
+)
+from dstl.uploaders import Uploader, check_relative, make_uploader, new_file_name
+from dstl.writer import ChangelogWriter
+
+T = TypeVar("T")
+
+#: segments fetched ahead of the one being decoded when reading a handle
+READ_AHEAD = 4
+
+
+@dataclass
+class _FileState:
+    refs: int
+    confirmed: bool = False
+
+
+class StateChangelogStorage:
+    def __init__(self, config: ChangelogConfig, *, uploader: Uploader | None = None) -> None:
+        self.config = config
+        self.metrics = ChangelogMetrics()
+        self.lock = threading.Lock()
+        self._uploader = uploader if uploader is not None else make_uploader(config)
+        self._files: dict[str, _FileState] = {}
+        self._holds: Counter[ChangelogHandle] = Counter()
+        self._writers: dict[str, ChangelogWriter] = {}
+        self._in_flight = 0
+        self._in_flight_cond = threading.Condition()
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="dstl-uploader", daemon=True)
+        self._thread.start()
+        self._executor = UploadExecutor(
+            self._uploader, config, self.metrics, lambda: new_file_name(config.prefix_count)
+        )
+        self._scheduler = BatchingScheduler(
+            config,
+            self._executor,
+            self.metrics,
+            on_uploaded=self._on_uploaded,
+            on_failed=self._on_failed,
+            release_in_flight=self._release_in_flight,
+        )
+
+    # -- threads --------------------------------------------------------------------------
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run a coroutine on the storage's loop and wait for it (not from the loop thread)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("StateChangelogStorage.run called from its own loop thread")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _call(self, fn: Callable[..., object], *args: Any) -> None:
+        self._loop.call_soon_threadsafe(fn, *args)
+
+    # -- writers --------------------------------------------------------------------------
+
+    def create_writer(self, operator_id: str, key_group_range: KeyGroupRange) -> ChangelogWriter:
+        if self._closed:
+            raise WriterClosedError("the changelog storage is closed")
+        if not operator_id or "/" in operator_id:
+            raise ValueError(f"operator_id must be a non-empty name without '/', got {operator_id!r}")
+        log_id = f"{operator_id}-{key_group_range.start}-{key_group_range.end}-{uuid.uuid4().hex[:12]}"
+        writer = ChangelogWriter(self, log_id, key_group_range)
+        self._writers[log_id] = writer
+        self._call(self._scheduler.register, log_id)
+        return writer
+
+    def reserve_in_flight(self, size: int) -> None:
+        """Backpressure: block while other uploads would push the bytes in flight past the bound."""
+        if size <= 0:
+            return
+        with self._in_flight_cond:
+            if self._in_flight and self._in_flight + size > self.config.max_in_flight_bytes:
+                self.metrics.backpressure_waits += 1
+                self._in_flight_cond.wait_for(
+                    lambda: not self._in_flight or self._in_flight + size <= self.config.max_in_flight_bytes
+                )
+            self._in_flight += size
+            self.metrics.bytes_in_flight = self._in_flight
+
+    def _release_in_flight(self, size: int) -> None:
+        with self._in_flight_cond:
+            self._in_flight -= size
+            self.metrics.bytes_in_flight = self._in_flight
+            self._in_flight_cond.notify_all()
+
+    def submit_upload(self, writer: ChangelogWriter, new: list[UploadEntry]) -> None:
+        self._call(self._scheduler.submit, writer.log_id, new, False)
+
+    def submit_persist(
+        self,
+        writer: ChangelogWriter,
+        entries: list[UploadEntry],
+        new: list[UploadEntry],
+        after: int,
+        upto: int,
+        result: concurrent.futures.Future[ChangelogHandle],
+    ) -> None:
+        self._call(self._persist_on_loop, writer, entries, new, after, upto, result)
+
+    def _persist_on_loop(
+        self,
+        writer: ChangelogWriter,
+        entries: list[UploadEntry],
+        new: list[UploadEntry],
+        after: int,
+        upto: int,
+        result: concurrent.futures.Future[ChangelogHandle],
+    ) -> None:
+        self._scheduler.submit(writer.log_id, new, persist_request=True)
+        futures = [e.future for e in entries]
+
+        async def complete() -> None:
+            try:
+                refs: list[SegmentRef] = list(await asyncio.gather(*futures))  # type: ignore[arg-type]
+            except Exception as exc:
+                result.set_exception(exc)
+                return
+            handle = ChangelogHandle(writer.log_id, writer.key_group_range, after, upto, tuple(refs))
+            with self.lock:
+                if writer.closed:
+                    result.set_exception(WriterClosedError(f"changelog writer {writer.log_id} was closed"))
+                    return
+                self._holds[handle] += 1
+                for ref in refs:
+                    self._files[ref.path].refs += 1
+            result.set_result(handle)
+
+        self._executor.track(asyncio.ensure_future(complete()))
+
+    # -- reference counting (the loop thread and writer threads, under self.lock) ----------
+
+    def _on_uploaded(self, path: str, batch: list[UploadEntry]) -> None:
+        with self.lock:
+            state = self._files[path] = _FileState(refs=len(batch))
+            for entry in batch:
+                entry.changeset = None  # durable now: free the memory
+                if entry.truncated:
+                    state.refs -= 1
+            self._maybe_delete(path, state)
+
+    def _on_failed(self, batch: list[UploadEntry]) -> None:
+        with self.lock:
+            for entry in batch:
+                entry.scheduled = False  # the next persist request uploads it again
+
+    def _release_ref(self, path: str, count: int = 1) -> None:
+        state = self._files.get(path)
+        if state is None:
+            return
+        state.refs -= count
+        self._maybe_delete(path, state)
+
+    def _maybe_delete(self, path: str, state: _FileState) -> None:
+        if state.refs <= 0:
+            del self._files[path]
+            if not state.confirmed:
+                self._call(self._delete_soon, path)
+
+    def _delete_soon(self, path: str) -> None:
+        async def delete() -> None:
+            with contextlib.suppress(Exception):
+                await self._uploader.delete(path)
+                self.metrics.files_deleted += 1
+
+        self._executor.track(asyncio.ensure_future(delete()))
+
+    def truncate_entries(self, writer: ChangelogWriter, before: int) -> None:
+        with self.lock:
+            for sqn in [s for s in writer.entries if s < before]:
+                entry = writer.entries.pop(sqn)
+                entry.truncated = True
+                if entry.ref is not None:
+                    self._release_ref(entry.ref.path)
+
+    def confirm_handle(self, handle: ChangelogHandle) -> None:
+        with self.lock:
+            for path in handle.files:
+                if path in self._files:
+                    self._files[path].confirmed = True
+            self._drop_hold(handle)
+
+    def release_handle(self, handle: ChangelogHandle) -> None:
+        with self.lock:
+            self._drop_hold(handle)
+
+    def _drop_hold(self, handle: ChangelogHandle) -> None:
+        if handle not in self._holds:
+            return
+        self._holds[handle] -= 1
+        if not self._holds[handle]:
+            del self._holds[handle]
+        for ref in handle.segments:
+            self._release_ref(ref.path)
+
+    def close_writer(self, writer: ChangelogWriter) -> None:
+        self.truncate_entries(writer, 1 << 62)
+        with self.lock:
+            for handle in [h for h in self._holds if h.log_id == writer.log_id]:
+                for _ in range(self._holds[handle]):
+                    self._drop_hold(handle)
+        self._writers.pop(writer.log_id, None)
+        self._call(self._scheduler.unregister, writer.log_id)
+
+    def tracked_files(self) -> dict[str, tuple[int, bool]]:
+        """Files this storage still tracks: path -> (references, confirmed). For tests and tools."""
+        with self.lock:
+            return {p: (s.refs, s.confirmed) for p, s in self._files.items()}
+
+    # -- reading --------------------------------------------------------------------------
+
+    def read(self, handle: ChangelogHandle, key_groups: KeyGroupRange | None = None) -> Iterator[tuple[int, bytes]]:
+        """The changes of ``handle`` in SQN order, restricted to ``key_groups`` (all if None).
+
+        Segments whose key-group bounds miss ``key_groups`` are not fetched; the others are
+        fetched a few ahead of decoding. Anything inconsistent raises ``CorruptChangelogError``.
+        """
+        wanted = key_groups if key_groups is not None else KeyGroupRange(0, MAX_KEY_GROUP)
+        segments = self._checked_segments(handle)
+        todo = deque(s for s in segments if wanted.intersects(s.min_key_group, s.max_key_group))
+        fetching: deque[tuple[SegmentRef, concurrent.futures.Future[bytes]]] = deque()
+        try:
+            while todo or fetching:
+                while todo and len(fetching) < READ_AHEAD:
+                    seg = todo.popleft()
+                    coro = self._fetch(seg)
+                    fetching.append((seg, asyncio.run_coroutine_threadsafe(coro, self._loop)))
+                seg, fut = fetching.popleft()
+                blob = fut.result()
+                kgs, payloads = decode_segment(
+                    seg.path, blob, log_id=handle.log_id, sqn=seg.sqn, expected_records=seg.records
+                )
+                if kgs and (min(kgs) < seg.min_key_group or max(kgs) > seg.max_key_group):
+                    raise CorruptChangelogError(seg.path, f"segment of sqn {seg.sqn} has key groups outside its index")
+                yield from iter_records(kgs, payloads, wanted.start, wanted.end)
+        finally:
+            for _, fut in fetching:
+                fut.cancel()
+
+    def _checked_segments(self, handle: ChangelogHandle) -> list[SegmentRef]:
+        segments = sorted(handle.segments, key=lambda s: s.sqn)
+        previous = handle.after
+        for seg in segments:
+            try:
+                check_relative(seg.path)
+            except ValueError as exc:
+                raise CorruptChangelogError(seg.path, str(exc)) from None
+            if seg.sqn <= previous or seg.sqn > handle.upto:
+                raise CorruptChangelogError(
+                    seg.path, f"handle of {handle.log_id} lists sqn {seg.sqn} outside ({handle.after}, {handle.upto}]"
+                )
+            previous = seg.sqn
+        return segments
+
+    async def _fetch(self, seg: SegmentRef) -> bytes:
+        try:
+            return await self._uploader.get(seg.path, seg.offset, seg.length)
+        except FileNotFoundError:
+            raise CorruptChangelogError(seg.path, "file is missing") from None
+
+    async def list_files(self) -> list[str]:
+        return await self._uploader.list("dstl")
+
+    def prometheus(self) -> str:
+        return self.metrics.prometheus()
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Upload everything queued and wait for uploads and background deletions to finish."""
+        self.run(self._scheduler.drain(), timeout)
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Close every writer, finish uploads and deletions, close the uploader, stop the loop."""
+        if self._closed:
+            return
+        self._closed = True
+        for writer in list(self._writers.values()):
+            writer.close()
+        try:
+            self.run(self._scheduler.drain(), timeout)
+            self.run(self._uploader.close(), timeout)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    def __enter__(self) -> StateChangelogStorage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,225 @@
+"""Value types shared by every part of the log: sequence numbers, key-group ranges, handles, errors.
+
+Sequence numbers (SQNs) number the *changesets* of one writer, not single records. A changeset is
+what a writer appended between two roll-overs (``last_appended_sqn`` / ``persist_durably`` roll
+over), so a checkpoint or a materialization can name an exact cut of the log with one integer.
+
+Conventions, chosen so that no caller has to add or subtract one:
+
+- ``last_appended_sqn()`` returns ``s``: every change appended so far has an SQN ``<= s``.
+- ``persist_durably(after=s)`` covers the changesets with SQN ``> s``.
+- ``truncate(before=s)`` drops the changesets with SQN ``< s``. A materializer that snapshotted
+  everything up to ``s`` calls ``truncate(s)``; changeset ``s`` itself is kept until the next
+  truncation, which costs one changeset of memory and buys a rule that cannot be off by one.
+
+Handles are immutable, small and JSON-serializable, and hold paths *relative* to the storage's
+base path, so that a checkpoint directory can be moved.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+class SequenceNumber(int):
+    """The SQN of a changeset of one writer. ``INITIAL`` (0) precedes every changeset."""
+
+    INITIAL: SequenceNumber
+
+    def next(self) -> SequenceNumber:
+        return SequenceNumber(self + 1)
+
+    def __repr__(self) -> str:
+        return f"SequenceNumber({int(self)})"
+
+
+SequenceNumber.INITIAL = SequenceNumber(0)
+
+#: Key groups are stored in two bytes in the file format; Flink's maximum max-parallelism is 2**15.
+MAX_KEY_GROUP = (1 << 15) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class KeyGroupRange:
+    """An inclusive range of key groups ``[start, end]``; ``end < start`` is the empty range."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.start <= MAX_KEY_GROUP + 1 and -1 <= self.end <= MAX_KEY_GROUP):
+            raise ValueError(f"key group range [{self.start}, {self.end}] outside [0, {MAX_KEY_GROUP}]")
+
+    @classmethod
+    def of(cls, start: int, end: int) -> KeyGroupRange:
+        return cls(start, end)
+
+    @classmethod
+    def empty(cls) -> KeyGroupRange:
+        return cls(0, -1)
+
+    def __contains__(self, key_group: object) -> bool:
+        return isinstance(key_group, int) and self.start <= key_group <= self.end
+
+    def __len__(self) -> int:
+        return max(0, self.end - self.start + 1)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.start, self.end + 1))
+
+    def intersects(self, start: int, end: int) -> bool:
+        return self.start <= end and start <= self.end
+
+    def to_json(self) -> list[int]:
+        return [self.start, self.end]
+
+    @classmethod
+    def from_json(cls, value: Any) -> KeyGroupRange:
+        if not (isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)):
+            raise ValueError(f"not a key group range: {value!r}")
+        return cls(value[0], value[1])
+
+
+class ChangelogError(Exception):
+    """Base class of the errors this package raises on purpose."""
+
+
+class CorruptChangelogError(ChangelogError):
+    """A changelog file or handle failed a check: bad magic, unknown version, checksum, truncation.
+
+    The message always names the file (or handle) so that an operator can find and inspect it.
+    """
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"corrupt changelog file {path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class UploadFailedError(ChangelogError):
+    """Every attempt to upload a changelog file failed; the persist future fails with this."""
+
+
+class WriterClosedError(ChangelogError):
+    """The writer (or its storage) was closed; nothing more can be appended or persisted."""
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentRef:
+    """Where one changeset of one writer lives: a byte range of a changelog file.
+
+    ``min_key_group``/``max_key_group`` bound the key groups present, so that a reader restoring
+    another key-group range skips the segment without reading it.
+    """
+
+    path: str
+    offset: int
+    length: int
+    sqn: int
+    records: int
+    min_key_group: int
+    max_key_group: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "offset": self.offset,
+            "length": self.length,
+            "sqn": self.sqn,
+            "records": self.records,
+            "key_groups": [self.min_key_group, self.max_key_group],
+        }
+
+    @classmethod
+    def from_json(cls, value: Any) -> SegmentRef:
+        try:
+            kg = value["key_groups"]
+            ref = cls(
+                path=_check(value["path"], str),
+                offset=_check(value["offset"], int),
+                length=_check(value["length"], int),
+                sqn=_check(value["sqn"], int),
+                records=_check(value["records"], int),
+                min_key_group=_check(kg[0], int),
+                max_key_group=_check(kg[1], int),
+            )
+        except (KeyError, IndexError, TypeError) as exc:
+            raise ValueError(f"malformed segment reference {value!r}: {exc}") from None
+        if ref.offset < 0 or ref.length <= 0 or ref.records < 0:
+            raise ValueError(f"malformed segment reference {value!r}: negative offset or length")
+        return ref
+
+
+def _check(value: Any, kind: type) -> Any:
+    if type(value) is not kind:
+        raise TypeError(f"expected {kind.__name__}, got {value!r}")
+    return value
+
+
+HANDLE_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ChangelogHandle:
+    """The durable changes of one writer (log id) with ``after < SQN <= upto``.
+
+    Paths are relative to the storage's base path; ``storage.read`` resolves and checks them.
+    """
+
+    log_id: str
+    key_group_range: KeyGroupRange
+    after: int
+    upto: int
+    segments: tuple[SegmentRef, ...]
+
+    @property
+    def files(self) -> frozenset[str]:
+        return frozenset(s.path for s in self.segments)
+
+    @property
+    def size(self) -> int:
+        return sum(s.length for s in self.segments)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": HANDLE_FORMAT_VERSION,
+            "log_id": self.log_id,
+            "key_group_range": self.key_group_range.to_json(),
+            "after": self.after,
+            "upto": self.upto,
+            "segments": [s.to_json() for s in self.segments],
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, value: Any) -> ChangelogHandle:
+        """Parse a handle; anything malformed raises ``CorruptChangelogError`` naming the handle."""
+        name = value.get("log_id", "?") if isinstance(value, dict) else "?"
+        try:
+            if not isinstance(value, dict):
+                raise ValueError("not a JSON object")
+            if value.get("version") != HANDLE_FORMAT_VERSION:
+                raise ValueError(f"unsupported handle format version {value.get('version')!r}")
+            handle = cls(
+                log_id=_check(value["log_id"], str),
+                key_group_range=KeyGroupRange.from_json(value["key_group_range"]),
+                after=_check(value["after"], int),
+                upto=_check(value["upto"], int),
+                segments=tuple(SegmentRef.from_json(s) for s in _check(value["segments"], list)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptChangelogError(f"<handle of log {name}>", f"malformed handle: {exc}") from None
+        return handle
+
+    @classmethod
+    def loads(cls, text: str) -> ChangelogHandle:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise CorruptChangelogError("<handle>", f"handle is not JSON: {exc}") from None
+        return cls.from_json(value)
