@@ -246,11 +246,13 @@ def read_footer(path: str, data: bytes) -> FileIndex:
     """Check a whole file's framing and footer (for verification tools); returns its index."""
     if len(data) < FILE_HEADER.size + TRAILER.size:
         raise CorruptChangelogError(path, f"file truncated ({len(data)} bytes)")
-    magic, version, _flags = FILE_HEADER.unpack_from(data)
+    magic, version, flags = FILE_HEADER.unpack_from(data)
     if magic != FILE_MAGIC:
         raise CorruptChangelogError(path, f"not a changelog file (magic {magic!r})")
     if version != FORMAT_VERSION:
         raise CorruptChangelogError(path, f"unsupported format version {version} (this reader knows {FORMAT_VERSION})")
+    if flags != 0:  # reserved in version 1; no checksum covers the file header
+        raise CorruptChangelogError(path, f"unknown file header flags {flags:#06x}")
     footer_len, footer_crc, t_version, t_magic = TRAILER.unpack_from(data, len(data) - TRAILER.size)
     if t_magic != TRAILER_MAGIC or t_version != version:
         raise CorruptChangelogError(path, "file truncated or trailer damaged")

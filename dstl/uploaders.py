@@ -170,7 +170,9 @@ class S3Uploader:
         from aiobotocore.session import get_session
 
         opts = self._options
-        connector: dict[str, Any] = {"force_close": True} if opts.force_close else {}
+        # AioConfig adds a default keepalive_timeout, which aiohttp rejects together with
+        # force_close ("keepalive_timeout cannot be set if force_close is True"): clear it.
+        connector: dict[str, Any] = {"force_close": True, "keepalive_timeout": None} if opts.force_close else {}
         config = AioConfig(
             max_pool_connections=opts.max_pool_connections,
             connector_args=connector or None,

@@ -1,26 +1,34 @@
-"""The per-operator changelog writer: a cheap in-memory append path and SQN bookkeeping.
+"""The per-operator changelog writer: a one-operation append path and SQN bookkeeping.
 
-``append`` is on the hot path of every state mutation, so it does the least possible: two C-level
-appends (the key group into an ``array('H')``, the bytes into a list) and one length comparison.
-It never blocks and never checks the key group against the writer's range; that check runs once
-per changeset, vectorized (``min``/``max`` of the array), when the changeset is closed, and the
-error names the writer and the key group. ``data`` must be immutable ``bytes``: the writer keeps a
-reference rather than a copy.
+``append`` is on the hot path of every state mutation, so it does one thing: extend a list with
+the pair ``(key_group, data)`` - a single C-level operation, atomic under the GIL. No size check,
+no lock, no key-group check runs per call (each would cost as much as the append itself):
 
-Memory stays bounded by the pre-emptive persist: every so many records (an estimate of how many
-fit before the threshold) the active changeset's size is summed; past
-``preemptive_persist_threshold`` it is closed and queued for upload. Its data is dropped from
-memory once uploaded; only its ``SegmentRef`` is kept until it is truncated.
+- *Memory bound (pre-emptive persist).* The storage's loop thread looks at every writer every few
+  milliseconds; when the active changeset passed ``preemptive_persist_threshold`` it *cuts* it and
+  queues it for upload. A cut copies the first ``n`` items and deletes exactly those, two atomic
+  list operations, so an append racing with it lands in the next changeset: nothing is lost or
+  duplicated, and the list object ``append`` uses never changes.
+- *Backpressure.* When the bytes in flight exceed ``max_in_flight_bytes``, the loop thread points
+  ``_records`` at a gate whose ``+=`` blocks the operator thread until uploads drain, then appends.
+- *Validation.* Key groups (range) and payload types (``bytes``) are checked once per changeset,
+  vectorized, when it is cut. A bad one fails the writer: the next ``last_appended_sqn`` or
+  ``persist_durably`` raises an error naming the writer and the key group.
 
-A writer is used from one thread (the operator's), like Flink's task thread. Uploads complete on
-the storage's loop thread; the state both threads touch is guarded by the storage's lock.
+``data`` must be immutable ``bytes``: the writer keeps a reference, not a copy. A writer is used
+from one thread (the operator's), like Flink's task thread. On a free-threaded CPython build the
+list operations are not atomic, so ``append`` takes a lock there.
+
+Uploaded changesets drop their data and keep only their ``SegmentRef`` until truncated.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import sys
+import threading
 from array import array
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dstl.format import ChangeSet
 from dstl.scheduler import UploadEntry
@@ -29,8 +37,21 @@ from dstl.types import ChangelogHandle, KeyGroupRange, SequenceNumber, WriterClo
 if TYPE_CHECKING:
     from dstl.storage import StateChangelogStorage
 
-_FIRST_CHECK = 256
-_MAX_CHECK_INTERVAL = 1 << 16
+_GIL_ENABLED = getattr(sys, "_is_gil_enabled", lambda: True)()
+
+
+class _BackpressureGate:
+    """Stands in for the active list while too many bytes are in flight (see module doc)."""
+
+    def __init__(self, writer: ChangelogWriter) -> None:
+        self._writer = writer
+
+    def __iadd__(self, pair: tuple[int, bytes]) -> list[Any]:
+        writer = self._writer
+        writer._storage.wait_for_capacity()
+        writer._records = writer._active
+        writer._active += pair
+        return writer._active
 
 
 class ChangelogWriter:
@@ -39,73 +60,101 @@ class ChangelogWriter:
         self.key_group_range = key_group_range
         self._storage = storage
         self._threshold = storage.config.preemptive_persist_threshold
-        self._key_groups = array("H")
-        self._payloads: list[bytes] = []
-        self._counted = 0
-        self._active_bytes = 0
-        self._check_at = _FIRST_CHECK
+        #: the active changeset: key group, payload, key group, payload, ...
+        self._active: list[Any] = []
+        self._records: Any = self._active
+        self._gate = _BackpressureGate(self)
+        self._cut_lock = threading.Lock()
+        self._measured = 0  # items of _active whose bytes are counted in _measured_bytes
+        self._measured_bytes = 0
         self._active_sqn = 1
+        self._failure: Exception | None = None
         #: closed, not yet truncated changesets by SQN (ascending); guarded by the storage lock
         self.entries: dict[int, UploadEntry] = {}
         self._truncated_before = 1
         self.closed = False
+        if not _GIL_ENABLED:  # pragma: no cover - free-threaded builds only
+            self.append = self._append_locked  # type: ignore[method-assign]
 
     # -- hot path -------------------------------------------------------------------------
 
     def append(self, key_group: int, data: bytes) -> None:
-        """Append one change of ``key_group``; in memory only, never blocks on I/O."""
-        self._key_groups.append(key_group)
-        payloads = self._payloads
-        payloads.append(data)
-        if len(payloads) >= self._check_at:
-            self._check_size()
+        """Append one change of ``key_group``; in memory, never does I/O (see module doc)."""
+        records = self._records
+        records += (key_group, data)
 
-    def _check_size(self) -> None:
-        payloads = self._payloads
-        self._active_bytes += sum(map(len, payloads[self._counted :]))
-        self._counted = len(payloads)
-        if self._active_bytes >= self._threshold:
-            self._storage.metrics.preemptive_persists += 1
-            self._schedule(self._rollover(), persist_request=False)
-            return
-        average = max(1, self._active_bytes // self._counted)
-        room = (self._threshold - self._active_bytes) // average // 2
-        self._check_at = self._counted + max(1, min(_MAX_CHECK_INTERVAL, room))
+    def _append_locked(self, key_group: int, data: bytes) -> None:  # pragma: no cover
+        with self._cut_lock:
+            records = self._records
+            records += (key_group, data)
 
     # -- changesets -----------------------------------------------------------------------
 
-    def _rollover(self) -> list[UploadEntry]:
-        """Close the active changeset (if any) under a new SQN; returns it as an entry to upload."""
-        if self.closed:
-            raise WriterClosedError(f"changelog writer {self.log_id} is closed")
-        if not self._payloads:
-            return []
-        kgs = self._key_groups
-        lo, hi = min(kgs), max(kgs)
+    def _cut_locked(self) -> UploadEntry | None:
+        """Close the active changeset under a new SQN (caller holds ``_cut_lock``)."""
+        active = self._active
+        n = len(active)
+        if not n:
+            return None
+        chunk = active[:n]
+        del active[:n]
+        measured, size = self._measured, self._measured_bytes
+        self._measured = self._measured_bytes = 0
+        payloads = chunk[1::2]
+        try:
+            if not set(map(type, payloads)) <= {bytes}:
+                bad = next(p for p in payloads if type(p) is not bytes)
+                raise TypeError(f"changes must be bytes, got {type(bad).__name__}")
+            size += sum(map(len, chunk[measured + 1 :: 2]))
+            kgs = array("H", chunk[0::2])
+        except (TypeError, OverflowError) as exc:
+            self._failure = ValueError(f"changelog writer {self.log_id}: bad change appended: {exc}")
+            return None
         rng = self.key_group_range
+        lo, hi = min(kgs), max(kgs)
         if lo < rng.start or hi > rng.end:
-            bad = lo if lo < rng.start else hi
-            raise ValueError(
+            self._failure = ValueError(
                 f"changelog writer {self.log_id} owns key groups [{rng.start}, {rng.end}] "
-                f"but key group {bad} was appended"
+                f"but key group {lo if lo < rng.start else hi} was appended"
             )
-        size = self._active_bytes + sum(map(len, self._payloads[self._counted :]))
+            return None
         sqn = self._active_sqn
-        entry = UploadEntry(changeset=ChangeSet(self.log_id, sqn, kgs, self._payloads, size), sqn=sqn, size=size)
+        entry = UploadEntry(changeset=ChangeSet(self.log_id, sqn, kgs, payloads, size), sqn=sqn, size=size)
         with self._storage.lock:
             self.entries[sqn] = entry
         self._active_sqn += 1
-        self._key_groups = array("H")
-        self._payloads = []
-        self._counted = 0
-        self._active_bytes = 0
-        self._check_at = _FIRST_CHECK
-        return [entry]
+        return entry
+
+    def _rollover(self) -> int:
+        """Close the active changeset; returns the SQN of the last closed one."""
+        if self.closed:
+            raise WriterClosedError(f"changelog writer {self.log_id} is closed")
+        with self._cut_lock:
+            self._cut_locked()
+            last = self._active_sqn - 1
+        if self._failure is not None:
+            raise self._failure
+        return last
+
+    def check_preemptive(self) -> UploadEntry | None:
+        """Loop thread: cut the active changeset if it passed the pre-emptive threshold."""
+        with self._cut_lock:
+            active = self._active
+            n = len(active)
+            if n > self._measured:
+                self._measured_bytes += sum(map(len, active[self._measured + 1 : n : 2]))
+                self._measured = n
+            if self._measured_bytes < self._threshold or self.closed:
+                return None
+            return self._cut_locked()
+
+    def set_backpressure(self, on: bool) -> None:
+        """Loop thread: make the next append wait for capacity (``on``) or not."""
+        self._records = self._gate if on else self._active
 
     def last_appended_sqn(self) -> SequenceNumber:
         """Close the active changeset; every change appended so far has an SQN <= the result."""
-        self._rollover()
-        return SequenceNumber(self._active_sqn - 1)
+        return SequenceNumber(self._rollover())
 
     def persist_durably(self, after: int) -> concurrent.futures.Future[ChangelogHandle]:
         """Make every change with SQN > ``after`` durable; the future yields their handle.
@@ -114,8 +163,7 @@ class ChangelogWriter:
         pre-emptive persist) are reused, never uploaded twice. May block while the bytes in
         flight exceed ``max_in_flight_bytes`` (backpressure).
         """
-        self._rollover()
-        upto = self._active_sqn - 1
+        upto = self._rollover()
         if after < 0 or after > upto:
             raise ValueError(f"persist_durably(after={after}) outside [0, {upto}] for writer {self.log_id}")
         if after + 1 < self._truncated_before:
@@ -124,7 +172,7 @@ class ChangelogWriter:
                 f"(kept from sqn {self._truncated_before})"
             )
         with self._storage.lock:
-            entries = [e for sqn, e in self.entries.items() if sqn > after]
+            entries = [e for sqn, e in self.entries.items() if after < sqn <= upto]
             new = [e for e in entries if not e.scheduled]
             for e in new:
                 e.scheduled = True
@@ -132,15 +180,6 @@ class ChangelogWriter:
         result: concurrent.futures.Future[ChangelogHandle] = concurrent.futures.Future()
         self._storage.submit_persist(self, entries, new, after, upto, result)
         return result
-
-    def _schedule(self, new: list[UploadEntry], persist_request: bool) -> None:
-        if not new:
-            return
-        with self._storage.lock:
-            for e in new:
-                e.scheduled = True
-        self._storage.reserve_in_flight(sum(e.size for e in new))
-        self._storage.submit_upload(self, new)
 
     def truncate(self, before: int) -> None:
         """Forget changesets with SQN < ``before`` (they are materialized or subsumed).
@@ -169,6 +208,7 @@ class ChangelogWriter:
         if self.closed:
             return
         self.closed = True
-        self._key_groups = array("H")
-        self._payloads = []
+        with self._cut_lock:
+            del self._active[:]
+        self._records = self._active
         self._storage.close_writer(self)

@@ -83,9 +83,7 @@ class LatencyProfile:
             if not q1 > q0:
                 raise ValueError(f"quantiles must be strictly increasing, got {q0} then {q1}")
             if ms1 < ms0:
-                raise ValueError(
-                    f"milliseconds must be non-decreasing, got {ms0} at q={q0} then {ms1} at q={q1}"
-                )
+                raise ValueError(f"milliseconds must be non-decreasing, got {ms0} at q={q0} then {ms1} at q={q1}")
         self.points = pts
         self._qs = [q for q, _ in pts]
         self._log_ms = [math.log(ms) for _, ms in pts]

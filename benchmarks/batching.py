@@ -1,0 +1,57 @@
+"""``batching``: K writers of one storage persisting together write one file per flush.
+
+Each round every writer appends a few hundred changes and then all call ``persist_durably`` (as
+the subtasks of one TaskManager do at a checkpoint); we count the files the round wrote. The
+flush rule "every registered writer is waiting" closes the batch as soon as the last writer
+asks, so the count should be 1 for every K, and the persist latency not wait for the 10 ms timer.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import BenchResult, progress
+from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
+
+KS = (1, 4, 16, 64)
+
+
+def run(quick: bool, out_dir: Path) -> BenchResult:
+    rounds = 5 if quick else 20
+    files_per_flush: list[float] = []
+    latencies: list[float] = []
+    table = []
+    for k in KS:
+        with tempfile.TemporaryDirectory() as tmp, StateChangelogStorage(ChangelogConfig.local(tmp)) as storage:
+            max_p = 128 * 64
+            writers = [
+                storage.create_writer(f"op{i}", KeyGroupRange(i * max_p // k, (i + 1) * max_p // k - 1))
+                for i in range(k)
+            ]
+            files = 0
+            lat = []
+            for _ in range(rounds):
+                before = storage.metrics.upload_requests
+                afters = []
+                for w in writers:
+                    afters.append(w.last_appended_sqn())
+                    for j in range(200):
+                        w.append(w.key_group_range.start + j % len(w.key_group_range), b"change-%06d" % j)
+                start = time.perf_counter()
+                futures = [w.persist_durably(a) for w, a in zip(writers, afters, strict=True)]
+                for f in futures:
+                    f.result(60)
+                lat.append((time.perf_counter() - start) * 1000)
+                files += storage.metrics.upload_requests - before
+        files_per_flush.append(files / rounds)
+        latencies.append(statistics.median(lat))
+        table.append((f"K={k:<3} files per flush", f"{files / rounds:.2f}  (persist p50 {statistics.median(lat):.1f} ms)"))
+        progress(f"batching K={k}: {files / rounds:.2f} files per flush")
+    return BenchResult(
+        name="batching",
+        metrics={"ks": list(KS), "files_per_flush": files_per_flush, "persist_p50_ms": latencies},
+        table=table,
+    )

@@ -1,0 +1,65 @@
+"""The benchmark runner's shared parts: the result type, printing, JSON and progress."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path("results")
+
+
+@dataclass
+class BenchResult:
+    name: str
+    metrics: dict[str, Any]
+    table: list[tuple[str, str]] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+    plots: list[str] = field(default_factory=list)
+
+    def to_json(self, quick: bool, seconds: float) -> dict[str, Any]:
+        return {
+            "benchmark": self.name,
+            "quick": quick,
+            "seconds": round(seconds, 2),
+            "python": sys.version.split()[0],
+            "machine": platform.machine(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "metrics": self.metrics,
+            "details": self.details,
+            "plots": self.plots,
+        }
+
+
+def print_table(result: BenchResult) -> None:
+    width = max((len(k) for k, _ in result.table), default=10)
+    print(f"\n== {result.name} ==")
+    for key, value in result.table:
+        print(f"  {key:<{width}}  {value}")
+    for plot in result.plots:
+        print(f"  plot: {plot}")
+
+
+def write_json(result: BenchResult, path: Path, quick: bool, seconds: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result.to_json(quick, seconds), indent=2) + "\n")
+
+
+def progress(message: str) -> None:
+    """One line of progress on stderr, so that stdout keeps only the result tables."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated quantile (numpy's default) of unsorted values."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
