@@ -31,7 +31,7 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
         for r in range(rounds):
             buf = bytearray()
             start = time.perf_counter_ns()
-            for kg in key_groups:
+            for _kg in key_groups:
                 buf += data
             bares.append((time.perf_counter_ns() - start) / ROUND)
             start = time.perf_counter_ns()

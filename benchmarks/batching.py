@@ -48,7 +48,8 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
                 files += storage.metrics.upload_requests - before
         files_per_flush.append(files / rounds)
         latencies.append(statistics.median(lat))
-        table.append((f"K={k:<3} files per flush", f"{files / rounds:.2f}  (persist p50 {statistics.median(lat):.1f} ms)"))
+        p50 = statistics.median(lat)
+        table.append((f"K={k:<3} files per flush", f"{files / rounds:.2f}  (persist p50 {p50:.1f} ms)"))
         progress(f"batching K={k}: {files / rounds:.2f} files per flush")
     return BenchResult(
         name="batching",

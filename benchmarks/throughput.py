@@ -24,7 +24,7 @@ WRITERS = 4
 def make_records(count: int, seed: int = 7) -> list[bytes]:
     rng = random.Random(seed)
     records = []
-    for i in range(count):
+    for _ in range(count):
         key = rng.randrange(1 << 20).to_bytes(8, "big")
         value = os.urandom(12) + (b"%08d" % rng.randrange(10**8)) + b"\x00" * 19
         records.append(b"\x01\x00\x03" + key + value[: RECORD - 11])

@@ -122,11 +122,12 @@ class UploadExecutor:
         metrics.upload_requests += 1
         running: dict[asyncio.Task[None], str] = {}
         tried: list[str] = []
-        errors: list[BaseException] = []
+        errors: list[tuple[int, BaseException]] = []
         primary: asyncio.Task[None] | None = None
         hedge_at = start + self.hedge_delay.current() if policy.enabled else None
         retry_at: float | None = None
         hedged = False
+        hedge_tasks: set[asyncio.Task[None]] = set()
 
         def launch() -> asyncio.Task[None]:
             path = self._new_name()
@@ -150,18 +151,18 @@ class UploadExecutor:
                     path = running.pop(task)
                     exc = task.exception()
                     if exc is None:
-                        return self._won(task, path, primary, start, tried, running, hedged)
+                        return self._won(task, path, primary, start, tried, running, hedged, hedge_tasks)
                     if isinstance(exc, TimeoutError):
                         metrics.attempt_timeouts += 1
                     if task is primary and policy.enabled:
                         self.hedge_delay.observe(loop.time() - start)
-                    errors.append(exc)
+                    errors.append((tried.index(path) + 1, exc))
                 now = loop.time()
                 if hedge_at is not None and now >= hedge_at:
                     hedge_at = None
                     if running and len(tried) < cfg.max_attempts:
                         if self.budget.try_take():
-                            launch()
+                            hedge_tasks.add(launch())
                             hedged = True
                             metrics.hedges += 1
                         else:
@@ -175,7 +176,7 @@ class UploadExecutor:
             metrics.upload_failures += 1
             metrics.attempts_per_upload.observe(len(tried))
             await self._delete_all(tried)
-            causes = "; ".join(f"attempt {i + 1}: {_describe(e)}" for i, e in enumerate(errors))
+            causes = "; ".join(f"attempt {i}: {_describe(e)}" for i, e in sorted(errors, key=lambda ie: ie[0]))
             raise UploadFailedError(f"upload of {len(data)} bytes failed after {len(tried)} attempts ({causes})")
         except asyncio.CancelledError:
             for task in running:
@@ -192,18 +193,20 @@ class UploadExecutor:
         tried: list[str],
         running: dict[asyncio.Task[None], str],
         hedged: bool,
+        hedge_tasks: set[asyncio.Task[None]],
     ) -> UploadOutcome:
         loop = asyncio.get_running_loop()
         latency = loop.time() - start
-        if self._config.hedging.enabled:
-            # The primary's latency, or a lower bound of it when a hedge won.
+        if self._config.hedging.enabled and (winner is primary or primary in running):
+            # The primary's latency, or a lower bound of it when a hedge won. (A primary that
+            # failed was sampled then; a retry's latency includes the backoff and is no sample.)
             self.hedge_delay.observe(latency)
         for task in running:
             task.cancel()
         losers = [p for p in tried if p != path]
         if losers:
             self._cleanup_later(list(running), losers)
-        hedge_won = winner is not primary
+        hedge_won = winner in hedge_tasks
         metrics = self._metrics
         metrics.hedges_won += hedge_won
         metrics.upload_latencies_s.observe(latency)

@@ -80,7 +80,9 @@ class BatchingScheduler:
             entry.future.add_done_callback(_consume_exception)
             self._pending.append(entry)
             self._pending_bytes += entry.size
-        if persist_request:
+        # Rule (c) counts writers blocked on the pending batch; a request answered by earlier or
+        # in-flight uploads waits for nothing here and must not stay marked until the next flush.
+        if persist_request and any(e.changeset is not None and e.changeset.log_id == log_id for e in self._pending):
             self._waiting.add(log_id)
         self._metrics.upload_queue_size = len(self._pending)
         if not self._maybe_flush_now() and self._pending and self._timer is None:

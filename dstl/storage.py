@@ -31,6 +31,7 @@ from dstl.metrics import ChangelogMetrics
 from dstl.scheduler import BatchingScheduler, UploadEntry
 from dstl.types import (
     MAX_KEY_GROUP,
+    ChangelogError,
     ChangelogHandle,
     CorruptChangelogError,
     KeyGroupRange,
@@ -188,6 +189,15 @@ class StateChangelogStorage:
             with self.lock:
                 if writer.closed:
                     result.set_exception(WriterClosedError(f"changelog writer {writer.log_id} was closed"))
+                    return
+                gone = [ref.path for ref in refs if ref.path not in self._files]
+                if gone:  # truncate() released every reference before this handle could take one
+                    result.set_exception(
+                        ChangelogError(
+                            f"changelog writer {writer.log_id}: changes after sqn {after} were truncated while "
+                            f"being persisted; file {gone[0]} is already released"
+                        )
+                    )
                     return
                 self._holds[handle] += 1
                 for ref in refs:

@@ -177,7 +177,9 @@ class S3Uploader:
             max_pool_connections=opts.max_pool_connections,
             connector_args=connector or None,
             # Retries and timeouts are ours (per attempt, with hedging); botocore must not add its own.
-            retries={"max_attempts": 1, "mode": "standard"},
+            # botocore's "max_attempts" counts retries (total = max_attempts + 1); "total_max_attempts"
+            # includes the first request, so 1 means no botocore retry at all.
+            retries={"total_max_attempts": 1, "mode": "standard"},
             connect_timeout=opts.connect_timeout_s,
             read_timeout=opts.read_timeout_s,
             request_checksum_calculation="when_required",
