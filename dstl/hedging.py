@@ -11,7 +11,8 @@ of a hedge can be deleted without touching the winner's object):
    start one more attempt (the primary keeps running; the first to finish wins).
 4. An attempt fails (error, or its per-attempt timeout): when nothing else is running and
    attempts remain, start another one after ``retry_delay * 2**(failures-1)``. When no attempt
-   remains, every object tried is deleted and the upload fails with ``UploadFailedError``; a
+   remains, the upload fails at once with ``UploadFailedError`` and every object tried is deleted
+   in the background (``drain`` waits for that); a
    timed-out *last* attempt fails the upload too (Flink's FLINK-26396 did not).
 
 Hedges count as attempts (``max_attempts`` bounds the load one upload can cause). Time comes from
@@ -175,7 +176,7 @@ class UploadExecutor:
                     retry_at = now + cfg.retry_delay_s * 2 ** (len(errors) - 1)
             metrics.upload_failures += 1
             metrics.attempts_per_upload.observe(len(tried))
-            await self._delete_all(tried)
+            self._cleanup_later([], tried)  # off the failure path; drain() waits for it
             causes = "; ".join(f"attempt {i}: {_describe(e)}" for i, e in sorted(errors, key=lambda ie: ie[0]))
             raise UploadFailedError(f"upload of {len(data)} bytes failed after {len(tried)} attempts ({causes})")
         except asyncio.CancelledError:
