@@ -14,6 +14,7 @@ BENCHMARKS = {
     "batching": "benchmarks.batching",
     "throughput": "benchmarks.throughput",
     "hedging": "benchmarks.hedging",
+    "state": "benchmarks.state",
 }
 
 

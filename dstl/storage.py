@@ -293,6 +293,8 @@ class StateChangelogStorage:
         Segments whose key-group bounds miss ``key_groups`` are not fetched; the others are
         fetched a few ahead of decoding. Anything inconsistent raises ``CorruptChangelogError``.
         """
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("StateChangelogStorage.read would deadlock on the storage's own loop thread")
         wanted = key_groups if key_groups is not None else KeyGroupRange(0, MAX_KEY_GROUP)
         segments = self._checked_segments(handle)
         todo = deque(s for s in segments if wanted.intersects(s.min_key_group, s.max_key_group))

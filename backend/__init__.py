@@ -1,0 +1,1 @@
+"""Keyed state on LMDB that logs every change to the DSTL."""

@@ -1,0 +1,84 @@
+"""``KeyedStateHandle``: what a subtask's snapshot is, as JSON with relative paths.
+
+A handle = the state metadata (name -> kind, serializer ids, TTL) + the materialized parts (added
+by the materializer) + the changelog handles since them, oldest first. Changelog handles carried
+over from a restore come first: at any time a key belonged to one subtask, so replaying every
+handle of a snapshot in this order, filtered to the owned key groups, replays each key's history
+in order, whatever the old and new parallelism.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from dstl import ChangelogHandle, CorruptChangelogError, KeyGroupRange
+
+HANDLE_VERSION = 1
+
+
+class StateRestoreError(ValueError):
+    """A snapshot cannot be restored here: corrupt or foreign handle, or incompatible state."""
+
+
+@dataclass(frozen=True)
+class KeyedStateHandle:
+    operator_id: str
+    max_parallelism: int
+    key_group_range: KeyGroupRange
+    states: dict[str, dict[str, Any]]
+    changelog: tuple[ChangelogHandle, ...]
+    materialized: tuple[dict[str, Any], ...] = field(default=())
+    checkpoint_id: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": HANDLE_VERSION,
+            "operator_id": self.operator_id,
+            "checkpoint_id": self.checkpoint_id,
+            "max_parallelism": self.max_parallelism,
+            "key_group_range": self.key_group_range.to_json(),
+            "states": self.states,
+            "materialized": list(self.materialized),
+            "changelog": [h.to_json() for h in self.changelog],
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, value: Any) -> KeyedStateHandle:
+        try:
+            if not isinstance(value, dict):
+                raise ValueError("not a JSON object")
+            if value.get("version") != HANDLE_VERSION:
+                raise ValueError(f"unsupported keyed state handle version {value.get('version')!r}")
+            states = value["states"]
+            if not isinstance(states, dict) or not all(isinstance(m, dict) for m in states.values()):
+                raise ValueError("malformed state metadata")
+            handle = cls(
+                operator_id=_typed(value["operator_id"], str),
+                max_parallelism=_typed(value["max_parallelism"], int),
+                key_group_range=KeyGroupRange.from_json(value["key_group_range"]),
+                states=states,
+                changelog=tuple(ChangelogHandle.from_json(h) for h in _typed(value["changelog"], list)),
+                materialized=tuple(_typed(value.get("materialized", []), list)),
+                checkpoint_id=_typed(value.get("checkpoint_id", 0), int),
+            )
+        except (KeyError, TypeError, ValueError, CorruptChangelogError) as exc:
+            raise StateRestoreError(f"malformed keyed state handle: {exc}") from None
+        return handle
+
+    @classmethod
+    def loads(cls, text: str) -> KeyedStateHandle:
+        try:
+            return cls.from_json(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise StateRestoreError(f"keyed state handle is not JSON: {exc}") from None
+
+
+def _typed(value: Any, kind: type) -> Any:
+    if type(value) is not kind:
+        raise TypeError(f"expected {kind.__name__}, got {value!r}")
+    return value

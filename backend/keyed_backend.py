@@ -1,0 +1,389 @@
+"""``ChangelogKeyedStateBackend``: keyed state of one operator subtask, on LMDB, logged to the DSTL.
+
+The hot path (``set_current_key``, state reads and writes) touches only Python dicts and, on a
+cache miss, one LMDB ``get``; the log sees one net record per changed key and state per flush
+(see ``backend.state``). A checkpoint is ``flush`` + ``persist_durably`` of the log since the last
+materialization: it costs what changed since the last checkpoint, not what is stored.
+
+Restore replays handles of any old parallelism: for every changelog handle of every snapshot,
+oldest first and each handle once, the records of the owned key groups are applied straight to
+the tables (they are already in the log, so they are not logged again); the restored changelog
+handles are carried into every later snapshot until a materialization replaces them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import mmh3
+
+from backend import records as rec
+from backend.descriptors import StateDescriptor
+from backend.handles import KeyedStateHandle, StateRestoreError
+from backend.keygroups import DEFAULT_MAX_PARALLELISM, assign_key_group, check_max_parallelism
+from backend.records import Op
+from backend.serializers import KeySerializer, SerializationError, Serializer
+from backend.state import StateTable, _ValueTable, table_for, wrapper_for
+from backend.tables import LmdbTables
+from backend.timers import EVENT_TIME, PROCESSING_TIME, TIMERS_DB, TIMERS_SID, TimerService
+from dstl import ChangelogError, ChangelogHandle, KeyGroupRange, StateChangelogStorage
+from dstl.types import SequenceNumber
+
+DEFAULT_CACHE_LIMIT = 200_000
+_murmur3 = mmh3.hash
+_ckey_head = rec.CKEY_HEAD.pack
+
+
+def _wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class ChangelogKeyedStateBackend:
+    def __init__(
+        self,
+        operator_id: str,
+        key_group_range: KeyGroupRange,
+        local_dir: str | os.PathLike[str],
+        *,
+        storage: StateChangelogStorage | None,
+        max_parallelism: int = DEFAULT_MAX_PARALLELISM,
+        key_serializer: Serializer[Any] | None = None,
+        clock: Callable[[], int] | None = None,
+        cache_limit: int = DEFAULT_CACHE_LIMIT,
+        log_enabled: bool = True,
+    ) -> None:
+        check_max_parallelism(max_parallelism)
+        if key_group_range.end >= max_parallelism or len(key_group_range) == 0:
+            raise ValueError(f"key group range {key_group_range} does not fit max parallelism {max_parallelism}")
+        if log_enabled and storage is None:
+            raise ValueError("a changelog storage is needed unless log_enabled=False")
+        self.operator_id = operator_id
+        self.key_group_range = key_group_range
+        self.max_parallelism = max_parallelism
+        self.key_serializer: Serializer[Any] = key_serializer or KeySerializer()
+        self._serialize_key = self.key_serializer.serialize
+        self._kg_start, self._kg_end = key_group_range.start, key_group_range.end
+        self.now_ms = clock or _wall_clock_ms
+        self.cache_limit = cache_limit
+        #: the cache size past which the next write flushes to LMDB; -1 forces the next write to
+        self.flush_threshold = cache_limit
+        self.tables = LmdbTables(local_dir)
+        self.storage = storage
+        self.writer = storage.create_writer(operator_id, key_group_range) if log_enabled and storage else None
+        self._append = self.writer.append if self.writer is not None else None
+        self._states: dict[str, StateTable] = {}
+        self._wrappers: dict[str, Any] = {}
+        self._restored_meta: dict[str, dict[str, Any]] = {}
+        self._carried: list[ChangelogHandle] = []
+        self._materialized: list[dict[str, Any]] = []
+        self.materialized_sqn = SequenceNumber.INITIAL
+        self._pending: dict[int, ChangelogHandle] = {}
+        self.timers = TimerService(self)
+        self.current_ckey = b""
+        self.current_key: Any = None
+        self._lock = threading.RLock()
+
+    # -- keys -----------------------------------------------------------------------------
+
+    def key_group_of(self, key: Any) -> int:
+        return assign_key_group(self.key_serializer.serialize(key), self.max_parallelism)
+
+    def set_current_key(self, key: Any) -> None:
+        # The hot path of every keyed access: assign_key_group and rec.ckey, inlined.
+        data = self._serialize_key(key)
+        kg = _murmur3(data, 0, False) % self.max_parallelism
+        if kg < self._kg_start or kg > self._kg_end or len(data) > rec.MAX_KEY_BYTES:
+            self._bad_key(key, kg, data)
+        self.current_ckey = _ckey_head(kg, len(data)) + data
+        self.current_key = key
+
+    def _bad_key(self, key: Any, kg: int, data: bytes) -> None:
+        if len(data) > rec.MAX_KEY_BYTES:
+            raise ValueError(f"key {key!r} serializes to {len(data)} bytes, more than {rec.MAX_KEY_BYTES}")
+        rng = self.key_group_range
+        raise ValueError(f"key {key!r} is in key group {kg}, which this subtask [{rng.start}, {rng.end}] does not own")
+
+    def set_current_ckey(self, ck: bytes) -> Any:
+        self.current_ckey = ck
+        self.current_key = self.key_serializer.deserialize(rec.key_of(ck))
+        return self.current_key
+
+    # -- states ---------------------------------------------------------------------------
+
+    def get_state(self, descriptor: StateDescriptor[Any]) -> Any:
+        """The state wrapper for ``descriptor`` (registered once; the same wrapper afterwards)."""
+        existing = self._states.get(descriptor.name)
+        meta = descriptor.metadata()
+        if existing is not None:
+            if existing.descriptor.metadata() != meta:
+                raise StateRestoreError(
+                    f"state {descriptor.name!r} is already registered as {existing.descriptor.metadata()}, not {meta}"
+                )
+            return self._wrappers[descriptor.name]
+        if descriptor.name == TIMERS_DB:
+            raise ValueError(f"state name {TIMERS_DB!r} is reserved")
+        restored = self._restored_meta.get(descriptor.name)
+        if restored is not None and restored != meta:
+            raise StateRestoreError(
+                f"state {descriptor.name!r} was checkpointed as {restored} but is registered as {meta}: "
+                "its stored bytes cannot be read with the new kind or serializer"
+            )
+        sid = rec.state_id(descriptor.name)
+        for other in self._states.values():
+            if other.sid == sid:
+                raise ValueError(f"state names {other.name!r} and {descriptor.name!r} collide; rename one")
+        table = table_for(self, descriptor)
+        self._states[descriptor.name] = table
+        self._wrappers[descriptor.name] = wrapper = wrapper_for(self, table)
+        return wrapper
+
+    def delete_state(self, name: str) -> None:
+        """Forget a state and its data in every key (Spark's deleteIfExists)."""
+        table = self._states.get(name)
+        if table is None and name not in self._restored_meta:
+            return
+        self.flush()
+        db = self.tables.database(name)
+        with self.tables.write() as txn:
+            for key, _ in list(self.tables.scan_prefix(db, b"")):
+                txn.delete(key, db=db)
+                if self._append is not None:
+                    ck = key[: 4 + ((key[2] << 8) | key[3])]
+                    self._append(rec.key_group_of(ck), rec.record(Op.CLEAR, rec.state_id(name), ck))
+        self._states.pop(name, None)
+        self._wrappers.pop(name, None)
+        self._restored_meta.pop(name, None)
+
+    def state_metadata(self) -> dict[str, dict[str, Any]]:
+        meta = dict(self._restored_meta)
+        meta.update({name: t.descriptor.metadata() for name, t in self._states.items()})
+        return meta
+
+    # -- timers ---------------------------------------------------------------------------
+
+    def register_processing_time_timer(self, timestamp_ms: int) -> None:
+        self.timers.register(PROCESSING_TIME, timestamp_ms)
+
+    def register_event_time_timer(self, timestamp_ms: int) -> None:
+        self.timers.register(EVENT_TIME, timestamp_ms)
+
+    def delete_processing_time_timer(self, timestamp_ms: int) -> None:
+        self.timers.delete(PROCESSING_TIME, timestamp_ms)
+
+    def delete_event_time_timer(self, timestamp_ms: int) -> None:
+        self.timers.delete(EVENT_TIME, timestamp_ms)
+
+    def advance_processing_time(self, now_ms: int, on_timer: Callable[[Any, int], None]) -> int:
+        return self.timers.advance(PROCESSING_TIME, now_ms, on_timer)
+
+    def advance_watermark(self, watermark_ms: int, on_timer: Callable[[Any, int], None]) -> int:
+        return self.timers.advance(EVENT_TIME, watermark_ms, on_timer)
+
+    # -- flush, snapshot, checkpoint notifications ----------------------------------------
+
+    def flush(self) -> int:
+        """Write every cache to LMDB (sorted), appending one net change per key and state to the log."""
+        with self._lock:
+            changed = 0
+            with self.tables.write() as txn:
+                for table in self._states.values():
+                    if table.cache_size():
+                        changed += table.flush(txn, self._append)
+                changed += self.timers.flush(txn, self._append)
+            self.flush_threshold = self.cache_limit
+            return changed
+
+    def _log_changes(self) -> int:
+        """Checkpoint part of a flush: log every change; write to LMDB only what must go there now.
+
+        Value states only log (their changes stay cached until the cache outgrows its limit);
+        list, map and timer changes are written through.
+        """
+        changed = 0
+        write_through = [t for t in self._states.values() if not isinstance(t, _ValueTable) and t.cache]
+        for table in self._states.values():
+            if isinstance(table, _ValueTable):
+                changed += table.log_changes(self._append)
+        if write_through or self.timers.has_changes():
+            with self.tables.write() as txn:
+                for table in write_through:
+                    changed += table.flush(txn, self._append)
+                changed += self.timers.flush(txn, self._append)
+        if sum(t.cache_size() for t in self._states.values()) > self.cache_limit:
+            self.flush_threshold = -1  # the next write spills the caches to LMDB
+        return changed
+
+    def snapshot(self, checkpoint_id: int) -> concurrent.futures.Future[KeyedStateHandle]:
+        """Make the state durable; the future yields the handle of checkpoint ``checkpoint_id``."""
+        with self._lock:
+            self._log_changes()
+            result: concurrent.futures.Future[KeyedStateHandle] = concurrent.futures.Future()
+            states = self.state_metadata()
+            carried = tuple(self._carried)
+            materialized = tuple(self._materialized)
+            if self.writer is None:
+                result.set_result(self._handle(checkpoint_id, states, carried, materialized))
+                return result
+            persist = self.writer.persist_durably(self.materialized_sqn)
+
+        def done(fut: concurrent.futures.Future[ChangelogHandle]) -> None:
+            try:
+                own = fut.result()
+            except Exception as exc:
+                result.set_exception(exc)
+                return
+            with self._lock:
+                self._pending[checkpoint_id] = own
+            handle = self._handle(checkpoint_id, states, (*carried, own) if own.segments else carried, materialized)
+            result.set_result(handle)
+
+        persist.add_done_callback(done)
+        return result
+
+    def _handle(
+        self,
+        checkpoint_id: int,
+        states: dict[str, dict[str, Any]],
+        changelog: tuple[ChangelogHandle, ...],
+        materialized: tuple[dict[str, Any], ...],
+    ) -> KeyedStateHandle:
+        return KeyedStateHandle(
+            operator_id=self.operator_id,
+            max_parallelism=self.max_parallelism,
+            key_group_range=self.key_group_range,
+            states=states,
+            changelog=changelog,
+            materialized=materialized,
+            checkpoint_id=checkpoint_id,
+        )
+
+    def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
+        """The checkpoint completed: its log files now belong to it; older pending ones are moot."""
+        with self._lock:
+            handle = self._pending.pop(checkpoint_id, None)
+            if handle is not None and self.writer is not None:
+                self.writer.confirm(handle)
+            for older in [c for c in self._pending if c < checkpoint_id]:
+                if self.writer is not None:
+                    self.writer.release(self._pending.pop(older))
+
+    def notify_checkpoint_aborted(self, checkpoint_id: int) -> None:
+        with self._lock:
+            handle = self._pending.pop(checkpoint_id, None)
+            if handle is not None and self.writer is not None:
+                self.writer.release(handle)
+
+    # -- restore --------------------------------------------------------------------------
+
+    def restore(self, handles: Iterable[KeyedStateHandle], progress: Callable[[int], None] | None = None) -> int:
+        """Load the owned key groups of ``handles`` (any old parallelism); returns records applied.
+
+        Must be called before any state is used. Foreign or incompatible handles raise
+        ``StateRestoreError``; corrupt log files raise ``CorruptChangelogError`` naming the file.
+        """
+        if self._states or self.timers.list() or self.tables.entry_count():
+            raise StateRestoreError("restore() must be called on a fresh backend, before any state is used")
+        handles = list(handles)
+        owned = self.key_group_range
+        applied = 0
+        seen: set[ChangelogHandle] = set()
+        for handle in handles:
+            self._check_compatible(handle)
+            self._merge_metadata(handle.states)
+        if handles and self.storage is None:
+            raise StateRestoreError("restoring changelog handles needs a changelog storage")
+        for handle in handles:
+            for log in handle.changelog:
+                if log in seen or not owned.intersects(log.key_group_range.start, log.key_group_range.end):
+                    continue
+                seen.add(log)
+                assert self.storage is not None
+                applied += self._apply_log(self.storage, log, owned, progress, applied)
+                self._carried.append(log)
+        self.timers.load()
+        return applied
+
+    def _check_compatible(self, handle: KeyedStateHandle) -> None:
+        if handle.operator_id != self.operator_id:
+            raise StateRestoreError(
+                f"handle of operator {handle.operator_id!r} cannot be restored into operator {self.operator_id!r}"
+            )
+        if handle.max_parallelism != self.max_parallelism:
+            raise StateRestoreError(
+                f"handle has max parallelism {handle.max_parallelism}, this backend {self.max_parallelism}: "
+                "key groups would not match"
+            )
+
+    def _merge_metadata(self, states: dict[str, dict[str, Any]]) -> None:
+        for name, meta in states.items():
+            known = self._restored_meta.get(name)
+            if known is not None and known != meta:
+                raise StateRestoreError(f"snapshots disagree about state {name!r}: {known} vs {meta}")
+            self._restored_meta[name] = meta
+
+    def _apply_log(
+        self,
+        storage: StateChangelogStorage,
+        log: ChangelogHandle,
+        owned: KeyGroupRange,
+        progress: Callable[[int], None] | None,
+        done_before: int,
+    ) -> int:
+        kinds = {rec.state_id(name): (name, meta["kind"]) for name, meta in self._restored_meta.items()}
+        kinds[TIMERS_SID] = (TIMERS_DB, "timers")
+        dbs = {sid: self.tables.database(name) for sid, (name, _) in kinds.items()}
+        count = 0
+        with self.tables.write() as txn:
+            for _, data in storage.read(log, owned):
+                op, sid, ck, rest = rec.parse_record(data)
+                entry = kinds.get(sid)
+                if entry is None:
+                    raise StateRestoreError(f"log {log.log_id} has a change of an unknown state id {sid:#x}")
+                _apply(txn, dbs[sid], entry[1], op, ck, rest)
+                count += 1
+                if progress is not None and count % 100_000 == 0:
+                    progress(done_before + count)
+        return count
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the local tables and the writer (uploaded, unconfirmed log files are released)."""
+        if self.writer is not None:
+            self.writer.close()
+        self.tables.close()
+
+
+def _apply(txn: Any, db: Any, kind: str, op: Op, ck: bytes, rest: bytes) -> None:
+    try:
+        if op is Op.SET:
+            txn.put(ck, rest, db=db)
+        elif op is Op.CLEAR:
+            if kind == "map":
+                LmdbTables.delete_prefix(txn, db, ck)
+            else:
+                txn.delete(ck, db=db)
+        elif op is Op.ADD:
+            blob = txn.get(ck, db=db)
+            old = rec.decode_list(blob) if blob is not None else []
+            txn.put(ck, rec.encode_list(old + rec.decode_list(rest)), db=db)
+        elif op is Op.PUT:
+            user_key, value = rec.split_put(rest)
+            txn.put(ck + user_key, value, db=db)
+        elif op in (Op.REMOVE, Op.TIMER_DELETE):
+            txn.delete(ck + rest, db=db)
+        elif op is Op.TIMER_ADD:
+            txn.put(ck + rest, b"", db=db)
+    except SerializationError as exc:
+        raise ChangelogError(f"malformed change record: {exc}") from None
+
+
+def key_group_ranges(max_parallelism: int, parallelism: int) -> Sequence[KeyGroupRange]:
+    from backend.keygroups import key_group_range_for_subtask
+
+    return [key_group_range_for_subtask(max_parallelism, parallelism, i) for i in range(parallelism)]

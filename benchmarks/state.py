@@ -1,0 +1,130 @@
+"""``state``: ValueState read-modify-write throughput (log on vs off) and checkpoint latency vs size.
+
+1. Throughput: a backend holding N int keys (1M; quick 200k) runs random read-modify-write
+   updates (``value()`` + ``update(v + 1)``), checkpointing every 100k updates (snapshot and wait
+   for it). The same run is made with the log disabled (same backend class, no writer): their
+   ratio is what the log costs. The two modes alternate in rounds and the best round of each
+   counts, against the machine's noise.
+2. Checkpoint latency: 10k random keys changed per checkpoint, with 100k and with 1M keys in
+   total (quick: 50k and 200k); p50 of the snapshot latency (flush to LMDB + log + durable upload
+   on a local directory). ``flat_ratio`` = large / small: a checkpoint costs what changed.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from backend.descriptors import ValueStateDescriptor
+from backend.keyed_backend import ChangelogKeyedStateBackend
+from backend.serializers import Int64Serializer
+from benchmarks.common import BenchResult, progress
+from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
+
+ALL = KeyGroupRange(0, 127)
+CHECKPOINT_EVERY = 100_000
+
+
+def _backend(tmp: str, storage: StateChangelogStorage | None, log: bool) -> ChangelogKeyedStateBackend:
+    return ChangelogKeyedStateBackend(
+        "bench", ALL, Path(tmp) / ("on" if log else "off"), storage=storage, log_enabled=log
+    )
+
+
+def _populate(backend: ChangelogKeyedStateBackend, keys: int) -> None:
+    state = backend.get_state(ValueStateDescriptor("count", Int64Serializer()))
+    for k in range(keys):
+        backend.set_current_key(k)
+        state.update(0)
+        if k % 200_000 == 199_999:
+            backend.flush()
+    backend.snapshot(0).result(120)
+    backend.notify_checkpoint_complete(0)
+
+
+def _updates(backend: ChangelogKeyedStateBackend, keys: list[int], checkpoint_base: int) -> float:
+    state = backend.get_state(ValueStateDescriptor("count", Int64Serializer()))
+    set_key = backend.set_current_key
+    start = time.perf_counter()
+    for i, k in enumerate(keys, start=1):
+        set_key(k)
+        state.update(state.value() + 1)
+        if i % CHECKPOINT_EVERY == 0:
+            cid = checkpoint_base + i // CHECKPOINT_EVERY
+            backend.snapshot(cid).result(120)
+            backend.notify_checkpoint_complete(cid)
+    return len(keys) / (time.perf_counter() - start)
+
+
+def _checkpoint_p50(tmp: str, storage: StateChangelogStorage, total: int, changed: int, rounds: int) -> float:
+    backend = ChangelogKeyedStateBackend(f"ckpt{total}", ALL, Path(tmp) / f"ckpt{total}", storage=storage)
+    try:
+        _populate(backend, total)
+        state = backend.get_state(ValueStateDescriptor("count", Int64Serializer()))
+        rng = random.Random(total)
+        latencies = []
+        for cid in range(1, rounds + 1):
+            for k in rng.sample(range(total), changed):
+                backend.set_current_key(k)
+                state.update(cid)
+            start = time.perf_counter()
+            backend.snapshot(cid).result(120)
+            latencies.append((time.perf_counter() - start) * 1000)
+            backend.notify_checkpoint_complete(cid)
+        return statistics.median(latencies)
+    finally:
+        backend.close()
+
+
+def run(quick: bool, out_dir: Path) -> BenchResult:
+    keys = 200_000 if quick else 1_000_000
+    updates = 200_000 if quick else 500_000
+    rounds = 3 if quick else 5
+    small, large = (50_000, 200_000) if quick else (100_000, 1_000_000)
+    with tempfile.TemporaryDirectory() as tmp, StateChangelogStorage(ChangelogConfig.local(Path(tmp) / "dfs")) as st:
+        on, off = _backend(tmp, st, True), _backend(tmp, None, False)
+        progress(f"state: loading {keys} keys twice")
+        _populate(on, keys)
+        _populate(off, keys)
+        rng = random.Random(1)
+        rates: dict[str, list[float]] = {"on": [], "off": []}
+        for r in range(rounds):
+            sample = [rng.randrange(keys) for _ in range(updates)]
+            rates["off"].append(_updates(off, sample, r * 100))
+            rates["on"].append(_updates(on, sample, r * 100))
+            progress(f"state: round {r + 1}/{rounds}: on {rates['on'][-1]:,.0f}/s, off {rates['off'][-1]:,.0f}/s")
+        on.close()
+        off.close()
+        progress("state: checkpoint latency, small state")
+        p50_small = _checkpoint_p50(tmp, st, small, 10_000, 10)
+        progress("state: checkpoint latency, large state")
+        p50_large = _checkpoint_p50(tmp, st, large, 10_000, 10)
+    on_rate, off_rate = max(rates["on"]), max(rates["off"])
+    metrics = {
+        "keys": keys,
+        "updates_per_s_on": round(on_rate),
+        "updates_per_s_off": round(off_rate),
+        "on_off_ratio": round(on_rate / off_rate, 3),
+        "ckpt_p50_ms_small": round(p50_small, 2),
+        "ckpt_p50_ms_large": round(p50_large, 2),
+        "flat_ratio": round(p50_large / p50_small, 3),
+        "total_keys_small": small,
+        "total_keys_large": large,
+    }
+    return BenchResult(
+        name="state",
+        metrics=metrics,
+        table=[
+            ("keys", f"{keys:,}, {updates:,} updates per round, checkpoint every {CHECKPOINT_EVERY:,}"),
+            ("updates/s, log on", f"{on_rate:,.0f}"),
+            ("updates/s, log off", f"{off_rate:,.0f}"),
+            ("on/off ratio", f"{on_rate / off_rate:.3f}"),
+            (f"checkpoint p50, {small:,} keys", f"{p50_small:.2f} ms (10k changed)"),
+            (f"checkpoint p50, {large:,} keys", f"{p50_large:.2f} ms (10k changed)"),
+            ("flat ratio (large/small)", f"{p50_large / p50_small:.3f}"),
+        ],
+        details={"rates": rates},
+    )
