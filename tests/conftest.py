@@ -1,0 +1,40 @@
+"""Shared test configuration: hypothesis profiles and a local changelog storage fixture.
+
+``HYPOTHESIS_PROFILE=slow`` (``tox -e slow``) runs thousands of examples per property; the
+default ``ci`` profile keeps the suite fast.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from dstl import ChangelogConfig, StateChangelogStorage
+
+settings.register_profile(
+    "ci",
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "slow",
+    max_examples=3000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def local_storage(tmp_path: Path) -> Iterator[StateChangelogStorage]:
+    """A storage whose DFS is the local directory ``tmp_path / "dfs"``; closed after the test."""
+    storage = StateChangelogStorage(ChangelogConfig.local(tmp_path / "dfs"))
+    try:
+        yield storage
+    finally:
+        storage.close()
