@@ -1,10 +1,13 @@
 """``KeyedStateHandle``: what a subtask's snapshot is, as JSON with relative paths.
 
 A handle = the state metadata (name -> kind, serializer ids, TTL) + the materialized parts (added
-by the materializer) + the changelog handles since them, oldest first. Changelog handles carried
-over from a restore come first: at any time a key belonged to one subtask, so replaying every
-handle of a snapshot in this order, filtered to the owned key groups, replays each key's history
-in order, whatever the old and new parallelism.
+by the materializer) + the changelog since them as ``LogEntry``s, oldest first: a log handle and
+the key groups it applies to. Entries carried over from a restore come first, each narrowed to
+the key groups this subtask took from it. Replaying a snapshot = for every subtask handle, its
+entries in order, each filtered to (entry key groups & handle key groups & owned); the handles of
+one snapshot own disjoint key groups, so every key's history is replayed once and in order,
+whatever the old and new parallelism (also after several rescales, where one log is carried by
+several handles, each for different key groups).
 """
 
 from __future__ import annotations
@@ -23,12 +26,32 @@ class StateRestoreError(ValueError):
 
 
 @dataclass(frozen=True)
+class LogEntry:
+    log: ChangelogHandle
+    key_groups: KeyGroupRange
+
+    def to_json(self) -> dict[str, Any]:
+        return {"log": self.log.to_json(), "key_groups": self.key_groups.to_json()}
+
+    @classmethod
+    def from_json(cls, value: Any) -> LogEntry:
+        if not isinstance(value, dict):
+            raise ValueError("changelog entry is not an object")
+        return cls(ChangelogHandle.from_json(value["log"]), KeyGroupRange.from_json(value["key_groups"]))
+
+
+def intersect(a: KeyGroupRange, b: KeyGroupRange) -> KeyGroupRange:
+    start, end = max(a.start, b.start), min(a.end, b.end)
+    return KeyGroupRange(start, end) if start <= end else KeyGroupRange.empty()
+
+
+@dataclass(frozen=True)
 class KeyedStateHandle:
     operator_id: str
     max_parallelism: int
     key_group_range: KeyGroupRange
     states: dict[str, dict[str, Any]]
-    changelog: tuple[ChangelogHandle, ...]
+    changelog: tuple[LogEntry, ...]
     materialized: tuple[dict[str, Any], ...] = field(default=())
     checkpoint_id: int = 0
 
@@ -62,7 +85,7 @@ class KeyedStateHandle:
                 max_parallelism=_typed(value["max_parallelism"], int),
                 key_group_range=KeyGroupRange.from_json(value["key_group_range"]),
                 states=states,
-                changelog=tuple(ChangelogHandle.from_json(h) for h in _typed(value["changelog"], list)),
+                changelog=tuple(LogEntry.from_json(h) for h in _typed(value["changelog"], list)),
                 materialized=tuple(_typed(value.get("materialized", []), list)),
                 checkpoint_id=_typed(value.get("checkpoint_id", 0), int),
             )

@@ -24,7 +24,7 @@ import mmh3
 
 from backend import records as rec
 from backend.descriptors import StateDescriptor
-from backend.handles import KeyedStateHandle, StateRestoreError
+from backend.handles import KeyedStateHandle, LogEntry, StateRestoreError, intersect
 from backend.keygroups import DEFAULT_MAX_PARALLELISM, assign_key_group, check_max_parallelism
 from backend.records import Op
 from backend.serializers import KeySerializer, SerializationError, Serializer
@@ -70,21 +70,25 @@ class ChangelogKeyedStateBackend:
         self._kg_start, self._kg_end = key_group_range.start, key_group_range.end
         self.now_ms = clock or _wall_clock_ms
         self.cache_limit = cache_limit
-        #: the cache size past which the next write flushes to LMDB; -1 forces the next write to
+        #: cache sizes past which the next write flushes to LMDB (per state; per key group and
+        #: value state); -1 forces the next write to flush
         self.flush_threshold = cache_limit
+        self.kg_flush_threshold = max(1, cache_limit // len(key_group_range))
         self.tables = LmdbTables(local_dir)
         self.storage = storage
         self.writer = storage.create_writer(operator_id, key_group_range) if log_enabled and storage else None
         self._append = self.writer.append if self.writer is not None else None
+        self._append_many = self.writer.append_many if self.writer is not None else None
         self._states: dict[str, StateTable] = {}
         self._wrappers: dict[str, Any] = {}
         self._restored_meta: dict[str, dict[str, Any]] = {}
-        self._carried: list[ChangelogHandle] = []
+        self._carried: list[LogEntry] = []
         self._materialized: list[dict[str, Any]] = []
         self.materialized_sqn = SequenceNumber.INITIAL
         self._pending: dict[int, ChangelogHandle] = {}
         self.timers = TimerService(self)
         self.current_ckey = b""
+        self.current_kg = -1
         self.current_key: Any = None
         self._lock = threading.RLock()
 
@@ -100,6 +104,7 @@ class ChangelogKeyedStateBackend:
         if kg < self._kg_start or kg > self._kg_end or len(data) > rec.MAX_KEY_BYTES:
             self._bad_key(key, kg, data)
         self.current_ckey = _ckey_head(kg, len(data)) + data
+        self.current_kg = kg
         self.current_key = key
 
     def _bad_key(self, key: Any, kg: int, data: bytes) -> None:
@@ -110,6 +115,7 @@ class ChangelogKeyedStateBackend:
 
     def set_current_ckey(self, ck: bytes) -> Any:
         self.current_ckey = ck
+        self.current_kg = rec.key_group_of(ck)
         self.current_key = self.key_serializer.deserialize(rec.key_of(ck))
         return self.current_key
 
@@ -128,6 +134,8 @@ class ChangelogKeyedStateBackend:
         if descriptor.name == TIMERS_DB:
             raise ValueError(f"state name {TIMERS_DB!r} is reserved")
         restored = self._restored_meta.get(descriptor.name)
+        if restored is not None and restored.get("dropped"):
+            restored = None
         if restored is not None and restored != meta:
             raise StateRestoreError(
                 f"state {descriptor.name!r} was checkpointed as {restored} but is registered as {meta}: "
@@ -149,15 +157,21 @@ class ChangelogKeyedStateBackend:
             return
         self.flush()
         db = self.tables.database(name)
+        keys = [key for key, _ in self.tables.scan_prefix(db, b"")]
+        sid = rec.state_id(name)
         with self.tables.write() as txn:
-            for key, _ in list(self.tables.scan_prefix(db, b"")):
+            for key in keys:
                 txn.delete(key, db=db)
                 if self._append is not None:
+                    # REMOVE of the exact table key replays the same whatever the state's kind.
                     ck = key[: 4 + ((key[2] << 8) | key[3])]
-                    self._append(rec.key_group_of(ck), rec.record(Op.CLEAR, rec.state_id(name), ck))
+                    self._append(rec.key_group_of(ck), rec.record(Op.REMOVE, sid, ck, key[len(ck) :]))
+        meta = self.state_metadata()[name]
         self._states.pop(name, None)
         self._wrappers.pop(name, None)
-        self._restored_meta.pop(name, None)
+        # The log still holds the state's records (and the removals): keep its metadata so a restore
+        # can replay them, marked dropped so the name may be registered again with another schema.
+        self._restored_meta[name] = {**meta, "dropped": True}
 
     def state_metadata(self) -> dict[str, dict[str, Any]]:
         meta = dict(self._restored_meta)
@@ -196,6 +210,7 @@ class ChangelogKeyedStateBackend:
                         changed += table.flush(txn, self._append)
                 changed += self.timers.flush(txn, self._append)
             self.flush_threshold = self.cache_limit
+            self.kg_flush_threshold = max(1, self.cache_limit // len(self.key_group_range))
             return changed
 
     def _log_changes(self) -> int:
@@ -208,14 +223,14 @@ class ChangelogKeyedStateBackend:
         write_through = [t for t in self._states.values() if not isinstance(t, _ValueTable) and t.cache]
         for table in self._states.values():
             if isinstance(table, _ValueTable):
-                changed += table.log_changes(self._append)
+                changed += table.log_changes(self._append, self._append_many)
         if write_through or self.timers.has_changes():
             with self.tables.write() as txn:
                 for table in write_through:
                     changed += table.flush(txn, self._append)
                 changed += self.timers.flush(txn, self._append)
         if sum(t.cache_size() for t in self._states.values()) > self.cache_limit:
-            self.flush_threshold = -1  # the next write spills the caches to LMDB
+            self.flush_threshold = self.kg_flush_threshold = -1  # the next write spills to LMDB
         return changed
 
     def snapshot(self, checkpoint_id: int) -> concurrent.futures.Future[KeyedStateHandle]:
@@ -239,7 +254,8 @@ class ChangelogKeyedStateBackend:
                 return
             with self._lock:
                 self._pending[checkpoint_id] = own
-            handle = self._handle(checkpoint_id, states, (*carried, own) if own.segments else carried, materialized)
+            entries = (*carried, LogEntry(own, self.key_group_range)) if own.segments else carried
+            handle = self._handle(checkpoint_id, states, entries, materialized)
             result.set_result(handle)
 
         persist.add_done_callback(done)
@@ -249,7 +265,7 @@ class ChangelogKeyedStateBackend:
         self,
         checkpoint_id: int,
         states: dict[str, dict[str, Any]],
-        changelog: tuple[ChangelogHandle, ...],
+        changelog: tuple[LogEntry, ...],
         materialized: tuple[dict[str, Any], ...],
     ) -> KeyedStateHandle:
         return KeyedStateHandle(
@@ -289,22 +305,24 @@ class ChangelogKeyedStateBackend:
         if self._states or self.timers.list() or self.tables.entry_count():
             raise StateRestoreError("restore() must be called on a fresh backend, before any state is used")
         handles = list(handles)
-        owned = self.key_group_range
         applied = 0
-        seen: set[ChangelogHandle] = set()
         for handle in handles:
             self._check_compatible(handle)
             self._merge_metadata(handle.states)
         if handles and self.storage is None:
             raise StateRestoreError("restoring changelog handles needs a changelog storage")
         for handle in handles:
-            for log in handle.changelog:
-                if log in seen or not owned.intersects(log.key_group_range.start, log.key_group_range.end):
+            scope = intersect(handle.key_group_range, self.key_group_range)
+            if not len(scope):
+                continue
+            for entry in handle.changelog:
+                rng = intersect(entry.key_groups, scope)
+                log = entry.log
+                if not len(rng) or not rng.intersects(log.key_group_range.start, log.key_group_range.end):
                     continue
-                seen.add(log)
                 assert self.storage is not None
-                applied += self._apply_log(self.storage, log, owned, progress, applied)
-                self._carried.append(log)
+                applied += self._apply_log(self.storage, log, rng, progress, applied)
+                self._carried.append(LogEntry(log, rng))
         self.timers.load()
         return applied
 
@@ -361,7 +379,10 @@ class ChangelogKeyedStateBackend:
 
 def _apply(txn: Any, db: Any, kind: str, op: Op, ck: bytes, rest: bytes) -> None:
     try:
-        if op is Op.SET:
+        if op is Op.SET_BATCH:
+            for entry_ck, stored in rec.iter_set_batch(rest):
+                txn.put(entry_ck, stored, db=db)
+        elif op is Op.SET:
             txn.put(ck, rest, db=db)
         elif op is Op.CLEAR:
             if kind == "map":

@@ -24,7 +24,9 @@ of any old subtask can be replayed into any new one without an id mapping.
 from __future__ import annotations
 
 import struct
+import sys
 import zlib
+from array import array
 from collections.abc import Iterator
 from enum import IntEnum
 
@@ -32,6 +34,7 @@ from backend.serializers import SerializationError
 
 _U16 = struct.Struct(">H")
 _HEAD = struct.Struct(">BI")
+_U32 = struct.Struct(">I")
 _EXPIRY = struct.Struct(">Q")
 _TIMER = struct.Struct(">BQ")
 MAX_KEY_BYTES = 0xFFFF
@@ -45,6 +48,7 @@ class Op(IntEnum):
     REMOVE = 5  # map entry
     TIMER_ADD = 6
     TIMER_DELETE = 7
+    SET_BATCH = 8  # many SETs of one state and key group in one record (see encode_set_batch)
 
 
 def state_id(name: str) -> int:
@@ -97,10 +101,49 @@ def parse_timer_user_key(user_key: bytes) -> tuple[int, int]:
     return domain, timestamp
 
 
+def encode_set_batch(sid: int, entries: list[bytes]) -> bytes:
+    """One record for the SETs of many keys of one key group: ``[ckey, stored, ckey, stored, ...]``.
+
+    Layout: ``op | state_id | count:u32 | stored_len:u32[count] | (ckey | stored)*count``. A
+    checkpoint of a value state logs one such record per key group instead of one per key: the
+    per-key work is C-level joins instead of building a record object per key.
+    """
+    lengths = array("I", map(len, entries[1::2]))
+    if sys.byteorder == "big":  # pragma: no cover
+        lengths.byteswap()
+    return b"".join((_HEAD.pack(Op.SET_BATCH, sid), _U32.pack(len(lengths)), lengths.tobytes(), *entries))
+
+
+def iter_set_batch(rest: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """(ckey, stored) pairs of a SET_BATCH record's body (what follows op and state id)."""
+    try:
+        (count,) = _U32.unpack_from(rest)
+        lengths = array("I")
+        lengths.frombytes(rest[4 : 4 + 4 * count])
+        if sys.byteorder == "big":  # pragma: no cover
+            lengths.byteswap()
+        if len(lengths) != count:
+            raise ValueError("length column truncated")
+        pos = 4 + 4 * count
+        for n in lengths:
+            (klen,) = _U16.unpack_from(rest, pos + 2)
+            end = pos + 4 + klen
+            if end + n > len(rest):
+                raise ValueError("entry longer than the record")
+            yield rest[pos:end], rest[end : end + n]
+            pos = end + n
+        if pos != len(rest):
+            raise ValueError("trailing bytes")
+    except (struct.error, ValueError) as exc:
+        raise SerializationError("change-record", f"malformed SET_BATCH: {exc}") from None
+
+
 def parse_record(data: bytes) -> tuple[Op, int, bytes, bytes]:
     """(op, state id, ckey, rest) of a change record; malformed records raise SerializationError."""
     try:
         op, sid = _HEAD.unpack_from(data)
+        if op == Op.SET_BATCH:
+            return Op.SET_BATCH, sid, b"", data[_HEAD.size :]
         (key_len,) = _U16.unpack_from(data, _HEAD.size + 2)
         end = _HEAD.size + 4 + key_len
         if end > len(data):
@@ -134,8 +177,6 @@ def split_expiry(stored: bytes) -> tuple[int, bytes]:
 
 
 # -- list blobs: count:u32 then (len:u32, element) per element ----------------------------
-
-_U32 = struct.Struct(">I")
 
 
 def encode_list(elements: list[bytes]) -> bytes:

@@ -36,6 +36,7 @@ V = TypeVar("V")
 K = TypeVar("K")
 
 Append = Callable[[int, bytes], None]
+AppendMany = Callable[[list[Any]], None]
 
 
 class _Tombstone:
@@ -86,89 +87,124 @@ class StateTable:
 
 
 class _ValueTable(StateTable):
-    """Two cache levels: ``cache`` (changed since the last checkpoint, not yet logged) and ``clean``
-    (logged, not yet in LMDB). A checkpoint only logs ``cache`` and moves it into ``clean``, so its
-    cost does not depend on how big the LMDB tables are (a B-tree write of 10k random keys touches
-    more pages the more keys there are); ``clean`` is written to LMDB, sorted, when the caches
-    outgrow the backend's limit, on the operator's next write. Entries: value,
+    """Two cache levels: ``caches[kg]`` (changed since the last checkpoint, not yet logged; one
+    dict per key group) and ``clean`` (logged, not yet in LMDB). A checkpoint only logs the
+    changes and moves them into ``clean``, so its cost does not depend on how big the LMDB tables
+    are (a B-tree write of 10k random keys touches more pages the more keys there are); ``clean``
+    is written to LMDB, sorted, when the caches outgrow the backend's limit, on the operator's
+    next write. Per-key-group dicts let a checkpoint log one SET_BATCH record per key group built
+    with C-level joins, instead of grouping every changed key in Python. Entries: value,
     ``(value, expiry_ms)`` with TTL, or TOMBSTONE."""
 
     def __init__(self, backend: ChangelogKeyedStateBackend, descriptor: StateDescriptor[Any]) -> None:
         super().__init__(backend, descriptor)
+        self.caches: list[dict[bytes, Any]] = [{} for _ in range(backend.max_parallelism)]
+        #: with the log on, ``clean`` holds the stored bytes serialized for the log (None: deleted),
+        #: so neither a checkpoint nor a spill serializes twice; with it off, the cached entries
+        self.clean_bytes = backend.writer is not None
         self.clean: dict[bytes, Any] = {}
 
-    def cached(self, ck: bytes) -> Any:
-        cached = self.cache.get(ck, _MISS)
-        return self.clean.get(ck, _MISS) if cached is _MISS else cached
+    def _cache_of(self, ck: bytes) -> dict[bytes, Any]:
+        return self.caches[(ck[0] << 8) | ck[1]]
 
     def get(self, ck: bytes) -> Any:
-        cached = self.cached(ck)
+        cached = self._cache_of(ck).get(ck, _MISS)
         if cached is _MISS:
-            stored = self.backend.tables.reader.get(ck, db=self.db)
-            if stored is None:
-                return None
-            value = self.decode(stored)
-            if value is _MISS:  # expired: never return it, remove it at the next flush
-                self.cache[ck] = TOMBSTONE
-                return None
-            return value
+            cached = self.clean.get(ck, _MISS)
+            if cached is _MISS or self.clean_bytes:
+                stored = self.backend.tables.reader.get(ck, db=self.db) if cached is _MISS else cached
+                if stored is None:
+                    return None
+                value = self.decode(stored)
+                if value is _MISS:  # expired: never return it, remove it at the next flush
+                    self._cache_of(ck)[ck] = TOMBSTONE
+                    return None
+                return value
         if cached is TOMBSTONE:
             return None
         if self.ttl_ms:
             value, expiry = cached
             if expiry <= self.backend.now_ms():
-                self.cache[ck] = TOMBSTONE
+                self._cache_of(ck)[ck] = TOMBSTONE
                 return None
             return value
         return cached
 
     def put(self, ck: bytes, value: Any) -> None:
-        cache = self.cache
+        cache = self._cache_of(ck)
         cache[ck] = (value, self.backend.now_ms() + self.ttl_ms) if self.ttl_ms else value
-        if len(cache) > self.backend.flush_threshold:
+        if len(cache) > self.backend.kg_flush_threshold:
             self.backend.flush()
 
     def clear(self, ck: bytes) -> None:
-        self.cache[ck] = TOMBSTONE
-        if len(self.cache) > self.backend.flush_threshold:
+        cache = self._cache_of(ck)
+        cache[ck] = TOMBSTONE
+        if len(cache) > self.backend.kg_flush_threshold:
             self.backend.flush()
 
     def cache_size(self) -> int:
-        return len(self.cache) + len(self.clean)
+        return sum(map(len, self.caches)) + len(self.clean)
 
     def _stored(self, cached: Any) -> bytes:
         if self.ttl_ms:
             return rec.with_expiry(cached[1], self.ser.serialize(cached[0]))
         return self.ser.serialize(cached)
 
-    def log_changes(self, append: Append | None) -> int:
-        """Checkpoint: one net record per changed key, then the changes count as clean."""
-        cache = self.cache
-        if append is not None:
-            serialize, ttl = self.ser.serialize, self.ttl_ms
-            set_head = rec.record_prefix(Op.SET, self.sid)
-            clear_head = rec.record_prefix(Op.CLEAR, self.sid)
-            for ck, cached in cache.items():
-                if cached is TOMBSTONE:
-                    append((ck[0] << 8) | ck[1], clear_head + ck)
+    def log_changes(self, append: Append | None, append_many: AppendMany | None = None) -> int:
+        """Checkpoint: log the changes (one SET_BATCH per key group), then they count as clean."""
+        count = 0
+        serialize, ttl, sid = self.ser.serialize, self.ttl_ms, self.sid
+        clear_head = rec.record_prefix(Op.CLEAR, sid)
+        pairs: list[Any] = []
+        for kg, cache in enumerate(self.caches):
+            if not cache:
+                continue
+            count += len(cache)
+            if append is not None:
+                cks = list(cache)
+                values = list(cache.values())
+                if ttl:
+                    stored = [None if v is TOMBSTONE else rec.with_expiry(v[1], serialize(v[0])) for v in values]
                 else:
-                    stored = rec.with_expiry(cached[1], serialize(cached[0])) if ttl else serialize(cached)
-                    append((ck[0] << 8) | ck[1], set_head + ck + stored)
-        count = len(cache)
-        self.clean.update(cache)
-        cache.clear()
+                    stored = [None if v is TOMBSTONE else serialize(v) for v in values]
+                if None in stored:  # cleared keys: a CLEAR record each, the rest in the batch
+                    for ck, data in zip(cks, stored, strict=True):
+                        if data is None:
+                            pairs.append(kg)
+                            pairs.append(clear_head + ck)
+                    live = [(ck, data) for ck, data in zip(cks, stored, strict=True) if data is not None]
+                    entries: list[Any] = [x for pair in live for x in pair]
+                else:
+                    entries = [None] * (2 * len(cks))
+                    entries[0::2] = cks
+                    entries[1::2] = stored
+                if entries:
+                    pairs.append(kg)
+                    pairs.append(rec.encode_set_batch(sid, entries))
+                self.clean.update(zip(cks, stored, strict=True))
+            else:
+                self.clean.update(cache)
+            cache.clear()
+        if pairs:
+            if append_many is not None:
+                append_many(pairs)
+            else:
+                assert append is not None
+                for i in range(0, len(pairs), 2):
+                    append(pairs[i], pairs[i + 1])
         return count
 
     def flush(self, txn: Any, append: Append | None) -> int:
         count = self.log_changes(append)
         clean, db = self.clean, self.db
         puts = []
+        deleted = None if self.clean_bytes else TOMBSTONE
         for ck in sorted(clean):
-            cached = clean[ck]
-            if cached is TOMBSTONE:
+            entry = clean[ck]
+            if entry is deleted:
                 txn.delete(ck, db=db)
             else:
-                puts.append((ck, self._stored(cached)))
+                puts.append((ck, entry if self.clean_bytes else self._stored(entry)))
         if puts:
             txn.cursor(db=db).putmulti(puts)
         clean.clear()
@@ -417,23 +453,25 @@ class _Bound:
 
 
 class ValueState(_Bound, Generic[V]):
-    __slots__ = ("_cache", "_fast")
+    __slots__ = ("_caches", "_fast")
 
     def __init__(self, backend: ChangelogKeyedStateBackend, table: StateTable) -> None:
         super().__init__(backend, table)
-        self._cache = table.cache  # the same dict for the table's lifetime (flush clears it in place)
+        assert isinstance(table, _ValueTable)
+        self._caches = table.caches  # the same dicts for the table's lifetime (cleared in place)
         self._fast = not table.ttl_ms
 
     def value(self) -> V | None:
         if self._fast:  # the hot path, inlined: cache hit, else one LMDB get
-            ck = self._backend.current_ckey
-            cached = self._cache.get(ck, _MISS)
+            backend = self._backend
+            ck = backend.current_ckey
+            cached = self._caches[backend.current_kg].get(ck, _MISS)
             if cached is _MISS:
                 table = self._table
                 cached = table.clean.get(ck, _MISS)
-            if cached is _MISS:
-                stored = self._backend.tables.reader.get(ck, db=table.db)
-                return None if stored is None else table.ser.deserialize(stored)
+                if cached is _MISS or table.clean_bytes:
+                    stored = backend.tables.reader.get(ck, db=table.db) if cached is _MISS else cached
+                    return None if stored is None else table.ser.deserialize(stored)
             return None if cached is TOMBSTONE else cached
         return self._table.get(self._backend.current_ckey)  # type: ignore[no-any-return]
 
@@ -441,10 +479,11 @@ class ValueState(_Bound, Generic[V]):
         if value is None:
             self._table.clear(self._backend.current_ckey)
         elif self._fast:
-            cache = self._cache
-            cache[self._backend.current_ckey] = value
-            if len(cache) > self._backend.flush_threshold:
-                self._backend.flush()
+            backend = self._backend
+            cache = self._caches[backend.current_kg]
+            cache[backend.current_ckey] = value
+            if len(cache) > backend.kg_flush_threshold:
+                backend.flush()
         else:
             self._table.put(self._backend.current_ckey, value)
 

@@ -46,11 +46,11 @@ class _BackpressureGate:
     def __init__(self, writer: ChangelogWriter) -> None:
         self._writer = writer
 
-    def __iadd__(self, pair: tuple[int, bytes]) -> list[Any]:
+    def __iadd__(self, items: tuple[int, bytes] | list[Any]) -> list[Any]:
         writer = self._writer
         writer._storage.wait_for_capacity()
         writer._records = writer._active
-        writer._active += pair
+        writer._active += items
         return writer._active
 
 
@@ -82,6 +82,13 @@ class ChangelogWriter:
         """Append one change of ``key_group``; in memory, never does I/O (see module doc)."""
         records = self._records
         records += (key_group, data)
+
+    def append_many(self, pairs: list[Any]) -> None:
+        """Append many changes at once: ``[key_group, data, key_group, data, ...]``, in order."""
+        if len(pairs) % 2:
+            raise ValueError("append_many needs key group and data pairs")
+        records = self._records
+        records += pairs
 
     def _append_locked(self, key_group: int, data: bytes) -> None:  # pragma: no cover
         with self._cut_lock:
