@@ -3,8 +3,8 @@
 1. Throughput: a backend holding N int keys (1M; quick 200k) runs random read-modify-write
    updates (``value()`` + ``update(v + 1)``), checkpointing every 100k updates (the snapshot's
    upload completes while processing goes on, as in Flink; the round's clock stops when every
-   checkpoint of the round is durable). The same run is made with the log disabled (same backend class, no writer): their
-   ratio is what the log costs. The two modes alternate in rounds and the best round of each
+   checkpoint of the round is durable). The same run is made with the log disabled (same backend
+   class, no writer): their ratio is what the log costs. The two modes alternate in rounds and the best round of each
    counts, against the machine's noise.
 2. Checkpoint latency: 10k random keys changed per checkpoint, with 100k and with 1M keys in
    total (quick: 50k and 200k); p50 of the snapshot latency (flush to LMDB + log + durable upload
