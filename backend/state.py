@@ -99,8 +99,8 @@ class _ValueTable(StateTable):
     def __init__(self, backend: ChangelogKeyedStateBackend, descriptor: StateDescriptor[Any]) -> None:
         super().__init__(backend, descriptor)
         self.caches: list[dict[bytes, Any]] = [{} for _ in range(backend.max_parallelism)]
-        #: with the log on, ``clean`` holds the stored bytes serialized for the log (None: deleted),
-        #: so neither a checkpoint nor a spill serializes twice; with it off, the cached entries
+        #: with the log on, ``clean`` holds (entry, stored bytes as serialized for the log, None if
+        #: deleted), so a spill does not serialize again; with it off, just the entries
         self.clean_bytes = backend.writer is not None
         self.clean: dict[bytes, Any] = {}
 
@@ -111,15 +111,17 @@ class _ValueTable(StateTable):
         cached = self._cache_of(ck).get(ck, _MISS)
         if cached is _MISS:
             cached = self.clean.get(ck, _MISS)
-            if cached is _MISS or self.clean_bytes:
-                stored = self.backend.tables.reader.get(ck, db=self.db) if cached is _MISS else cached
-                if stored is None:
-                    return None
-                value = self.decode(stored)
-                if value is _MISS:  # expired: never return it, remove it at the next flush
-                    self._cache_of(ck)[ck] = TOMBSTONE
-                    return None
-                return value
+            if cached is not _MISS and self.clean_bytes:
+                cached = cached[0]
+        if cached is _MISS:
+            stored = self.backend.tables.reader.get(ck, db=self.db)
+            if stored is None:
+                return None
+            value = self.decode(stored)
+            if value is _MISS:  # expired: never return it, remove it at the next flush
+                self._cache_of(ck)[ck] = TOMBSTONE
+                return None
+            return value
         if cached is TOMBSTONE:
             return None
         if self.ttl_ms:
@@ -181,7 +183,7 @@ class _ValueTable(StateTable):
                 if entries:
                     pairs.append(kg)
                     pairs.append(rec.encode_set_batch(sid, entries))
-                self.clean.update(zip(cks, stored, strict=True))
+                self.clean.update(zip(cks, zip(values, stored, strict=True), strict=True))
             else:
                 self.clean.update(cache)
             cache.clear()
@@ -198,13 +200,13 @@ class _ValueTable(StateTable):
         count = self.log_changes(append)
         clean, db = self.clean, self.db
         puts = []
-        deleted = None if self.clean_bytes else TOMBSTONE
         for ck in sorted(clean):
             entry = clean[ck]
-            if entry is deleted:
+            stored = entry[1] if self.clean_bytes else None if entry is TOMBSTONE else self._stored(entry)
+            if stored is None:
                 txn.delete(ck, db=db)
             else:
-                puts.append((ck, entry if self.clean_bytes else self._stored(entry)))
+                puts.append((ck, stored))
         if puts:
             txn.cursor(db=db).putmulti(puts)
         clean.clear()
@@ -469,9 +471,11 @@ class ValueState(_Bound, Generic[V]):
             if cached is _MISS:
                 table = self._table
                 cached = table.clean.get(ck, _MISS)
-                if cached is _MISS or table.clean_bytes:
-                    stored = backend.tables.reader.get(ck, db=table.db) if cached is _MISS else cached
+                if cached is _MISS:
+                    stored = backend.tables.reader.get(ck, db=table.db)
                     return None if stored is None else table.ser.deserialize(stored)
+                if table.clean_bytes:
+                    cached = cached[0]
             return None if cached is TOMBSTONE else cached
         return self._table.get(self._backend.current_ckey)  # type: ignore[no-any-return]
 
