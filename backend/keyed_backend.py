@@ -18,8 +18,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import lmdb
 import mmh3
 
 from backend import records as rec
@@ -39,6 +41,29 @@ _murmur3 = mmh3.hash
 _ckey_head = rec.CKEY_HEAD.pack
 
 
+@dataclass
+class MaterializationPoint:
+    """A consistent cut for a materialization: every change up to ``sqn`` is in ``txn``'s view.
+
+    ``dirty``: key groups changed since the previous materialization began; ``previous``: the
+    chunk entries of that materialization (re-referenced where their key groups are clean);
+    ``rewrite_all``: the state came (partly) from restored logs, so no previous chunk is complete.
+    """
+
+    sqn: int
+    txn: Any
+    databases: dict[str, Any]
+    dirty: frozenset[int]
+    previous: tuple[dict[str, Any], ...]
+    key_group_range: KeyGroupRange
+    log_bytes: int
+    rewrite_all: bool = False
+
+
+#: (path, file bytes, key groups) -> (state name, table key, stored value) in key order per state
+ChunkLoader = Callable[[str, bytes, KeyGroupRange], Iterable[tuple[str, bytes, bytes]]]
+
+
 def _wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -56,6 +81,7 @@ class ChangelogKeyedStateBackend:
         clock: Callable[[], int] | None = None,
         cache_limit: int = DEFAULT_CACHE_LIMIT,
         log_enabled: bool = True,
+        num_retained: int = 1,
     ) -> None:
         check_max_parallelism(max_parallelism)
         if key_group_range.end >= max_parallelism or len(key_group_range) == 0:
@@ -77,8 +103,16 @@ class ChangelogKeyedStateBackend:
         self.tables = LmdbTables(local_dir)
         self.storage = storage
         self.writer = storage.create_writer(operator_id, key_group_range) if log_enabled and storage else None
-        self._append = self.writer.append if self.writer is not None else None
-        self._append_many = self.writer.append_many if self.writer is not None else None
+        self._append = self._track_append if self.writer is not None else None
+        self._append_many = self._track_append_many if self.writer is not None else None
+        #: key groups changed since the last materialization began (its chunks must be rewritten)
+        self.dirty_key_groups: set[int] = set()
+        self.log_bytes_since_materialization = 0
+        if num_retained < 1:
+            raise ValueError(f"num_retained must be >= 1, got {num_retained}")
+        self.num_retained = num_retained
+        self._checkpoint_after: dict[int, int] = {}
+        self._completed_afters: list[int] = []
         self._states: dict[str, StateTable] = {}
         self._wrappers: dict[str, Any] = {}
         self._restored_meta: dict[str, dict[str, Any]] = {}
@@ -91,6 +125,18 @@ class ChangelogKeyedStateBackend:
         self.current_kg = -1
         self.current_key: Any = None
         self._lock = threading.RLock()
+
+    def _track_append(self, key_group: int, data: bytes) -> None:
+        assert self.writer is not None
+        self.dirty_key_groups.add(key_group)
+        self.log_bytes_since_materialization += len(data)
+        self.writer.append(key_group, data)
+
+    def _track_append_many(self, pairs: list[Any]) -> None:
+        assert self.writer is not None
+        self.dirty_key_groups.update(pairs[0::2])
+        self.log_bytes_since_materialization += sum(map(len, pairs[1::2]))
+        self.writer.append_many(pairs)
 
     # -- keys -----------------------------------------------------------------------------
 
@@ -245,6 +291,7 @@ class ChangelogKeyedStateBackend:
                 result.set_result(self._handle(checkpoint_id, states, carried, materialized))
                 return result
             persist = self.writer.persist_durably(self.materialized_sqn)
+            self._checkpoint_after[checkpoint_id] = self.materialized_sqn
 
         def done(fut: concurrent.futures.Future[ChangelogHandle]) -> None:
             try:
@@ -279,7 +326,12 @@ class ChangelogKeyedStateBackend:
         )
 
     def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
-        """The checkpoint completed: its log files now belong to it; older pending ones are moot."""
+        """The checkpoint completed: its log files now belong to it; older pending ones are moot.
+
+        The log is truncated below min(last materialized SQN, the materialized SQN every one of
+        the ``num_retained`` newest completed checkpoints starts from): a retained checkpoint can
+        still be restored, so the changes after its materialization must stay.
+        """
         with self._lock:
             handle = self._pending.pop(checkpoint_id, None)
             if handle is not None and self.writer is not None:
@@ -287,6 +339,63 @@ class ChangelogKeyedStateBackend:
             for older in [c for c in self._pending if c < checkpoint_id]:
                 if self.writer is not None:
                     self.writer.release(self._pending.pop(older))
+            after = self._checkpoint_after.pop(checkpoint_id, None)
+            for older in [c for c in self._checkpoint_after if c < checkpoint_id]:
+                del self._checkpoint_after[older]
+            if after is not None:
+                self._completed_afters = [*self._completed_afters, after][-self.num_retained :]
+                self._truncate_log()
+
+    def _truncate_log(self) -> None:
+        if self.writer is None or len(self._completed_afters) < self.num_retained:
+            return
+        point = min(self.materialized_sqn, *self._completed_afters)
+        if point > 0:
+            self.writer.truncate(point)
+
+    # -- materialization (driven by materializer.PeriodicMaterializer) ---------------------
+
+    def begin_materialization(self) -> MaterializationPoint | None:
+        """The synchronous part, on the operator's thread: flush everything to LMDB and the log,
+        then take the log's SQN and an LMDB read transaction with no write in between. Returns
+        None when nothing changed since the last materialization."""
+        with self._lock:
+            if self.writer is None:
+                raise RuntimeError("materialization needs the changelog (log_enabled=True)")
+            self.flush()
+            sqn = self.writer.last_appended_sqn()
+            if sqn == self.materialized_sqn and not self._carried:
+                return None
+            point = MaterializationPoint(
+                sqn=sqn,
+                txn=self.tables.env.begin(),
+                databases=dict(self.tables.databases()),
+                dirty=frozenset(self.dirty_key_groups),
+                previous=tuple(self._materialized),
+                key_group_range=self.key_group_range,
+                log_bytes=self.log_bytes_since_materialization,
+                rewrite_all=bool(self._carried),
+            )
+            self.dirty_key_groups = set()
+            self.log_bytes_since_materialization = 0
+            return point
+
+    def complete_materialization(self, point: MaterializationPoint, chunks: Sequence[dict[str, Any]]) -> None:
+        """The chunks of ``point`` are durable: later snapshots reference them and the log after
+        ``point.sqn`` only; carried-over logs of a restore are no longer needed."""
+        point.txn.abort()
+        with self._lock:
+            self._materialized = list(chunks)
+            self.materialized_sqn = SequenceNumber(point.sqn)
+            self._carried = []
+            self._truncate_log()
+
+    def abort_materialization(self, point: MaterializationPoint) -> None:
+        """The materialization failed: its key groups stay dirty for the next attempt."""
+        point.txn.abort()
+        with self._lock:
+            self.dirty_key_groups |= point.dirty
+            self.log_bytes_since_materialization += point.log_bytes
 
     def notify_checkpoint_aborted(self, checkpoint_id: int) -> None:
         with self._lock:
@@ -296,7 +405,12 @@ class ChangelogKeyedStateBackend:
 
     # -- restore --------------------------------------------------------------------------
 
-    def restore(self, handles: Iterable[KeyedStateHandle], progress: Callable[[int], None] | None = None) -> int:
+    def restore(
+        self,
+        handles: Iterable[KeyedStateHandle],
+        progress: Callable[[int], None] | None = None,
+        load_chunk: ChunkLoader | None = None,
+    ) -> int:
         """Load the owned key groups of ``handles`` (any old parallelism); returns records applied.
 
         Must be called before any state is used. Foreign or incompatible handles raise
@@ -311,6 +425,7 @@ class ChangelogKeyedStateBackend:
             self._merge_metadata(handle.states)
         if handles and self.storage is None:
             raise StateRestoreError("restoring changelog handles needs a changelog storage")
+        applied += self._load_materialized(handles, load_chunk, progress)
         for handle in handles:
             scope = intersect(handle.key_group_range, self.key_group_range)
             if not len(scope):
@@ -325,6 +440,54 @@ class ChangelogKeyedStateBackend:
                 self._carried.append(LogEntry(log, rng))
         self.timers.load()
         return applied
+
+    def _load_materialized(
+        self,
+        handles: list[KeyedStateHandle],
+        load_chunk: ChunkLoader | None,
+        progress: Callable[[int], None] | None,
+    ) -> int:
+        """Bulk-load the owned parts of the materialized chunks, in key order (sorted appends)."""
+        parts: list[tuple[KeyGroupRange, dict[str, Any]]] = []
+        for handle in handles:
+            scope = intersect(handle.key_group_range, self.key_group_range)
+            for chunk in handle.materialized:
+                try:
+                    rng = intersect(KeyGroupRange.from_json(chunk["scope"]), scope)
+                    path = chunk["path"]
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise StateRestoreError(f"malformed materialized chunk entry {chunk!r}: {exc}") from None
+                if len(rng):
+                    parts.append((rng, {**chunk, "scope": rng.to_json(), "path": path}))
+        if not parts:
+            return 0
+        if load_chunk is None or self.storage is None:
+            raise StateRestoreError(
+                "the handles hold materialized chunks: restore with materializer.restore(backend, handles)"
+            )
+        loaded = 0
+        for rng, chunk in sorted(parts, key=lambda p: p[0].start):
+            try:
+                data = self.storage.get_file(chunk["path"])
+            except FileNotFoundError:
+                raise StateRestoreError(f"materialized chunk {chunk['path']} is missing") from None
+            by_state: dict[str, list[tuple[bytes, bytes]]] = {}
+            for name, key, value in load_chunk(chunk["path"], data, rng):
+                by_state.setdefault(name, []).append((key, value))
+            with self.tables.write() as txn:
+                for name, entries in by_state.items():
+                    if name != TIMERS_DB and name not in self._restored_meta:
+                        raise StateRestoreError(f"chunk {chunk['path']} holds state {name!r} missing from the handle")
+                    cursor = txn.cursor(db=self.tables.database_in(txn, name))
+                    try:
+                        cursor.putmulti(entries, append=True)  # sorted appends: the fast bulk load
+                    except lmdb.Error:  # not after what the table holds: plain puts
+                        cursor.putmulti(entries)
+                    loaded += len(entries)
+            self._materialized.append(chunk)
+            if progress is not None:
+                progress(loaded)
+        return loaded
 
     def _check_compatible(self, handle: KeyedStateHandle) -> None:
         if handle.operator_id != self.operator_id:

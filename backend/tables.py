@@ -45,8 +45,18 @@ class LmdbTables:
             self.reader = self.env.begin()
         return db
 
+    def database_in(self, txn: Any, name: str) -> Any:
+        """Open (or create) a named database inside a running write transaction."""
+        db = self._dbs.get(name)
+        if db is None:
+            db = self._dbs[name] = self.env.open_db(name.encode(), txn=txn)
+        return db
+
     def names(self) -> list[str]:
         return list(self._dbs)
+
+    def databases(self) -> dict[str, Any]:
+        return dict(self._dbs)
 
     def get(self, db: Any, key: bytes) -> bytes | None:
         value: bytes | None = self.reader.get(key, db=db)

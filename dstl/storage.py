@@ -341,6 +341,22 @@ class StateChangelogStorage:
     async def list_files(self) -> list[str]:
         return await self._uploader.list("dstl")
 
+    # -- other files under the base path (materialized chunks, metadata) -------------------
+
+    def put_file(self, path: str, data: bytes, timeout: float | None = None) -> None:
+        """Write a whole file under the base path (no hedging: callers retry at their level)."""
+        self.run(self._uploader.put(check_relative(path), data), timeout)
+
+    def get_file(self, path: str, timeout: float | None = None) -> bytes:
+        """Read a whole file under the base path; a missing file raises ``FileNotFoundError``."""
+        return self.run(self._uploader.get(check_relative(path)), timeout)
+
+    def delete_file(self, path: str, timeout: float | None = None) -> None:
+        self.run(self._uploader.delete(check_relative(path)), timeout)
+
+    def list_all(self, prefix: str = "") -> list[str]:
+        return self.run(self._uploader.list(prefix))
+
     def prometheus(self) -> str:
         return self.metrics.prometheus()
 

@@ -1,0 +1,246 @@
+"""``PeriodicMaterializer``: snapshots a backend's LMDB tables to the DFS and lets the log shrink.
+
+Why: without it the log grows forever and recovery replays all of it. Flink's changelog backend
+materializes every 10 minutes; we also trigger on log size, because a burst of changes should
+not wait for the clock to bound recovery time and space.
+
+How (FLIP-158's steps, with Flink's rules):
+- Trigger: the operator calls ``poll()`` (cheap) at convenient points, e.g. after each checkpoint
+  or batch. A materialization starts when the interval has passed (the first one jittered, so
+  that subtasks do not all upload at once) or the log since the last one exceeds
+  ``size_trigger_bytes``; at most one runs at a time; none starts if nothing changed.
+- Consistency: the synchronous part runs on the operator's thread (``begin_materialization``):
+  flush, take the log's SQN and an LMDB read transaction with no write in between.
+- Upload: in a background thread, one chunk per key-group range (``chunk_key_groups`` key groups
+  each). A chunk whose key groups did not change since the last materialization is re-referenced,
+  not uploaded (incremental). Then the backend records (chunks, SQN), later snapshots reference
+  the chunks plus the log after the SQN, and the log is truncated (see the backend).
+- Failure: the partial chunks of a failed materialization are deleted, its key groups stay dirty
+  for the next attempt, and more than ``max_failures_allowed`` consecutive failures raise
+  ``MaterializationError`` from ``poll()`` (Flink fails the job the same way).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from backend.handles import KeyedStateHandle
+from backend.keyed_backend import ChangelogKeyedStateBackend, MaterializationPoint
+from dstl import ChangelogError, KeyGroupRange
+from materializer.chunks import encode_chunk, iter_chunk_entries
+
+
+class MaterializationError(ChangelogError):
+    """Materialization failed more often in a row than allowed."""
+
+
+@dataclass
+class MaterializationMetrics:
+    started: int = 0
+    completed: int = 0
+    failed: int = 0
+    skipped_unchanged: int = 0
+    last_duration_s: float = 0.0
+    last_full_size: int = 0  # bytes of every chunk the materialization references
+    last_incremental_size: int = 0  # bytes it uploaded
+    chunks_uploaded: int = 0
+    chunks_reused: int = 0
+
+
+@dataclass
+class _Outcome:
+    chunks: list[dict[str, Any]]
+    uploaded: int
+    full: int
+    written: int
+    reused: int
+
+
+class PeriodicMaterializer:
+    def __init__(
+        self,
+        backend: ChangelogKeyedStateBackend,
+        *,
+        interval_s: float = 600.0,
+        size_trigger_bytes: int | None = 64 << 20,
+        chunk_key_groups: int = 1,
+        max_failures_allowed: int = 3,
+        compression_level: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        upload: Callable[[str, bytes], None] | None = None,
+    ) -> None:
+        if backend.storage is None or backend.writer is None:
+            raise ValueError("materialization needs a backend with a changelog storage")
+        if interval_s <= 0 or chunk_key_groups < 1 or max_failures_allowed < 0:
+            raise ValueError("interval_s and chunk_key_groups must be positive, max_failures_allowed >= 0")
+        self.backend = backend
+        self.interval_s = interval_s
+        self.size_trigger_bytes = size_trigger_bytes
+        self.chunk_key_groups = chunk_key_groups
+        self.max_failures_allowed = max_failures_allowed
+        self.compression_level = compression_level
+        self._clock = clock
+        self._upload = upload or backend.storage.put_file
+        self._delete = backend.storage.delete_file
+        jitter = (rng or random.Random()).uniform(0.5, 1.0)  # jittered first run
+        self._due = clock() + interval_s * jitter
+        self._running: concurrent.futures.Future[_Outcome] | None = None
+        self._point: MaterializationPoint | None = None
+        self._started_at = 0.0
+        self._failures = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="materializer")
+        self.metrics = MaterializationMetrics()
+
+    # -- the operator's side --------------------------------------------------------------
+
+    def poll(self) -> bool:
+        """Finish a completed materialization, start one if due; True if one was started."""
+        if self._running is not None:
+            if not self._running.done():
+                return False
+            self._finish()
+        log_bytes = self.backend.log_bytes_since_materialization
+        size_due = self.size_trigger_bytes is not None and log_bytes >= self.size_trigger_bytes
+        if self._clock() < self._due and not size_due:
+            return False
+        return self.trigger()
+
+    def trigger(self) -> bool:
+        """Start a materialization now (unless one runs or nothing changed)."""
+        if self._running is not None:
+            return False
+        self._due = self._clock() + self.interval_s
+        point = self.backend.begin_materialization()
+        if point is None:
+            self.metrics.skipped_unchanged += 1
+            return False
+        self.metrics.started += 1
+        self._point = point
+        self._started_at = time.perf_counter()
+        self._running = self._pool.submit(self._materialize, point)
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the running materialization (if any) and apply its outcome."""
+        if self._running is not None:
+            concurrent.futures.wait([self._running], timeout)
+            if self._running.done():
+                self._finish()
+
+    def _finish(self) -> None:
+        fut, point = self._running, self._point
+        assert fut is not None and point is not None
+        self._running = self._point = None
+        try:
+            outcome = fut.result()
+        except Exception as exc:
+            self.backend.abort_materialization(point)
+            self.metrics.failed += 1
+            self._failures += 1
+            if self._failures > self.max_failures_allowed:
+                raise MaterializationError(
+                    f"materialization of operator {self.backend.operator_id} failed {self._failures} times "
+                    f"in a row (allowed: {self.max_failures_allowed}); last error: {exc}"
+                ) from exc
+            return
+        self._failures = 0
+        self.backend.complete_materialization(point, outcome.chunks)
+        m = self.metrics
+        m.completed += 1
+        m.last_duration_s = time.perf_counter() - self._started_at
+        m.last_full_size, m.last_incremental_size = outcome.full, outcome.uploaded
+        m.chunks_uploaded += outcome.written
+        m.chunks_reused += outcome.reused
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown(wait=True)
+
+    # -- the background side --------------------------------------------------------------
+
+    def _ranges(self, owned: KeyGroupRange) -> Iterator[KeyGroupRange]:
+        # Aligned to multiples of chunk_key_groups, so subtasks of any parallelism agree on chunks.
+        step = self.chunk_key_groups
+        start = owned.start
+        while start <= owned.end:
+            end = min(owned.end, (start // step + 1) * step - 1)
+            yield KeyGroupRange(start, end)
+            start = end + 1
+
+    def _materialize(self, point: MaterializationPoint) -> _Outcome:
+        previous = {
+            (tuple(c["key_groups"]), tuple(c["scope"])): c for c in point.previous if c["key_groups"] == c["scope"]
+        }
+        chunks: list[dict[str, Any]] = []
+        written: list[str] = []
+        uploaded = full = reused = 0
+        try:
+            for rng in self._ranges(point.key_group_range):
+                key = (tuple(rng.to_json()), tuple(rng.to_json()))
+                old = previous.get(key)
+                clean = not point.rewrite_all and not any(kg in point.dirty for kg in rng)
+                if old is not None and clean:
+                    chunks.append(old)
+                    full += old["size"]
+                    reused += 1
+                    continue
+                sections = _read_sections(point, rng)
+                if not sections and clean and old is None:
+                    continue  # nothing ever stored in these key groups
+                if not sections:
+                    continue  # emptied since the last materialization: no chunk needed
+                data = encode_chunk(rng, point.sqn, sections, level=self.compression_level)
+                path = f"shared/{uuid.uuid4().hex}.chunk"
+                self._upload(path, data)
+                written.append(path)
+                chunk = {
+                    "path": path,
+                    "key_groups": rng.to_json(),
+                    "scope": rng.to_json(),
+                    "sqn": point.sqn,
+                    "size": len(data),
+                    "entries": sum(len(v) for v in sections.values()),
+                }
+                chunks.append(chunk)
+                uploaded += len(data)
+                full += len(data)
+        except BaseException:
+            for path in written:  # a failed materialization leaves nothing behind (best effort)
+                with contextlib.suppress(Exception):
+                    self._delete(path)
+            raise
+        return _Outcome(chunks, uploaded, full, len(written), reused)
+
+
+def _read_sections(point: MaterializationPoint, rng: KeyGroupRange) -> dict[str, list[tuple[bytes, bytes]]]:
+    start = rng.start.to_bytes(2, "big")
+    end = (rng.end + 1).to_bytes(2, "big") if rng.end < 0xFFFF else b"\xff\xff\xff"
+    sections: dict[str, list[tuple[bytes, bytes]]] = {}
+    for name, db in point.databases.items():
+        cursor = point.txn.cursor(db=db)
+        entries: list[tuple[bytes, bytes]] = []
+        if cursor.set_range(start):
+            for key, value in cursor:
+                if key >= end:
+                    break
+                entries.append((key, value))
+        if entries:
+            sections[name] = entries
+    return sections
+
+
+def restore(
+    backend: ChangelogKeyedStateBackend,
+    handles: Iterable[KeyedStateHandle],
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """``backend.restore`` that can read materialized chunks (the backend does not import us)."""
+    return backend.restore(handles, progress=progress, load_chunk=iter_chunk_entries)
