@@ -15,6 +15,9 @@ BENCHMARKS = {
     "throughput": "benchmarks.throughput",
     "hedging": "benchmarks.hedging",
     "state": "benchmarks.state",
+    "recovery": "benchmarks.recovery",
+    "space": "benchmarks.space",
+    "incremental": "benchmarks.incremental",
 }
 
 

@@ -33,7 +33,7 @@ from tests.latency_proxy import LatencyProfile, run_in_subprocess
 from tests.s3_server import ACCESS_KEY, REGION, SECRET_KEY, create_bucket, start_s3_server
 
 BUCKET = "hedging-bench"
-CONCURRENCY = 1
+CONCURRENCY = 2
 BLOCK = 500
 WARMUP = 300
 SCALE = 0.1
