@@ -1,1 +1,16 @@
-"""Periodic and size-triggered snapshots of the LMDB tables to the DFS; truncation of the log."""
+"""Periodic and size-triggered snapshots of the LMDB tables to the DFS; truncation of the log.
+
+``PeriodicMaterializer`` drives one backend; ``restore(backend, handles)`` restores handles that
+reference materialized chunks (``materializer.chunks`` is their file format).
+"""
+
+from materializer.chunks import CorruptChunkError
+from materializer.periodic import MaterializationError, MaterializationMetrics, PeriodicMaterializer, restore
+
+__all__ = [
+    "CorruptChunkError",
+    "MaterializationError",
+    "MaterializationMetrics",
+    "PeriodicMaterializer",
+    "restore",
+]
