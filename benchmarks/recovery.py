@@ -1,0 +1,213 @@
+"""``recovery``: restore time of a materialized snapshot plus the log after it, vs a full snapshot.
+
+1. A backend (log on, local directory storage, one ``ValueState[int]``, int keys) holds N keys
+   (2M; quick 400k), is materialized (``PeriodicMaterializer.trigger()`` + ``wait()``) and
+   checkpointed; then M distinct random keys (200k; quick 40k) are updated, with a completed
+   checkpoint every ``CHECKPOINT_EVERY`` updates, so that the last handle = the chunks + the log
+   of those M changes. A fresh backend restores it (``materializer.periodic.restore``), timed:
+   ``records_per_s`` = (materialized entries + logged changes) / restore seconds. A logged change
+   is one key's new value: a value state logs one SET_BATCH record per key group and checkpoint,
+   which ``restore()`` counts as one record, so its entries are counted instead.
+2. The "equivalent full snapshot": a second backend fed the same final values, materialized with
+   nothing logged after it, checkpointed; its restore is timed the same way.
+   ``log_vs_full_ratio`` = restore seconds (snapshot + log) / restore seconds (full snapshot).
+
+Each restore runs ``ROUNDS`` times, the two kinds alternating, into an empty local directory (the
+DFS files are in the OS page cache after the first round); the best of each kind counts.
+Every restore is checked against the expected values of a sample of keys.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from backend import records as rec
+from backend.descriptors import ValueStateDescriptor
+from backend.handles import KeyedStateHandle
+from backend.keyed_backend import ChangelogKeyedStateBackend
+from backend.serializers import Int64Serializer
+from benchmarks.common import BenchResult, progress
+from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
+from materializer.periodic import PeriodicMaterializer, restore
+
+ALL = KeyGroupRange(0, 127)
+CHECKPOINT_EVERY = 50_000
+ROUNDS = 3
+DESCRIPTOR = ValueStateDescriptor("count", Int64Serializer())
+
+
+def _materialize(backend: ChangelogKeyedStateBackend) -> PeriodicMaterializer:
+    mat = PeriodicMaterializer(backend, size_trigger_bytes=None)
+    try:
+        if not mat.trigger():
+            raise RuntimeError("materialization did not start")
+        mat.wait()
+        if mat.metrics.completed != 1:
+            raise RuntimeError(f"materialization failed: {mat.metrics}")
+    finally:
+        mat.close()
+    return mat
+
+
+def _load(backend: ChangelogKeyedStateBackend, keys: int, value: Callable[[int], int]) -> None:
+    state = backend.get_state(DESCRIPTOR)
+    set_key = backend.set_current_key
+    for k in range(keys):
+        set_key(k)
+        state.update(value(k))
+        if k % 200_000 == 199_999:
+            backend.flush()
+
+
+def _checkpoint(backend: ChangelogKeyedStateBackend, cid: int) -> KeyedStateHandle:
+    handle = backend.snapshot(cid).result(300)
+    backend.notify_checkpoint_complete(cid)
+    return handle
+
+
+def _log_changes(storage: StateChangelogStorage, handle: KeyedStateHandle) -> tuple[int, int]:
+    """(records, changes) in the handle's log: a SET_BATCH record holds one change per key."""
+    records = changes = 0
+    for entry in handle.changelog:
+        for _, data in storage.read(entry.log, entry.key_groups):
+            op, _sid, _ck, rest = rec.parse_record(data)
+            records += 1
+            changes += sum(1 for _ in rec.iter_set_batch(rest)) if op is rec.Op.SET_BATCH else 1
+    return records, changes
+
+
+def _sizes(handle: KeyedStateHandle) -> tuple[int, int]:
+    chunks = sum(int(c["size"]) for c in handle.materialized)
+    log = sum(e.log.size for e in handle.changelog)
+    return chunks, log
+
+
+def _restore(
+    tmp: Path, storage: StateChangelogStorage, handle: KeyedStateHandle, name: str, expected: dict[int, int]
+) -> tuple[float, int]:
+    """Seconds of one restore into a fresh directory and the count restore() returned; checks sampled keys."""
+    local = tmp / f"restore-{name}"
+    backend = ChangelogKeyedStateBackend("bench", ALL, local, storage=storage)
+    try:
+        start = time.perf_counter()
+        applied = restore(backend, [handle])
+        seconds = time.perf_counter() - start
+        state = backend.get_state(DESCRIPTOR)
+        for k, v in expected.items():
+            backend.set_current_key(k)
+            got = state.value()
+            if got != v:
+                raise AssertionError(f"restored {name}: key {k} has {got}, expected {v}")
+    finally:
+        backend.close()
+        shutil.rmtree(local)  # the next round starts from an empty directory again
+    return seconds, applied
+
+
+def run(quick: bool, out_dir: Path) -> BenchResult:
+    keys = 400_000 if quick else 2_000_000
+    updates = 40_000 if quick else 200_000
+    rng = random.Random(7)
+    changed = rng.sample(range(keys), updates)
+    final = {k: keys + i for i, k in enumerate(changed)}  # distinct new values
+
+    def final_value(k: int) -> int:
+        return final.get(k, k)
+
+    sample = rng.sample(range(keys), 2000) + changed[:2000]
+    expected = {k: final_value(k) for k in sample}
+
+    with (
+        tempfile.TemporaryDirectory() as tmpdir,
+        StateChangelogStorage(ChangelogConfig.local(Path(tmpdir) / "dfs")) as st,
+    ):
+        tmp = Path(tmpdir)
+        # 1. snapshot + log
+        progress(f"recovery: loading {keys:,} keys, materializing")
+        backend = ChangelogKeyedStateBackend("bench", ALL, tmp / "log", storage=st)
+        _load(backend, keys, lambda k: k)
+        _checkpoint(backend, 1)
+        _materialize(backend)
+        _checkpoint(backend, 2)
+        progress(f"recovery: {updates:,} updates after the materialization")
+        state = backend.get_state(DESCRIPTOR)
+        cid = 2
+        handle: KeyedStateHandle | None = None
+        for i, k in enumerate(changed, start=1):
+            backend.set_current_key(k)
+            state.update(final[k])
+            if i % CHECKPOINT_EVERY == 0 or i == updates:
+                cid += 1
+                handle = _checkpoint(backend, cid)
+        assert handle is not None
+        backend.close()
+        log_chunks, log_bytes = _sizes(handle)
+        log_entries = sum(int(c["entries"]) for c in handle.materialized)
+        log_records, log_changes = _log_changes(st, handle)
+
+        # 2. the equivalent full snapshot
+        progress(f"recovery: full snapshot of the same {keys:,} final values")
+        full_backend = ChangelogKeyedStateBackend("bench", ALL, tmp / "full", storage=st)
+        _load(full_backend, keys, final_value)
+        _checkpoint(full_backend, 1)
+        _materialize(full_backend)
+        full_handle = _checkpoint(full_backend, 2)
+        full_backend.close()
+        full_chunks, full_log = _sizes(full_handle)
+        full_entries = sum(int(c["entries"]) for c in full_handle.materialized)
+
+        times: dict[str, list[float]] = {"log": [], "full": []}
+        for r in range(ROUNDS):  # alternating, against the machine's noise; the best of each counts
+            seconds, log_applied = _restore(tmp, st, handle, "log", expected)
+            times["log"].append(seconds)
+            seconds, full_applied = _restore(tmp, st, full_handle, "full", expected)
+            times["full"].append(seconds)
+            progress(f"recovery: round {r + 1}/{ROUNDS}: snapshot + log {times['log'][-1]:.3f} s, full {seconds:.3f} s")
+        log_s, full_s = min(times["log"]), min(times["full"])
+
+    total = log_entries + log_changes
+    records_per_s = total / log_s
+    ratio = log_s / full_s
+    metrics: dict[str, Any] = {
+        "keys": keys,
+        "updates_after_materialization": updates,
+        "records_per_s": round(records_per_s),
+        "log_vs_full_ratio": round(ratio, 3),
+        "restore_s_log": round(log_s, 3),
+        "restore_s_full": round(full_s, 3),
+        "materialized_entries_log": log_entries,
+        "log_records": log_records,
+        "log_changes": log_changes,
+        "restore_returned_log": log_applied,
+        "bytes_chunks_log": log_chunks,
+        "bytes_log": log_bytes,
+        "materialized_entries_full": full_entries,
+        "restore_returned_full": full_applied,
+        "bytes_chunks_full": full_chunks,
+        "bytes_log_full": full_log,
+        "records_per_s_full": round(full_entries / full_s),
+    }
+    mib = 1 << 20
+    return BenchResult(
+        name="recovery",
+        metrics=metrics,
+        table=[
+            ("keys", f"{keys:,}, then {updates:,} changed keys logged (checkpoint every {CHECKPOINT_EVERY:,})"),
+            (
+                "snapshot + log",
+                f"{log_s:.3f} s; {log_entries:,} entries ({log_chunks / mib:.1f} MiB chunks) + "
+                f"{log_changes:,} changes in {log_records:,} records ({log_bytes / mib:.2f} MiB log)",
+            ),
+            ("full snapshot", f"{full_s:.3f} s; {full_entries:,} entries ({full_chunks / mib:.1f} MiB chunks)"),
+            ("records/s (snapshot + log)", f"{records_per_s:,.0f}  (target >= 1,000,000)"),
+            ("records/s (full snapshot)", f"{full_entries / full_s:,.0f}"),
+            ("log/full restore ratio", f"{ratio:.3f}  (target <= 1.3)"),
+        ],
+        details={"rounds": ROUNDS, "checkpoint_every": CHECKPOINT_EVERY, "restore_seconds": times},
+    )
