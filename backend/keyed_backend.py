@@ -17,7 +17,7 @@ import concurrent.futures
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +60,8 @@ class MaterializationPoint:
     rewrite_all: bool = False
 
 
-#: (path, file bytes, key groups) -> (state name, table key, stored value) in key order per state
-ChunkLoader = Callable[[str, bytes, KeyGroupRange], Iterable[tuple[str, bytes, bytes]]]
+#: (path, file bytes, key groups) -> {state name: [(table key, stored value), ...] in key order}
+ChunkLoader = Callable[[str, bytes, KeyGroupRange], Mapping[str, Sequence[tuple[bytes, bytes]]]]
 
 
 def _wall_clock_ms() -> int:
@@ -411,7 +411,7 @@ class ChangelogKeyedStateBackend:
         progress: Callable[[int], None] | None = None,
         load_chunk: ChunkLoader | None = None,
     ) -> int:
-        """Load the owned key groups of ``handles`` (any old parallelism); returns records applied.
+        """Load the owned key groups of ``handles`` (any old parallelism); returns key changes applied.
 
         Must be called before any state is used. Foreign or incompatible handles raise
         ``StateRestoreError``; corrupt log files raise ``CorruptChangelogError`` naming the file.
@@ -471,9 +471,7 @@ class ChangelogKeyedStateBackend:
                 data = self.storage.get_file(chunk["path"])
             except FileNotFoundError:
                 raise StateRestoreError(f"materialized chunk {chunk['path']} is missing") from None
-            by_state: dict[str, list[tuple[bytes, bytes]]] = {}
-            for name, key, value in load_chunk(chunk["path"], data, rng):
-                by_state.setdefault(name, []).append((key, value))
+            by_state = load_chunk(chunk["path"], data, rng)
             with self.tables.write() as txn:
                 for name, entries in by_state.items():
                     if name != TIMERS_DB and name not in self._restored_meta:
@@ -525,10 +523,10 @@ class ChangelogKeyedStateBackend:
                 entry = kinds.get(sid)
                 if entry is None:
                     raise StateRestoreError(f"log {log.log_id} has a change of an unknown state id {sid:#x}")
-                _apply(txn, dbs[sid], entry[1], op, ck, rest)
-                count += 1
-                if progress is not None and count % 100_000 == 0:
-                    progress(done_before + count)
+                applied = _apply(txn, dbs[sid], entry[1], op, ck, rest)
+                if progress is not None and (count + applied) // 100_000 > count // 100_000:
+                    progress(done_before + count + applied)
+                count += applied
         return count
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -540,12 +538,14 @@ class ChangelogKeyedStateBackend:
         self.tables.close()
 
 
-def _apply(txn: Any, db: Any, kind: str, op: Op, ck: bytes, rest: bytes) -> None:
+def _apply(txn: Any, db: Any, kind: str, op: Op, ck: bytes, rest: bytes) -> int:
+    """Apply one change record; returns the number of key changes it held."""
     try:
         if op is Op.SET_BATCH:
-            for entry_ck, stored in rec.iter_set_batch(rest):
-                txn.put(entry_ck, stored, db=db)
-        elif op is Op.SET:
+            pairs = rec.split_set_batch(rest)
+            txn.cursor(db=db).putmulti(pairs)
+            return len(pairs)
+        if op is Op.SET:
             txn.put(ck, rest, db=db)
         elif op is Op.CLEAR:
             if kind == "map":
@@ -565,6 +565,7 @@ def _apply(txn: Any, db: Any, kind: str, op: Op, ck: bytes, rest: bytes) -> None
             txn.put(ck + rest, b"", db=db)
     except SerializationError as exc:
         raise ChangelogError(f"malformed change record: {exc}") from None
+    return 1
 
 
 def key_group_ranges(max_parallelism: int, parallelism: int) -> Sequence[KeyGroupRange]:

@@ -34,7 +34,7 @@ from typing import Any
 from backend.handles import KeyedStateHandle
 from backend.keyed_backend import ChangelogKeyedStateBackend, MaterializationPoint
 from dstl import ChangelogError, KeyGroupRange
-from materializer.chunks import encode_chunk, iter_chunk_entries
+from materializer.chunks import chunk_sections, encode_chunk
 
 
 class MaterializationError(ChangelogError):
@@ -243,4 +243,4 @@ def restore(
     progress: Callable[[int], None] | None = None,
 ) -> int:
     """``backend.restore`` that can read materialized chunks (the backend does not import us)."""
-    return backend.restore(handles, progress=progress, load_chunk=iter_chunk_entries)
+    return backend.restore(handles, progress=progress, load_chunk=chunk_sections)
