@@ -102,7 +102,7 @@ class _ValueTable(StateTable):
         #: with the log on, ``clean`` holds (entry, stored bytes as serialized for the log, None if
         #: deleted), so a spill does not serialize again; with it off, just the entries
         self.clean_bytes = backend.writer is not None
-        self.clean: dict[bytes, Any] = {}
+        self.cleans: list[dict[bytes, Any]] = [{} for _ in range(backend.max_parallelism)]
 
     def _cache_of(self, ck: bytes) -> dict[bytes, Any]:
         return self.caches[(ck[0] << 8) | ck[1]]
@@ -110,7 +110,7 @@ class _ValueTable(StateTable):
     def get(self, ck: bytes) -> Any:
         cached = self._cache_of(ck).get(ck, _MISS)
         if cached is _MISS:
-            cached = self.clean.get(ck, _MISS)
+            cached = self.cleans[(ck[0] << 8) | ck[1]].get(ck, _MISS)
             if cached is not _MISS and self.clean_bytes:
                 cached = cached[0]
         if cached is _MISS:
@@ -145,7 +145,7 @@ class _ValueTable(StateTable):
             self.backend.flush()
 
     def cache_size(self) -> int:
-        return sum(map(len, self.caches)) + len(self.clean)
+        return sum(map(len, self.caches)) + sum(map(len, self.cleans))
 
     def _stored(self, cached: Any) -> bytes:
         if self.ttl_ms:
@@ -183,9 +183,9 @@ class _ValueTable(StateTable):
                 if entries:
                     pairs.append(kg)
                     pairs.append(rec.encode_set_batch(sid, entries))
-                self.clean.update(zip(cks, zip(values, stored, strict=True), strict=True))
+                self.cleans[kg].update(zip(cks, zip(values, stored, strict=True), strict=True))
             else:
-                self.clean.update(cache)
+                self.cleans[kg].update(cache)
             cache.clear()
         if pairs:
             if append_many is not None:
@@ -198,18 +198,19 @@ class _ValueTable(StateTable):
 
     def flush(self, txn: Any, append: Append | None) -> int:
         count = self.log_changes(append)
-        clean, db = self.clean, self.db
+        db = self.db
         puts = []
-        for ck in sorted(clean):
-            entry = clean[ck]
-            stored = entry[1] if self.clean_bytes else None if entry is TOMBSTONE else self._stored(entry)
-            if stored is None:
-                txn.delete(ck, db=db)
-            else:
-                puts.append((ck, stored))
+        for clean in self.cleans:  # key-group order, then key order: one sorted batch, cheap sorts
+            for ck in sorted(clean):
+                entry = clean[ck]
+                stored = entry[1] if self.clean_bytes else None if entry is TOMBSTONE else self._stored(entry)
+                if stored is None:
+                    txn.delete(ck, db=db)
+                else:
+                    puts.append((ck, stored))
+            clean.clear()
         if puts:
             txn.cursor(db=db).putmulti(puts)
-        clean.clear()
         return count
 
 
@@ -470,7 +471,7 @@ class ValueState(_Bound, Generic[V]):
             cached = self._caches[backend.current_kg].get(ck, _MISS)
             if cached is _MISS:
                 table = self._table
-                cached = table.clean.get(ck, _MISS)
+                cached = table.cleans[backend.current_kg].get(ck, _MISS)
                 if cached is _MISS:
                     stored = backend.tables.reader.get(ck, db=table.db)
                     return None if stored is None else table.ser.deserialize(stored)
