@@ -416,7 +416,7 @@ class ChangelogKeyedStateBackend:
         Must be called before any state is used. Foreign or incompatible handles raise
         ``StateRestoreError``; corrupt log files raise ``CorruptChangelogError`` naming the file.
         """
-        if self._states or self.timers.list() or self.tables.entry_count():
+        if self._states or self.timers.has_timers() or self.tables.entry_count():
             raise StateRestoreError("restore() must be called on a fresh backend, before any state is used")
         handles = list(handles)
         applied = 0

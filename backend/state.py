@@ -50,6 +50,30 @@ TOMBSTONE: Any = _Tombstone()
 _MISS: Any = object()
 
 
+class NoCurrentKeyError(RuntimeError):
+    """Keyed state was used before ``set_current_key``."""
+
+    def __init__(self) -> None:
+        super().__init__("keyed state used without a current key: call set_current_key(key) first")
+
+
+class _NoKey(dict[bytes, Any]):
+    """Stands at index -1 of the per-key-group caches, the current key group before any key is
+    set: the hot path indexes the caches by the current key group without checking it."""
+
+    def get(self, *args: Any) -> Any:
+        raise NoCurrentKeyError()
+
+    def __setitem__(self, key: bytes, value: Any) -> None:
+        raise NoCurrentKeyError()
+
+
+def require_key(ck: bytes) -> bytes:
+    if not ck:
+        raise NoCurrentKeyError()
+    return ck
+
+
 class StateTable:
     """One registered state: its LMDB database, serializers, TTL and write-back cache."""
 
@@ -98,13 +122,14 @@ class _ValueTable(StateTable):
 
     def __init__(self, backend: ChangelogKeyedStateBackend, descriptor: StateDescriptor[Any]) -> None:
         super().__init__(backend, descriptor)
-        self.caches: list[dict[bytes, Any]] = [{} for _ in range(backend.max_parallelism)]
+        self.caches: list[dict[bytes, Any]] = [{} for _ in range(backend.max_parallelism)] + [_NoKey()]
         #: with the log on, ``clean`` holds (entry, stored bytes as serialized for the log, None if
         #: deleted), so a spill does not serialize again; with it off, just the entries
         self.clean_bytes = backend.writer is not None
         self.cleans: list[dict[bytes, Any]] = [{} for _ in range(backend.max_parallelism)]
 
     def _cache_of(self, ck: bytes) -> dict[bytes, Any]:
+        require_key(ck)
         return self.caches[(ck[0] << 8) | ck[1]]
 
     def get(self, ck: bytes) -> Any:
@@ -246,7 +271,7 @@ class _ListTable(StateTable):
         return out
 
     def _stored(self, ck: bytes) -> list[Any]:
-        blob = self.backend.tables.get(self.db, ck)
+        blob = self.backend.tables.get(self.db, require_key(ck))
         return [] if blob is None else self._decode_elements(blob)
 
     def get(self, ck: bytes) -> list[Any]:
@@ -263,7 +288,7 @@ class _ListTable(StateTable):
         return list(elements)
 
     def _entry(self, ck: bytes) -> _ListEntry:
-        entry = self.cache.get(ck)
+        entry = self.cache.get(require_key(ck))
         if entry is None:
             entry = self.cache[ck] = _ListEntry(None)
             if len(self.cache) > self.backend.flush_threshold:
@@ -336,7 +361,7 @@ class _MapTable(StateTable):
         self.user_ser = descriptor.user_key_serializer
 
     def _entry(self, ck: bytes) -> _MapEntry:
-        entry = self.cache.get(ck)
+        entry = self.cache.get(require_key(ck))
         if entry is None:
             if len(self.cache) >= self.backend.flush_threshold:
                 self.backend.flush()
@@ -351,6 +376,7 @@ class _MapTable(StateTable):
         return cached
 
     def get(self, ck: bytes, user_key: Any) -> Any:
+        require_key(ck)
         ukey = self.user_ser.serialize(user_key)
         entry = self.cache.get(ck)
         if entry is not None:
@@ -383,7 +409,7 @@ class _MapTable(StateTable):
 
     def items(self, ck: bytes) -> Iterator[tuple[Any, Any]]:
         """Entries of the current key in user-key byte order (a snapshot of this moment)."""
-        entry = self.cache.get(ck)
+        entry = self.cache.get(require_key(ck))
         merged: dict[bytes, Any] = {}
         expired: list[bytes] = []
         if entry is None or not entry.cleared:

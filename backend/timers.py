@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from backend import records as rec
 from backend.records import Op
+from backend.state import require_key
 
 if TYPE_CHECKING:
     from backend.keyed_backend import ChangelogKeyedStateBackend
@@ -44,12 +45,12 @@ class TimerService:
     def register(self, domain: int, timestamp: int) -> None:
         if type(timestamp) is not int or timestamp < 0:
             raise ValueError(f"timer timestamp must be a non-negative int (ms), got {timestamp!r}")
-        ck = self._backend.current_ckey
+        ck = require_key(self._backend.current_ckey)
         if self._add(ck, domain, timestamp):
             self._pending[ck + rec.timer_user_key(domain, timestamp)] = True
 
     def delete(self, domain: int, timestamp: int) -> None:
-        ck = self._backend.current_ckey
+        ck = require_key(self._backend.current_ckey)
         timers = self._by_key.get(ck)
         if timers is None or (domain, timestamp) not in timers:
             return
@@ -63,7 +64,7 @@ class TimerService:
         self._pending[ck + rec.timer_user_key(domain, timestamp)] = False
 
     def list(self, domain: int | None = None) -> list[int]:
-        timers = self._by_key.get(self._backend.current_ckey, ())
+        timers = self._by_key.get(require_key(self._backend.current_ckey), ())
         return sorted(ts for d, ts in timers if domain is None or d == domain)
 
     def advance(self, domain: int, time_ms: int, on_timer: Callable[[Any, int], None]) -> int:
@@ -90,6 +91,9 @@ class TimerService:
                 return timestamp
             heapq.heappop(heap)
         return None
+
+    def has_timers(self) -> bool:
+        return bool(self._by_key) or bool(self._pending)
 
     def has_changes(self) -> bool:
         return bool(self._pending)

@@ -1032,21 +1032,6 @@ def test_delete_state_of_a_restored_state_not_registered_again(env: Env) -> None
     assert b.get_state(ListStateDescriptor(LIST.name, Int64Serializer())).get() == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Keyed state used before any set_current_key() is not refused (current_ckey is b'', "
-        "current_kg -1; ChangelogKeyedStateBackend/state wrappers never check): ValueState.value() "
-        "raises lmdb.BadValsizeError; ValueState.update, ListState.add and register_*_timer accept "
-        "the change for the empty key and wedge the backend: with ValueState.update the next "
-        "snapshot completes but logs a SET_BATCH entry with an empty ckey (restoring that "
-        "checkpoint raises ChangelogError 'malformed SET_BATCH'), and the next flush raises "
-        "lmdb.BadValsizeError and drops the other keys' cached values; with ListState.add every "
-        "snapshot/flush raises IndexError; with a timer every snapshot raises ValueError 'key group "
-        "256 was appended' (the writer is failed). Expected: ValueError/RuntimeError at the access "
-        "and a backend that still checkpoints and restores."
-    ),
-)
 @pytest.mark.parametrize(
     "access",
     [
