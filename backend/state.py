@@ -127,6 +127,7 @@ class _ValueTable(StateTable):
         #: deleted), so a spill does not serialize again; with it off, just the entries
         self.clean_bytes = backend.writer is not None
         self.cleans: list[dict[bytes, Any]] = [{} for _ in range(backend.max_parallelism)]
+        self.lookup = backend.tables.getter(descriptor.name)
 
     def _cache_of(self, ck: bytes) -> dict[bytes, Any]:
         require_key(ck)
@@ -139,7 +140,7 @@ class _ValueTable(StateTable):
             if cached is not _MISS and self.clean_bytes:
                 cached = cached[0]
         if cached is _MISS:
-            stored = self.backend.tables.reader.get(ck, db=self.db)
+            stored = self.lookup.get(ck)
             if stored is None:
                 return None
             value = self.decode(stored)
@@ -499,7 +500,7 @@ class ValueState(_Bound, Generic[V]):
                 table = self._table
                 cached = table.cleans[backend.current_kg].get(ck, _MISS)
                 if cached is _MISS:
-                    stored = backend.tables.reader.get(ck, db=table.db)
+                    stored = table.lookup.get(ck)
                     return None if stored is None else table.ser.deserialize(stored)
                 if table.clean_bytes:
                     cached = cached[0]

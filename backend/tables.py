@@ -10,14 +10,23 @@ costs one ``get`` and always sees the last flush.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import lmdb
 
-DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; LMDB only uses what it writes
+DEFAULT_MAP_SIZE = 1 << 36
+
+
+class Getter:
+    """See ``LmdbTables.getter``."""
+
+    __slots__ = ("get",)
+
+    def __init__(self) -> None:
+        self.get: Callable[[bytes], bytes | None] = lambda key: None  # 64 GiB of address space; LMDB only uses what it writes
 
 
 class LmdbTables:
@@ -34,16 +43,47 @@ class LmdbTables:
             writemap=False,
         )
         self._dbs: dict[str, Any] = {}
+        self._getters: dict[str, Getter] = {}
+        self._db_readers: list[Any] = []
         #: the read transaction; renewed after every write, so it always sees the last flush
         self.reader = self.env.begin()
 
     def database(self, name: str) -> Any:
         db = self._dbs.get(name)
         if db is None:
-            self.reader.abort()
+            self._end_reads()
             db = self._dbs[name] = self.env.open_db(name.encode())
-            self.reader = self.env.begin()
+            self._begin_reads()
         return db
+
+    def getter(self, name: str) -> Getter:
+        """A holder whose ``get(key)`` reads database ``name`` in the current read view.
+
+        The hot read path calls ``holder.get(key)``: a read transaction bound to the database,
+        renewed in place after every write, saves the attribute hops and the ``db=`` keyword of
+        ``reader.get(key, db=db)`` on every state read.
+        """
+        holder = self._getters.get(name)
+        if holder is None:
+            db = self.database(name)
+            holder = self._getters[name] = Getter()
+            txn = self.env.begin(db=db)
+            self._db_readers.append(txn)
+            holder.get = txn.get
+        return holder
+
+    def _end_reads(self) -> None:
+        self.reader.abort()
+        for txn in self._db_readers:
+            txn.abort()
+        self._db_readers = []
+
+    def _begin_reads(self) -> None:
+        self.reader = self.env.begin()
+        for name, holder in self._getters.items():
+            txn = self.env.begin(db=self._dbs[name])
+            self._db_readers.append(txn)
+            holder.get = txn.get
 
     def database_in(self, txn: Any, name: str) -> Any:
         """Open (or create) a named database inside a running write transaction."""
@@ -95,12 +135,12 @@ class LmdbTables:
     @contextmanager
     def write(self) -> Iterator[Any]:
         """A write transaction; the read view is renewed after it commits."""
-        self.reader.abort()
+        self._end_reads()
         try:
             with self.env.begin(write=True) as txn:
                 yield txn
         finally:
-            self.reader = self.env.begin()
+            self._begin_reads()
 
     def entry_count(self) -> int:
         total = 0
@@ -110,5 +150,5 @@ class LmdbTables:
         return total
 
     def close(self) -> None:
-        self.reader.abort()
+        self._end_reads()
         self.env.close()
