@@ -172,9 +172,10 @@ class ChangelogKeyedStateBackend:
         existing = self._states.get(descriptor.name)
         meta = descriptor.metadata()
         if existing is not None:
-            if existing.descriptor.metadata() != meta:
+            if type(existing.descriptor) is not type(descriptor) or existing.descriptor.metadata() != meta:
                 raise StateRestoreError(
-                    f"state {descriptor.name!r} is already registered as {existing.descriptor.metadata()}, not {meta}"
+                    f"state {descriptor.name!r} is already registered as {type(existing.descriptor).__name__} "
+                    f"{existing.descriptor.metadata()}, not {type(descriptor).__name__} {meta}"
                 )
             return self._wrappers[descriptor.name]
         if descriptor.name == TIMERS_DB:

@@ -946,8 +946,9 @@ def test_get_state_returns_the_same_state_for_the_same_descriptor(env: Env) -> N
         ValueStateDescriptor("value", Int64Serializer(), ttl=StateTtl(5)),
         ListStateDescriptor("value", Int64Serializer()),
         MapStateDescriptor("value", Int64Serializer(), user_key_serializer=StrSerializer()),
+        ReducingStateDescriptor("value", Int64Serializer(), reduce=operator.add),
     ],
-    ids=["serializer", "ttl", "list", "map"],
+    ids=["serializer", "ttl", "list", "map", "reducing"],
 )
 def test_reregistering_a_name_with_another_serializer_or_kind_raises(env: Env, other: Any) -> None:
     b = env.backend()
