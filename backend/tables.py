@@ -17,7 +17,7 @@ from typing import Any
 
 import lmdb
 
-DEFAULT_MAP_SIZE = 1 << 36
+DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; LMDB only uses what it writes
 
 
 class Getter:
@@ -26,7 +26,7 @@ class Getter:
     __slots__ = ("get",)
 
     def __init__(self) -> None:
-        self.get: Callable[[bytes], bytes | None] = lambda key: None  # 64 GiB of address space; LMDB only uses what it writes
+        self.get: Callable[[bytes], bytes | None] = lambda key: None
 
 
 class LmdbTables:
