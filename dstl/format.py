@@ -91,14 +91,14 @@ class EncodedSegment:
     max_key_group: int
 
 
-def _le(values: array[int]) -> bytes:
+def le_bytes(values: array[int]) -> bytes:
     if _BIG_ENDIAN_HOST:  # pragma: no cover - no big-endian CI
         values = array(values.typecode, values)
         values.byteswap()
     return values.tobytes()
 
 
-def _from_le(typecode: str, data: bytes | memoryview) -> array[int]:
+def array_from_le(typecode: str, data: bytes | memoryview) -> array[int]:
     values = array(typecode)
     values.frombytes(data)
     if _BIG_ENDIAN_HOST:  # pragma: no cover
@@ -111,8 +111,8 @@ def encode_segment(changeset: ChangeSet, compressor: zstandard.ZstdCompressor) -
     raw = b"".join(
         (
             struct.pack("<I", changeset.records),
-            _le(changeset.key_groups),
-            _le(lengths),
+            le_bytes(changeset.key_groups),
+            le_bytes(lengths),
             *changeset.payloads,
         )
     )
@@ -217,8 +217,8 @@ def _decode_columns(
     if len_end > raw_len or (expected_records is not None and count != expected_records):
         raise CorruptChangelogError(path, f"segment of sqn {sqn} has an impossible record count {count}")
     view = memoryview(raw)
-    key_groups = _from_le("H", view[4:kg_end])
-    lengths = _from_le("I", view[kg_end:len_end])
+    key_groups = array_from_le("H", view[4:kg_end])
+    lengths = array_from_le("I", view[kg_end:len_end])
     if len_end + sum(lengths) != raw_len:
         raise CorruptChangelogError(path, f"segment of sqn {sqn}: record lengths do not add up")
     ends = list(accumulate(lengths, initial=len_end))

@@ -65,6 +65,7 @@ from typing import Any
 
 import zstandard
 
+from dstl.format import array_from_le, le_bytes
 from dstl.types import ChangelogError, KeyGroupRange
 
 CHUNK_FORMAT_VERSION = 1
@@ -150,21 +151,6 @@ class Chunk:
 # --------------------------------------------------------------------------------------------- encode
 
 
-def _le(values: array[int]) -> bytes:
-    if _BIG_ENDIAN_HOST:  # pragma: no cover - no big-endian CI
-        values = array(values.typecode, values)
-        values.byteswap()
-    return values.tobytes()
-
-
-def _from_le(typecode: str, data: bytes | memoryview) -> array[int]:
-    values = array(typecode)
-    values.frombytes(data)
-    if _BIG_ENDIAN_HOST:  # pragma: no cover
-        values.byteswap()
-    return values
-
-
 def _key_group(key: bytes) -> int:
     return int.from_bytes(key[:KEY_GROUP_PREFIX_BYTES], "big")
 
@@ -208,7 +194,7 @@ def _encode_section(
                 f"section {name!r}: key {bad!r} is in key group {_key_group(bad)}, "
                 f"outside the chunk's range [{key_groups.start}, {key_groups.end}]"
             )
-    raw = b"".join((_U32.pack(count), _le(key_lens), _le(value_lens), b"".join(keys), b"".join(values)))
+    raw = b"".join((_U32.pack(count), le_bytes(key_lens), le_bytes(value_lens), b"".join(keys), b"".join(values)))
     return compressor.compress(raw), count, len(raw), lo, hi
 
 
@@ -397,8 +383,8 @@ def _decompress_section(
         raise CorruptChunkError(path, f"section {name!r} holds {stored} entries, the footer says {count}")
     keys_start = 4 + 8 * count
     view = memoryview(raw)
-    key_lens = _from_le("I", view[4 : 4 + 4 * count])
-    value_lens = _from_le("I", view[4 + 4 * count : keys_start])
+    key_lens = array_from_le("I", view[4 : 4 + 4 * count])
+    value_lens = array_from_le("I", view[4 + 4 * count : keys_start])
     values_start = keys_start + sum(key_lens)
     if values_start + sum(value_lens) != len(raw):
         raise CorruptChunkError(path, f"section {name!r}: entry lengths do not add up")

@@ -26,7 +26,7 @@ from dstl.config import ChangelogConfig, HedgingPolicy
 from dstl.hedging import HedgeBudget, HedgeDelay, UploadExecutor, UploadOutcome
 from dstl.metrics import ChangelogMetrics
 from dstl.types import UploadFailedError
-from tests.virtual_time import VirtualTimeDeadlock, VirtualTimeLoop, run_virtual, virtual_now
+from tests.virtual_time import VirtualTimeDeadlock, VirtualTimeLoop, elapse, run_virtual, virtual_now
 
 Step = tuple[str, float] | tuple[str]
 
@@ -411,7 +411,7 @@ def test_cancelling_the_upload_cancels_attempts_and_cleans_up(store_first: bool)
 
     async def scenario() -> None:
         task = asyncio.ensure_future(executor.upload(b"payload"))
-        await asyncio.sleep(0.5)
+        await elapse(0.5)
         assert fake.outcomes() == ["running", "running"]  # primary and its hedge
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -432,7 +432,7 @@ def test_cancelling_the_upload_during_retry_backoff_cleans_up() -> None:
 
     async def scenario() -> None:
         task = asyncio.ensure_future(executor.upload(b"payload"))
-        await asyncio.sleep(0.2)  # the first attempt failed at 0.01, the retry waits until 0.51
+        await elapse(0.2)  # the first attempt failed at 0.01, the retry waits until 0.51
         assert fake.objects == {"obj-1": b"payload"}
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -2,7 +2,7 @@
 
 ``VirtualTimeLoop`` is a ``SelectorEventLoop`` whose ``time()`` is a virtual clock. Whenever an
 iteration of the loop finds no ready callbacks but scheduled timers, the clock jumps straight to
-the earliest (non-cancelled) timer, so ``asyncio.sleep(5)``, ``asyncio.timeout(1)`` and
+the earliest (non-cancelled) timer, so ``asyncio.sleep(n)``, ``asyncio.timeout(1)`` and
 ``loop.call_later`` take no real time and fire in a deterministic order. Virtual time never moves
 while callbacks run: code between two awaits takes zero virtual seconds.
 
@@ -85,3 +85,9 @@ def virtual_now() -> float:
     loop = asyncio.get_running_loop()
     assert isinstance(loop, VirtualTimeLoop), f"not running on a VirtualTimeLoop but {type(loop).__name__}"
     return loop.time()
+
+
+async def elapse(seconds: float) -> None:
+    """Let ``seconds`` of *virtual* time pass (on a ``VirtualTimeLoop`` this takes no real time):
+    the scenario's clock, not a synchronization by waiting."""
+    await asyncio.sleep(seconds)
