@@ -19,6 +19,7 @@ settings.register_profile(
     "ci",
     max_examples=60,
     deadline=None,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile(
