@@ -28,6 +28,7 @@ import math
 import operator
 import pickle
 import re
+import io
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, Protocol, SupportsIndex, TypeAlias, TypeVar, cast
@@ -139,6 +140,16 @@ class Int64Serializer(_Base):
             return _I64.pack(value)
         except struct.error as exc:
             raise SerializationError(self.id, f"cannot serialize {value!r}: {exc}") from None
+
+    def serialize_many(self, values: list[int]) -> list[bytes]:
+        """``[serialize(v) for v in values]`` with one struct call: a checkpoint serializes every
+        changed value of a state at once (see ``backend.state``)."""
+        try:
+            packed = struct.pack(f">{len(values)}q", *values)
+        except struct.error:
+            return [self.serialize(v) for v in values]  # names the bad value
+        read = io.BytesIO(packed).read
+        return [read(8) for _ in values]
 
     def deserialize(self, data: bytes) -> int:
         try:

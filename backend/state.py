@@ -193,6 +193,8 @@ class _ValueTable(StateTable):
                 values = list(cache.values())
                 if ttl:
                     stored = [None if v is TOMBSTONE else rec.with_expiry(v[1], serialize(v[0])) for v in values]
+                elif TOMBSTONE not in values and hasattr(self.ser, "serialize_many"):
+                    stored = self.ser.serialize_many(values)
                 else:
                     stored = [None if v is TOMBSTONE else serialize(v) for v in values]
                 if None in stored:  # cleared keys: a CLEAR record each, the rest in the batch
