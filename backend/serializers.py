@@ -23,12 +23,12 @@ Speed: every keyed access serializes a key, so the int and str paths are a singl
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import operator
 import pickle
 import re
-import io
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, Protocol, SupportsIndex, TypeAlias, TypeVar, cast
