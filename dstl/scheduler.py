@@ -76,6 +76,11 @@ class BatchingScheduler:
     def submit(self, log_id: str, entries: list[UploadEntry], persist_request: bool) -> None:
         loop = asyncio.get_running_loop()
         for entry in entries:
+            if entry.future is not None and not entry.future.done():
+                # Already queued or uploading (defence in depth: never upload twice); the caller
+                # reserved its bytes in flight for nothing, so give them back.
+                self._release_in_flight(entry.size)
+                continue
             entry.future = loop.create_future()
             entry.future.add_done_callback(_consume_exception)
             self._pending.append(entry)

@@ -140,10 +140,8 @@ class StateChangelogStorage:
             writers = list(self._writers.values())
             for writer in writers:
                 entry = writer.check_preemptive()
-                if entry is not None:
+                if entry is not None:  # created already marked as scheduled (see _cut_locked)
                     self.metrics.preemptive_persists += 1
-                    with self.lock:
-                        entry.scheduled = True
                     self._add_in_flight(entry.size)
                     self._scheduler.submit(writer.log_id, [entry], persist_request=False)
             over = self._in_flight > self.config.max_in_flight_bytes

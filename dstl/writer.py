@@ -97,8 +97,12 @@ class ChangelogWriter:
 
     # -- changesets -----------------------------------------------------------------------
 
-    def _cut_locked(self) -> UploadEntry | None:
-        """Close the active changeset under a new SQN (caller holds ``_cut_lock``)."""
+    def _cut_locked(self, scheduled: bool = False) -> UploadEntry | None:
+        """Close the active changeset under a new SQN (caller holds ``_cut_lock``).
+
+        ``scheduled`` marks the entry as already queued for upload in the same step that makes it
+        visible in ``entries``: a persist request racing with a pre-emptive cut must never see
+        the entry unscheduled and queue it a second time."""
         active = self._active
         n = len(active)
         if not n:
@@ -126,7 +130,9 @@ class ChangelogWriter:
             )
             return None
         sqn = self._active_sqn
-        entry = UploadEntry(changeset=ChangeSet(self.log_id, sqn, kgs, payloads, size), sqn=sqn, size=size)
+        entry = UploadEntry(
+            changeset=ChangeSet(self.log_id, sqn, kgs, payloads, size), sqn=sqn, size=size, scheduled=scheduled
+        )
         with self._storage.lock:
             self.entries[sqn] = entry
         self._active_sqn += 1
@@ -153,7 +159,7 @@ class ChangelogWriter:
                 self._measured = n
             if self._measured_bytes < self._threshold or self.closed:
                 return None
-            return self._cut_locked()
+            return self._cut_locked(scheduled=True)
 
     def set_backpressure(self, on: bool) -> None:
         """Loop thread: make the next append wait for capacity (``on``) or not."""

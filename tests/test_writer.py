@@ -465,3 +465,33 @@ def test_requests_reach_the_loop_in_order(local_storage: StateChangelogStorage) 
     local_storage.run(barrier(), WAIT)
     assert local_storage.metrics.flushes == 1  # the only writer waits: flushed at once (rule c)
     assert list(local_storage.read(pending.result(WAIT))) == [(1, b"x")]
+
+
+def test_a_persist_racing_a_preemptive_cut_uploads_the_changeset_once(tmp_path: Path) -> None:
+    """Regression: the monitor's pre-emptive cut and a persist request used to both queue the
+    same changeset when the persist ran between the cut and the monitor's submission, which
+    leaked a reference (the file was never deleted) and left upload futures unresolved."""
+    config = ChangelogConfig.local(tmp_path / "dfs", preemptive_persist_threshold=1)
+    with StateChangelogStorage(config) as storage:
+        writer = storage.create_writer("op", KeyGroupRange(0, 0))
+        writer.append(0, b"change")
+        entry = writer.check_preemptive()  # the monitor's cut, as if it were preempted right here
+        assert entry is not None
+        go = threading.Event()
+
+        def rest_of_the_monitor_step() -> None:  # runs on the loop before the persist's callback
+            assert go.wait(30)
+            storage._add_in_flight(entry.size)
+            storage._scheduler.submit(writer.log_id, [entry], False)
+
+        storage._call(rest_of_the_monitor_step)
+        pending = writer.persist_durably(0)  # between the cut and the submission: must not queue it again
+        go.set()
+        handle = pending.result(30)
+        assert [seg.records for seg in handle.segments] == [1]
+        assert storage.metrics.upload_requests == 1
+        writer.release(handle)
+        writer.truncate(writer.last_appended_sqn() + 1)
+        storage.flush()
+        assert storage.tracked_files() == {}
+        assert storage.run(storage.list_files()) == []
