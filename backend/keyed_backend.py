@@ -555,8 +555,8 @@ def _apply(txn: Any, db: Any, kind: str, op: Op, ck: bytes, rest: bytes) -> int:
                 txn.delete(ck, db=db)
         elif op is Op.ADD:
             blob = txn.get(ck, db=db)
-            old = rec.decode_list(blob) if blob is not None else []
-            txn.put(ck, rec.encode_list(old + rec.decode_list(rest)), db=db)
+            rec.decode_list(rest)  # checks the added elements' framing
+            txn.put(ck, rec.concat_lists(blob, rest), db=db)
         elif op is Op.PUT:
             user_key, value = rec.split_put(rest)
             txn.put(ck + user_key, value, db=db)

@@ -186,6 +186,20 @@ def encode_list(elements: list[bytes]) -> bytes:
     return b"".join(parts)
 
 
+def concat_lists(blob: bytes | None, added: bytes) -> bytes:
+    """``encode_list(decode_list(blob) + decode_list(added))`` without touching the elements:
+    appending to a long list (replay of ADD records, a flush of appends) copies bytes once
+    instead of decoding and re-encoding every element already stored."""
+    if blob is None:
+        return added
+    try:
+        (old,) = _U32.unpack_from(blob)
+        (new,) = _U32.unpack_from(added)
+    except struct.error:
+        raise SerializationError("list-value", "malformed") from None
+    return b"".join((_U32.pack(old + new), memoryview(blob)[4:], memoryview(added)[4:]))
+
+
 def decode_list(blob: bytes) -> list[bytes]:
     try:
         return list(_iter_list(blob))

@@ -326,11 +326,10 @@ class _ListTable(StateTable):
             if entry.base is None:  # appends only: log just the new elements
                 if not added:
                     continue
-                blob = txn.get(ck, db=db)
-                old = rec.decode_list(blob) if blob is not None else []
-                txn.put(ck, rec.encode_list(old + added), db=db)
+                added_blob = rec.encode_list(added)
+                txn.put(ck, rec.concat_lists(txn.get(ck, db=db), added_blob), db=db)
                 if append is not None:
-                    append(kg, rec.record(Op.ADD, sid, ck, rec.encode_list(added)))
+                    append(kg, rec.record(Op.ADD, sid, ck, added_blob))
                 continue
             elements = [self._encode_element(e) for e in entry.base] + added
             if elements:
