@@ -55,6 +55,11 @@ class KeyedStateHandle:
     materialized: tuple[dict[str, Any], ...] = field(default=())
     checkpoint_id: int = 0
 
+    def referenced_files(self) -> set[str]:
+        """Every DFS file (relative path) a restore of this handle reads: chunks and log files."""
+        chunks = {str(chunk["path"]) for chunk in self.materialized}
+        return chunks | {seg.path for entry in self.changelog for seg in entry.log.segments}
+
     def to_json(self) -> dict[str, Any]:
         return {
             "version": HANDLE_VERSION,

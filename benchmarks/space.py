@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from backend.cleanup import delete_unreferenced, referenced_files
 from backend.descriptors import ValueStateDescriptor
 from backend.handles import KeyedStateHandle
 from backend.keyed_backend import ChangelogKeyedStateBackend
@@ -68,24 +69,8 @@ def _dfs_bytes(root: Path) -> int:
     return total
 
 
-def _referenced(handles: list[KeyedStateHandle]) -> set[str]:
-    paths: set[str] = set()
-    for handle in handles:
-        paths.update(str(chunk["path"]) for chunk in handle.materialized)
-        for entry in handle.changelog:
-            paths.update(seg.path for seg in entry.log.segments)
-    return paths
-
-
 def _cleanup(storage: StateChangelogStorage, retained: list[KeyedStateHandle]) -> int:
-    keep = _referenced(retained)
-    deleted = 0
-    for prefix in ("dstl", "shared"):
-        for path in storage.list_all(prefix):
-            if path not in keep:
-                storage.delete_file(path)
-                deleted += 1
-    return deleted
+    return len(delete_unreferenced(storage, retained))
 
 
 def _live_size(backend: ChangelogKeyedStateBackend) -> tuple[int, int]:
@@ -143,7 +128,7 @@ class _Run:
 
     def referenced_bytes(self) -> tuple[int, int, int]:
         """(chunk bytes, log file bytes, chunk files) the retained handles reference."""
-        paths = _referenced(self.retained)
+        paths = referenced_files(self.retained)
         chunks = [p for p in paths if p.startswith("shared/")]
         chunk_bytes = sum(os.path.getsize(self.root / p) for p in chunks)
         log_bytes = sum(os.path.getsize(self.root / p) for p in paths if p.startswith("dstl/"))

@@ -29,6 +29,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from backend.cleanup import delete_unreferenced
 from backend.handles import KeyedStateHandle
 from backend.keyed_backend import ChangelogKeyedStateBackend, key_group_ranges
 from backend.keygroups import assign_key_group, subtask_for_key_group
@@ -746,12 +747,6 @@ def test_failure_restores_the_size_trigger(env: Env) -> None:
 # -- 4. a crash in the middle of a materialization's upload --------------------------------------
 
 
-def referenced_files(handle: KeyedStateHandle) -> set[str]:
-    chunks = {c["path"] for c in handle.materialized}
-    logs = {seg.path for e in handle.changelog for seg in e.log.segments}
-    return chunks | logs
-
-
 def run_crashing_child(tmp: Path) -> tuple[KeyedStateHandle, str]:
     """Run the child until it hangs in its upload, SIGKILL it; return its handle and partial chunk."""
     handle_path, marker = tmp / "checkpoint-1.json", tmp / "uploading"
@@ -789,13 +784,13 @@ def test_crash_during_materialization_upload(tmp_path: Path) -> None:
     try:
         check_restores(env, handle, model, parallelisms=(1, 2))
 
-        referenced = referenced_files(handle)
+        referenced = handle.referenced_files()
         shared, logs = set(storage.list_all("shared")), set(storage.list_all("dstl"))
         assert referenced <= shared | logs
         assert shared - referenced == {partial}  # what the crash left behind: the partial upload
 
-        for path in sorted((shared | logs) - referenced):  # cleanup: unreferenced files go
-            storage.delete_file(path)
+        deleted = delete_unreferenced(storage, [handle])  # orphan cleanup after the crash
+        assert set(deleted) == (shared | logs) - referenced
         assert set(storage.list_all("shared")) | set(storage.list_all("dstl")) == referenced
         check_restores(env, handle, model, parallelisms=(1, 4))
     finally:
