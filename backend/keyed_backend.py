@@ -472,6 +472,8 @@ class ChangelogKeyedStateBackend:
                 data = self.storage.get_file(chunk["path"])
             except FileNotFoundError:
                 raise StateRestoreError(f"materialized chunk {chunk['path']} is missing") from None
+            except ValueError as exc:  # a path outside the storage's base path
+                raise StateRestoreError(f"materialized chunk path refused: {exc}") from None
             by_state = load_chunk(chunk["path"], data, rng)
             with self.tables.write() as txn:
                 for name, entries in by_state.items():

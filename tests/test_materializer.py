@@ -30,10 +30,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from backend.cleanup import delete_unreferenced
-from backend.handles import KeyedStateHandle
+from backend.descriptors import ValueStateDescriptor
+from backend.handles import KeyedStateHandle, StateRestoreError
 from backend.keyed_backend import ChangelogKeyedStateBackend, key_group_ranges
 from backend.keygroups import assign_key_group, subtask_for_key_group
-from backend.serializers import serialize_key
+from backend.serializers import Int64Serializer, serialize_key
 from dstl import ChangelogConfig, ChangelogWriter, KeyGroupRange, StateChangelogStorage
 from materializer.periodic import MaterializationError, PeriodicMaterializer, restore
 from tests.materializer_crash_child import (
@@ -931,3 +932,26 @@ def test_materialization_needs_the_changelog(env: Env) -> None:
             PeriodicMaterializer(b)
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("path", ["../outside.chunk", "/etc/passwd", "s3://other/bucket.chunk"])
+def test_a_chunk_path_outside_the_base_path_is_refused(tmp_path: Path, path: str) -> None:
+    storage = StateChangelogStorage(ChangelogConfig.local(tmp_path / "dfs"))
+    try:
+        backend = ChangelogKeyedStateBackend("op", KeyGroupRange(0, 127), tmp_path / "a", storage=storage)
+        m = PeriodicMaterializer(backend, interval_s=1e9, size_trigger_bytes=None)
+        backend.get_state(ValueStateDescriptor("v", Int64Serializer()))
+        backend.set_current_key(1)
+        backend.get_state(ValueStateDescriptor("v", Int64Serializer())).update(1)
+        assert m.trigger()
+        m.wait()
+        handle = backend.snapshot(1).result(30)
+        backend.notify_checkpoint_complete(1)
+        tampered = handle.to_json()
+        tampered["materialized"][0]["path"] = path
+        fresh = ChangelogKeyedStateBackend("op", KeyGroupRange(0, 127), tmp_path / "b", storage=storage)
+        with pytest.raises(StateRestoreError, match=r"outside|not relative"):
+            restore(fresh, [KeyedStateHandle.from_json(tampered)])
+        m.close()
+    finally:
+        storage.close()
