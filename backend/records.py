@@ -73,12 +73,6 @@ def key_of(ckey_bytes: bytes) -> bytes:
     return ckey_bytes[4:]
 
 
-def user_key_of(table_key: bytes) -> bytes:
-    """The user key of a map entry's table key."""
-    (key_len,) = _U16.unpack_from(table_key, 2)
-    return table_key[4 + key_len :]
-
-
 def record(op: Op, sid: int, ck: bytes, rest: bytes = b"") -> bytes:
     return _HEAD.pack(op, sid) + ck + rest
 

@@ -111,16 +111,6 @@ class LmdbTables:
                 return
             yield key, value
 
-    def scan_range(self, db: Any, start: bytes, end: bytes) -> Iterator[tuple[bytes, bytes]]:
-        """Entries with ``start <= key < end`` in key order."""
-        cursor = self.reader.cursor(db=db)
-        if not cursor.set_range(start):
-            return
-        for key, value in cursor:
-            if key >= end:
-                return
-            yield key, value
-
     @staticmethod
     def delete_prefix(txn: Any, db: Any, prefix: bytes) -> int:
         cursor = txn.cursor(db=db)
