@@ -50,6 +50,7 @@ from tests.materializer_crash_child import (
     batch_b,
     checkpoint_1_model,
 )
+from tests.state_models import apply_list_op
 
 WAIT_S = 30.0
 FULL = KeyGroupRange(0, MAX_P - 1)
@@ -318,21 +319,7 @@ class MaterializerMachine(RuleBasedStateMachine):
     @rule(key=KEYS, op=st.sampled_from(["add", "add_all", "update", "clear"]), values=st.lists(VALUES, max_size=3))
     def list_op(self, key: Any, op: str, values: list[int]) -> None:
         state, model = self.at(key).get_state(LIST), self.model.lists
-        if op == "add":
-            value = values[0] if values else 0
-            state.add(value)
-            model.setdefault(key, []).append(value)
-        elif op == "add_all":
-            state.add_all(values)
-            model.setdefault(key, []).extend(values)
-        elif op == "update":
-            state.update(values)
-            model[key] = list(values)
-        else:
-            state.clear()
-            model.pop(key, None)
-        if not model.get(key, True):
-            del model[key]
+        apply_list_op(state, model, key, op, values)
 
     @rule(key=KEYS, op=st.sampled_from(["put", "remove", "clear"]), user_key=USER_KEYS, value=VALUES)
     def map_op(self, key: Any, op: str, user_key: str, value: int) -> None:

@@ -38,6 +38,7 @@ from backend.keygroups import assign_key_group, subtask_for_key_group
 from backend.serializers import Int64Serializer, StrSerializer, serialize_key
 from backend.timers import EVENT_TIME, PROCESSING_TIME
 from dstl import ChangelogConfig, StateChangelogStorage
+from tests.state_models import apply_list_op
 
 WAIT_S = 30.0
 MAX_P = 128
@@ -177,21 +178,7 @@ class BackendMachine(RuleBasedStateMachine):
     @rule(key=KEYS, op=st.sampled_from(["add", "add_all", "update", "clear"]), values=st.lists(VALUES, max_size=3))
     def list_op(self, key: Any, op: str, values: list[int]) -> None:
         state, model = self.at(key).list, self.model.lists
-        if op == "add":
-            value = values[0] if values else 0
-            state.add(value)
-            model.setdefault(key, []).append(value)
-        elif op == "add_all":
-            state.add_all(values)
-            model.setdefault(key, []).extend(values)
-        elif op == "update":
-            state.update(values)
-            model[key] = list(values)
-        else:
-            state.clear()
-            model.pop(key, None)
-        if not model.get(key, True):
-            del model[key]
+        apply_list_op(state, model, key, op, values)
 
     @rule(
         key=KEYS,
