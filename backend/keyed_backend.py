@@ -118,6 +118,14 @@ class ChangelogKeyedStateBackend:
         self._restored_meta: dict[str, dict[str, Any]] = {}
         self._carried: list[LogEntry] = []
         self._materialized: list[dict[str, Any]] = []
+        #: restored state whose files this job does not own (NO_CLAIM, canonical savepoints): no
+        #: snapshot until a full materialization has copied it into files of its own
+        self.needs_full_materialization = False
+        #: chunks of our materializations that no completed checkpoint has named yet, and the
+        #: chunks each pending snapshot names: a chunk superseded before any checkpoint completed
+        #: with it is deleted here (the registry never sees it)
+        self._unconfirmed_chunks: set[str] = set()
+        self._pending_chunks: dict[int, set[str]] = {}
         self.materialized_sqn = SequenceNumber.INITIAL
         self._pending: dict[int, ChangelogHandle] = {}
         self.timers = TimerService(self)
@@ -283,6 +291,11 @@ class ChangelogKeyedStateBackend:
     def snapshot(self, checkpoint_id: int) -> concurrent.futures.Future[KeyedStateHandle]:
         """Make the state durable; the future yields the handle of checkpoint ``checkpoint_id``."""
         with self._lock:
+            if self.needs_full_materialization:
+                raise StateRestoreError(
+                    "the restored state is not owned by this job yet: materialize it fully before the first "
+                    "checkpoint (LocalJob does; call PeriodicMaterializer.trigger() and wait())"
+                )
             self._log_changes()
             result: concurrent.futures.Future[KeyedStateHandle] = concurrent.futures.Future()
             states = self.state_metadata()
@@ -293,6 +306,7 @@ class ChangelogKeyedStateBackend:
                 return result
             persist = self.writer.persist_durably(self.materialized_sqn)
             self._checkpoint_after[checkpoint_id] = self.materialized_sqn
+            self._pending_chunks[checkpoint_id] = {str(c["path"]) for c in materialized}
 
         def done(fut: concurrent.futures.Future[ChangelogHandle]) -> None:
             try:
@@ -346,6 +360,17 @@ class ChangelogKeyedStateBackend:
             if after is not None:
                 self._completed_afters = [*self._completed_afters, after][-self.num_retained :]
                 self._truncate_log()
+            self._unconfirmed_chunks -= self._pending_chunks.get(checkpoint_id, set())
+            self._pending_chunks = {c: p for c, p in self._pending_chunks.items() if c > checkpoint_id}
+            self._delete_superseded_chunks()
+
+    def _delete_superseded_chunks(self) -> None:
+        in_use = {str(c["path"]) for c in self._materialized}.union(*self._pending_chunks.values())
+        garbage = self._unconfirmed_chunks - in_use
+        if garbage and self.storage is not None:
+            for path in sorted(garbage):
+                self.storage.delete_file(path)
+        self._unconfirmed_chunks -= garbage
 
     def _truncate_log(self) -> None:
         if self.writer is None or len(self._completed_afters) < self.num_retained:
@@ -365,7 +390,7 @@ class ChangelogKeyedStateBackend:
                 raise RuntimeError("materialization needs the changelog (log_enabled=True)")
             self.flush()
             sqn = self.writer.last_appended_sqn()
-            if sqn == self.materialized_sqn and not self._carried:
+            if sqn == self.materialized_sqn and not self._carried and not self.needs_full_materialization:
                 return None
             point = MaterializationPoint(
                 sqn=sqn,
@@ -375,7 +400,7 @@ class ChangelogKeyedStateBackend:
                 previous=tuple(self._materialized),
                 key_group_range=self.key_group_range,
                 log_bytes=self.log_bytes_since_materialization,
-                rewrite_all=bool(self._carried),
+                rewrite_all=bool(self._carried) or self.needs_full_materialization,
             )
             self.dirty_key_groups = set()
             self.log_bytes_since_materialization = 0
@@ -386,9 +411,14 @@ class ChangelogKeyedStateBackend:
         ``point.sqn`` only; carried-over logs of a restore are no longer needed."""
         point.txn.abort()
         with self._lock:
+            previous = {str(c["path"]) for c in self._materialized}
+            self._unconfirmed_chunks |= {str(c["path"]) for c in chunks} - previous
             self._materialized = list(chunks)
             self.materialized_sqn = SequenceNumber(point.sqn)
             self._carried = []
+            self._delete_superseded_chunks()
+            if point.rewrite_all:
+                self.needs_full_materialization = False
             self._truncate_log()
 
     def abort_materialization(self, point: MaterializationPoint) -> None:
@@ -400,9 +430,12 @@ class ChangelogKeyedStateBackend:
 
     def notify_checkpoint_aborted(self, checkpoint_id: int) -> None:
         with self._lock:
+            self._pending_chunks.pop(checkpoint_id, None)
+            self._checkpoint_after.pop(checkpoint_id, None)
             handle = self._pending.pop(checkpoint_id, None)
             if handle is not None and self.writer is not None:
                 self.writer.release(handle)
+            self._delete_superseded_chunks()
 
     # -- restore --------------------------------------------------------------------------
 
@@ -411,11 +444,14 @@ class ChangelogKeyedStateBackend:
         handles: Iterable[KeyedStateHandle],
         progress: Callable[[int], None] | None = None,
         load_chunk: ChunkLoader | None = None,
+        source: StateChangelogStorage | None = None,
     ) -> int:
         """Load the owned key groups of ``handles`` (any old parallelism); returns key changes applied.
 
         Must be called before any state is used. Foreign or incompatible handles raise
         ``StateRestoreError``; corrupt log files raise ``CorruptChangelogError`` naming the file.
+        ``source``: the storage whose base path the handles' files are relative to (a savepoint's
+        directory), if not this backend's own storage; call ``disown_restored`` afterwards.
         """
         if self._states or self.timers.has_timers() or self.tables.entry_count():
             raise StateRestoreError("restore() must be called on a fresh backend, before any state is used")
@@ -424,9 +460,10 @@ class ChangelogKeyedStateBackend:
         for handle in handles:
             self._check_compatible(handle)
             self._merge_metadata(handle.states)
-        if handles and self.storage is None:
+        reader = source or self.storage
+        if handles and reader is None:
             raise StateRestoreError("restoring changelog handles needs a changelog storage")
-        applied += self._load_materialized(handles, load_chunk, progress)
+        applied += self._load_materialized(handles, load_chunk, progress, reader)
         for handle in handles:
             scope = intersect(handle.key_group_range, self.key_group_range)
             if not len(scope):
@@ -436,17 +473,33 @@ class ChangelogKeyedStateBackend:
                 log = entry.log
                 if not len(rng) or not rng.intersects(log.key_group_range.start, log.key_group_range.end):
                     continue
-                assert self.storage is not None
-                applied += self._apply_log(self.storage, log, rng, progress, applied)
+                assert reader is not None
+                applied += self._apply_log(reader, log, rng, progress, applied)
                 self._carried.append(LogEntry(log, rng))
         self.timers.load()
         return applied
+
+    def consistent_view(self) -> tuple[Any, dict[str, Any]]:
+        """Flush, then an LMDB read transaction and the tables it sees (abort the txn when done)."""
+        with self._lock:
+            self.flush()
+            return self.tables.env.begin(), dict(self.tables.databases())
+
+    def disown_restored(self) -> None:
+        """Forget the files the restore read (they belong to a savepoint or another job): later
+        snapshots must not reference them, so the next materialization rewrites every key group
+        and no snapshot is taken before it (NO_CLAIM restore mode)."""
+        with self._lock:
+            self._carried = []
+            self._materialized = []
+            self.needs_full_materialization = True
 
     def _load_materialized(
         self,
         handles: list[KeyedStateHandle],
         load_chunk: ChunkLoader | None,
         progress: Callable[[int], None] | None,
+        reader: StateChangelogStorage | None,
     ) -> int:
         """Bulk-load the owned parts of the materialized chunks, in key order (sorted appends)."""
         parts: list[tuple[KeyGroupRange, dict[str, Any]]] = []
@@ -462,14 +515,14 @@ class ChangelogKeyedStateBackend:
                     parts.append((rng, {**chunk, "scope": rng.to_json(), "path": path}))
         if not parts:
             return 0
-        if load_chunk is None or self.storage is None:
+        if load_chunk is None or reader is None:
             raise StateRestoreError(
                 "the handles hold materialized chunks: restore with materializer.restore(backend, handles)"
             )
         loaded = 0
         for rng, chunk in sorted(parts, key=lambda p: p[0].start):
             try:
-                data = self.storage.get_file(chunk["path"])
+                data = reader.get_file(chunk["path"])
             except FileNotFoundError:
                 raise StateRestoreError(f"materialized chunk {chunk['path']} is missing") from None
             except ValueError as exc:  # a path outside the storage's base path

@@ -349,8 +349,18 @@ class StateChangelogStorage:
         """Read a whole file under the base path; a missing file raises ``FileNotFoundError``."""
         return self.run(self._uploader.get(check_relative(path)), timeout)
 
+    def read_range(self, path: str, offset: int, length: int, timeout: float | None = None) -> bytes:
+        """Read part of a file under the base path; a missing file raises ``FileNotFoundError``."""
+        return self.run(self._uploader.get(check_relative(path), offset, length), timeout)
+
     def delete_file(self, path: str, timeout: float | None = None) -> None:
         self.run(self._uploader.delete(check_relative(path)), timeout)
+
+    def remove_empty_directory(self, path: str) -> None:
+        """Remove an empty directory under a local base path (object stores have none)."""
+        remove = getattr(self._uploader, "remove_empty_directory", None)
+        if remove is not None:
+            remove(check_relative(path))
 
     def list_all(self, prefix: str = "") -> list[str]:
         return self.run(self._uploader.list(prefix))

@@ -128,7 +128,7 @@ class SegmentRef:
             "path": self.path,
             "offset": self.offset,
             "length": self.length,
-            "sqn": self.sqn,
+            "sqn": int(self.sqn),
             "records": self.records,
             "key_groups": [self.min_key_group, self.max_key_group],
         }
@@ -188,8 +188,8 @@ class ChangelogHandle:
             "version": HANDLE_FORMAT_VERSION,
             "log_id": self.log_id,
             "key_group_range": self.key_group_range.to_json(),
-            "after": self.after,
-            "upto": self.upto,
+            "after": int(self.after),
+            "upto": int(self.upto),
             "segments": [s.to_json() for s in self.segments],
         }
 

@@ -134,6 +134,11 @@ class FsspecUploader:
     async def list(self, prefix: str = "") -> list[str]:
         return await self._run(self._list_sync, prefix)
 
+    def remove_empty_directory(self, path: str) -> None:
+        if self._local:
+            with contextlib.suppress(OSError):
+                os.rmdir(self._full(path))
+
     async def close(self) -> None:
         return None
 

@@ -27,13 +27,13 @@ import contextlib
 import random
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from backend.handles import KeyedStateHandle
 from backend.keyed_backend import ChangelogKeyedStateBackend, MaterializationPoint
-from dstl import ChangelogError, KeyGroupRange
+from dstl import ChangelogError, KeyGroupRange, StateChangelogStorage
 from materializer.chunks import chunk_sections, encode_chunk
 
 
@@ -192,7 +192,7 @@ class PeriodicMaterializer:
                     full += old["size"]
                     reused += 1
                     continue
-                sections = _read_sections(point, rng)
+                sections = read_sections(point.txn, point.databases, rng)
                 if not sections and clean and old is None:
                     continue  # nothing ever stored in these key groups
                 if not sections:
@@ -205,7 +205,7 @@ class PeriodicMaterializer:
                     "path": path,
                     "key_groups": rng.to_json(),
                     "scope": rng.to_json(),
-                    "sqn": point.sqn,
+                    "sqn": int(point.sqn),
                     "size": len(data),
                     "entries": sum(len(v) for v in sections.values()),
                 }
@@ -220,12 +220,13 @@ class PeriodicMaterializer:
         return _Outcome(chunks, uploaded, full, len(written), reused)
 
 
-def _read_sections(point: MaterializationPoint, rng: KeyGroupRange) -> dict[str, list[tuple[bytes, bytes]]]:
+def read_sections(txn: Any, databases: Mapping[str, Any], rng: KeyGroupRange) -> dict[str, list[tuple[bytes, bytes]]]:
+    """Every table entry of key groups ``rng`` as ``txn`` sees them, per table, in key order."""
     start = rng.start.to_bytes(2, "big")
     end = (rng.end + 1).to_bytes(2, "big") if rng.end < 0xFFFF else b"\xff\xff\xff"
     sections: dict[str, list[tuple[bytes, bytes]]] = {}
-    for name, db in point.databases.items():
-        cursor = point.txn.cursor(db=db)
+    for name, db in databases.items():
+        cursor = txn.cursor(db=db)
         entries: list[tuple[bytes, bytes]] = []
         if cursor.set_range(start):
             for key, value in cursor:
@@ -241,6 +242,7 @@ def restore(
     backend: ChangelogKeyedStateBackend,
     handles: Iterable[KeyedStateHandle],
     progress: Callable[[int], None] | None = None,
+    source: StateChangelogStorage | None = None,
 ) -> int:
     """``backend.restore`` that can read materialized chunks (the backend does not import us)."""
-    return backend.restore(handles, progress=progress, load_chunk=chunk_sections)
+    return backend.restore(handles, progress=progress, load_chunk=chunk_sections, source=source)

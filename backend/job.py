@@ -1,0 +1,352 @@
+"""``LocalJob``: the operators of one job in one process, with checkpoints, savepoints and restore.
+
+It wires what a runtime would (Flink's JobMaster and TaskManager in one object): one changelog
+storage for the job directory ``<root>/<job>``, one backend and one periodic materializer per
+operator subtask, the checkpoint coordinator. The Spark integration drives the same coordinator
+from the driver instead.
+
+Start-up order matters and is the reason this class exists:
+
+1. ``coordinator.recover()`` rebuilds the reference counts and deletes every orphan file before
+   anything new is written;
+2. a job with completed checkpoints resumes from the latest (``restore_from`` is then ignored, as
+   in Flink); otherwise ``restore_from`` (a savepoint or another job's checkpoint) is restored in
+   ``restore_mode``, after checking that every operator in it still exists;
+3. subtasks whose restored state the job does not own are fully materialized before the first
+   checkpoint.
+
+Local LMDB directories are recreated on start: state always comes from the DFS.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from backend.checkpoints import (
+    CheckpointCoordinator,
+    CheckpointError,
+    CheckpointRetention,
+    SnapshotMetadata,
+    StepHook,
+    read_snapshot,
+)
+from backend.keyed_backend import ChangelogKeyedStateBackend
+from backend.keygroups import DEFAULT_MAX_PARALLELISM, key_group_range_for_subtask
+from backend.savepoints import (
+    Progress,
+    RestoreMode,
+    check_operators,
+    copy_files,
+    dispose_savepoint,
+    handles_of,
+    open_directory,
+    write_canonical_savepoint,
+    write_native_savepoint,
+)
+from dstl import ChangelogConfig, StateChangelogStorage
+from dstl.uploaders import Uploader
+from materializer.periodic import PeriodicMaterializer, restore
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+@dataclass(frozen=True)
+class OperatorSpec:
+    uid: str
+    parallelism: int
+    max_parallelism: int = DEFAULT_MAX_PARALLELISM
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.uid):
+            raise ValueError(f"operator uid {self.uid!r} must be letters, digits, '_', '-' or '.'")
+        if not 1 <= self.parallelism <= self.max_parallelism:
+            raise ValueError(f"operator {self.uid}: parallelism must be in 1..{self.max_parallelism}")
+
+
+@dataclass
+class Subtask:
+    uid: str
+    index: int
+    backend: ChangelogKeyedStateBackend
+    materializer: PeriodicMaterializer
+
+
+@dataclass
+class PendingSnapshot:
+    checkpoint_id: int
+    futures: list[tuple[Subtask, Any]]
+
+
+def snapshot_location(url: str) -> tuple[str, str]:
+    """(directory the snapshot's paths are relative to, path of its ``_metadata`` in it) for a
+    savepoint directory, a ``chk-<n>`` directory, or either's ``_metadata`` file."""
+    url = url.rstrip("/")
+    if url.endswith("/_metadata"):
+        url = url[: -len("/_metadata")]
+    parent, _, last = url.rpartition("/")
+    if re.fullmatch(r"chk-\d+", last) and parent:
+        return parent, f"{last}/_metadata"
+    return url, "_metadata"
+
+
+def _noop(what: str, done: int, total: int) -> None:
+    return None
+
+
+class LocalJob:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        job_id: str,
+        operators: Sequence[OperatorSpec],
+        local_dir: str | os.PathLike[str],
+        *,
+        config: ChangelogConfig | None = None,
+        uploader: Uploader | None = None,
+        num_retained: int = 1,
+        retention: CheckpointRetention = CheckpointRetention.RETAIN_ON_CANCELLATION,
+        restore_from: str | None = None,
+        restore_mode: RestoreMode = RestoreMode.NO_CLAIM,
+        allow_non_restored_state: bool = False,
+        materialization_interval_s: float = 600.0,
+        size_trigger_bytes: int | None = 64 << 20,
+        chunk_key_groups: int = 1,
+        progress: Progress = _noop,
+        on_step: StepHook | None = None,
+    ) -> None:
+        if not _NAME.match(job_id):
+            raise ValueError(f"job id {job_id!r} must be letters, digits, '_', '-' or '.'")
+        if len({op.uid for op in operators}) != len(operators):
+            raise ValueError("operator uids must be unique")
+        self.job_id = job_id
+        self.job_dir = f"{os.fspath(root).rstrip('/')}/{job_id}"
+        self.operators = list(operators)
+        self._config = replace(config or ChangelogConfig(base_path=self.job_dir), base_path=self.job_dir)
+        self.storage = StateChangelogStorage(self._config, uploader=uploader)
+        self.coordinator = CheckpointCoordinator(
+            self.storage, job_id=job_id, num_retained=num_retained, retention=retention, on_step=on_step
+        )
+        self._progress = progress
+        self._materializer_options: dict[str, Any] = dict(
+            interval_s=materialization_interval_s, size_trigger_bytes=size_trigger_bytes,
+            chunk_key_groups=chunk_key_groups,
+        )  # fmt: skip
+        self._local_dir = Path(local_dir)
+        self.subtasks: dict[str, list[Subtask]] = {}
+        self.restored_from: SnapshotMetadata | None = None
+        try:
+            latest = self.coordinator.recover()
+            if latest is not None:
+                self._start(latest, self.storage, own=True)
+            elif restore_from is not None:
+                self._restore_external(restore_from, restore_mode, allow_non_restored_state)
+            else:
+                self._start(None, None, own=True)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- start-up -------------------------------------------------------------------------
+
+    def _restore_external(self, url: str, mode: RestoreMode, allow_non_restored_state: bool) -> None:
+        base, where = snapshot_location(url)
+        if _inside(base, self.job_dir):
+            raise CheckpointError(
+                f"{url} lies inside this job's directory {self.job_dir}; a job resumes its own checkpoints by itself"
+            )
+        source = open_directory(base, self._config)
+        try:
+            meta = read_snapshot(source, where)
+            check_operators(meta, [op.uid for op in self.operators], allow_non_restored_state)
+            own = meta.format == "native" and mode is not RestoreMode.NO_CLAIM
+            if own:  # checkpoints only name files inside the job directory: take a copy
+                files = {p for op in self.operators if op.uid in meta.operators for p in _files_of(meta, op.uid)}
+                copy_files(source, self.storage, sorted(files), self._progress)
+                self._start(meta, self.storage, own=True)
+            else:
+                self._start(meta, source, own=False)
+        finally:
+            source.close()
+        if mode is RestoreMode.CLAIM:
+            self.coordinator.on_first_completion = lambda _: self._dispose_claimed(base, where)
+
+    def _dispose_claimed(self, base: str, where: str) -> None:
+        source = open_directory(base, self._config)
+        try:
+            if where == "_metadata":
+                dispose_savepoint(source)
+            else:  # a checkpoint of another job: its metadata and the files it names
+                meta = read_snapshot(source, where)
+                source.delete_file(where)
+                for path in sorted(meta.referenced_files()):
+                    source.delete_file(path)
+        finally:
+            source.close()
+
+    def _start(self, meta: SnapshotMetadata | None, source: StateChangelogStorage | None, own: bool) -> None:
+        self.restored_from = meta
+        for op in self.operators:
+            handles = handles_of(meta, op.uid) if meta is not None and op.uid in meta.operators else []
+            subtasks = self.subtasks[op.uid] = []
+            for index in range(op.parallelism):
+                rng = key_group_range_for_subtask(op.max_parallelism, op.parallelism, index)
+                local = self._local_dir / self.job_id / op.uid / str(index)
+                shutil.rmtree(local, ignore_errors=True)
+                backend = ChangelogKeyedStateBackend(
+                    op.uid, rng, local, storage=self.storage, max_parallelism=op.max_parallelism,
+                    num_retained=self.coordinator.num_retained,
+                )  # fmt: skip
+                subtasks.append(
+                    Subtask(op.uid, index, backend, PeriodicMaterializer(backend, **self._materializer_options))
+                )
+                if handles:
+                    restore(backend, handles, source=source)
+                    if not own or meta is None or meta.format == "canonical":
+                        backend.disown_restored()
+                self._progress("restore", index + 1, op.parallelism)
+
+    # -- processing -----------------------------------------------------------------------
+
+    def all_subtasks(self) -> Iterator[Subtask]:
+        for subtasks in self.subtasks.values():
+            yield from subtasks
+
+    def backend_for(self, uid: str, key: Any) -> ChangelogKeyedStateBackend:
+        """The backend of the subtask of ``uid`` that owns ``key``, with ``key`` set current."""
+        subtasks = self.subtasks[uid]
+        kg = subtasks[0].backend.key_group_of(key)
+        for subtask in subtasks:
+            if kg in subtask.backend.key_group_range:
+                subtask.backend.set_current_key(key)
+                return subtask.backend
+        raise AssertionError(f"no subtask of {uid} owns key group {kg}")
+
+    def poll_materialization(self) -> None:
+        for subtask in self.all_subtasks():
+            subtask.materializer.poll()
+
+    # -- checkpoints and savepoints -------------------------------------------------------
+
+    def _materialize_unowned(self) -> None:
+        for subtask in self.all_subtasks():
+            if subtask.backend.needs_full_materialization:
+                subtask.materializer.wait()
+                subtask.materializer.trigger()
+                subtask.materializer.wait()
+                if subtask.backend.needs_full_materialization:
+                    raise CheckpointError(f"the full materialization of {subtask.uid}[{subtask.index}] failed")
+
+    def trigger_checkpoint(self) -> PendingSnapshot:
+        self._materialize_unowned()
+        checkpoint_id = self.coordinator.trigger()
+        futures = [(s, s.backend.snapshot(checkpoint_id)) for s in self.all_subtasks()]
+        return PendingSnapshot(checkpoint_id, futures)
+
+    def complete_checkpoint(
+        self, pending: PendingSnapshot, properties: dict[str, Any] | None = None, timeout: float | None = 120.0
+    ) -> SnapshotMetadata:
+        cid = pending.checkpoint_id
+        try:
+            for subtask, future in pending.futures:
+                self.coordinator.acknowledge(cid, subtask.uid, subtask.index, future.result(timeout))
+            meta = self.coordinator.complete(cid, properties)
+        except BaseException:
+            self.abort_checkpoint(pending)
+            raise
+        for subtask in self.all_subtasks():
+            subtask.backend.notify_checkpoint_complete(cid)
+        self.poll_materialization()
+        return meta
+
+    def abort_checkpoint(self, pending: PendingSnapshot) -> None:
+        self.coordinator.abort(pending.checkpoint_id)
+        for subtask in self.all_subtasks():
+            subtask.backend.notify_checkpoint_aborted(pending.checkpoint_id)
+
+    def checkpoint(self, properties: dict[str, Any] | None = None) -> SnapshotMetadata:
+        """Take a checkpoint and wait for it; ``properties`` (JSON) are stored in its ``_metadata``."""
+        return self.complete_checkpoint(self.trigger_checkpoint(), properties)
+
+    def savepoint(self, target: str, format: str = "canonical", timeout: float | None = 120.0) -> SnapshotMetadata:
+        """Write a savepoint of the current state to the empty directory ``target``."""
+        if format not in ("canonical", "native"):
+            raise ValueError(f"savepoint format must be 'canonical' or 'native', got {format!r}")
+        if _inside(target, self.job_dir):
+            raise CheckpointError(f"savepoint directory {target} must not lie inside the job directory")
+        out = open_directory(target, self._config)
+        try:
+            now = time.time_ns() // 1_000_000
+            if format == "canonical":
+                backends = {uid: [s.backend for s in subtasks] for uid, subtasks in self.subtasks.items()}
+                cid = self.coordinator.trigger()
+                self.coordinator.abort(cid)
+                return write_canonical_savepoint(
+                    backends, out, checkpoint_id=cid, job_id=self.job_id, timestamp_ms=now, progress=self._progress
+                )
+            pending = self.trigger_checkpoint()
+            try:
+                for subtask, future in pending.futures:
+                    self.coordinator.acknowledge(
+                        pending.checkpoint_id, subtask.uid, subtask.index, future.result(timeout)
+                    )
+                acks = self.coordinator.pending[pending.checkpoint_id].acks
+                operators = {
+                    uid: {"max_parallelism": self.subtasks[uid][0].backend.max_parallelism,
+                          "subtasks": [a[i].to_json() for i in sorted(a)]}
+                    for uid, a in sorted(acks.items())
+                }  # fmt: skip
+                meta = SnapshotMetadata(pending.checkpoint_id, operators, job_id=self.job_id, timestamp_ms=now)
+                return write_native_savepoint(meta, self.storage, out, self._progress)
+            finally:
+                self.abort_checkpoint(pending)  # a savepoint is not a checkpoint of this job
+        finally:
+            out.close()
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """Stop the job as cancelled: with DELETE_ON_CANCELLATION its checkpoints are deleted."""
+        self._stop(cancelled=True)
+
+    def close(self) -> None:
+        """Stop the job (a failover or a stop): checkpoints stay for the next run."""
+        self._stop(cancelled=False)
+
+    def _stop(self, cancelled: bool) -> None:
+        for subtask in self.all_subtasks():
+            subtask.materializer.close()
+            subtask.backend.close()
+        self.subtasks = {}
+        try:
+            self.coordinator.shutdown(cancelled)
+        finally:
+            self.storage.close()
+
+    def __enter__(self) -> LocalJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _files_of(meta: SnapshotMetadata, uid: str) -> set[str]:
+    return {p for h in meta.handles(uid) for p in h.referenced_files()}
+
+
+def _inside(url: str, directory: str) -> bool:
+    def norm(u: str) -> str:
+        u = u.removeprefix("file://")
+        return os.path.abspath(u) if "://" not in u else u.rstrip("/")
+
+    a, b = norm(os.fspath(url)), norm(directory)
+    return a == b or a.startswith(b.rstrip("/") + "/")
+
+
+ProgressCallback = Callable[[str, int, int], None]

@@ -1,0 +1,195 @@
+"""Savepoints (native and canonical), restore modes, and restoring a job's operators by uid.
+
+A savepoint is a directory with a ``_metadata`` (``backend.checkpoints.SnapshotMetadata``, kind
+``savepoint``) and the files it names, every path relative to the directory: move the directory
+and it still restores.
+
+- **native**: the handles of a checkpoint plus a copy of every file they name (materialized chunks
+  and log files, same relative paths). Restores exactly like the checkpoint; cheap to take.
+- **canonical**: per operator and subtask, one file with every key/value record of every state
+  (chunk format of ``materializer.chunks``: per state, sorted ``(key group | key | user key,
+  value)`` records) and the state metadata; no log, no materialization history, nothing of the
+  backend's incremental structure: any backend that reads the chunk format can load it, at any
+  parallelism.
+
+Restore modes (Flink's ``execution.savepoint-restore-mode``), for a snapshot outside the job
+directory:
+
+- ``NO_CLAIM`` (default): the snapshot is read and never touched again; each subtask materializes
+  its whole state into the job's own files before the first checkpoint, so no checkpoint depends
+  on the snapshot (Flink's changelog backend does not support this mode).
+- ``CLAIM``: the job takes the snapshot over. Checkpoints only ever name files inside the job
+  directory, so native files are copied in and restored from there (no re-materialization), and
+  the snapshot directory is deleted once the first checkpoint completes (it is subsumed).
+- ``LEGACY``: like CLAIM's copy, but the snapshot is never deleted.
+
+Canonical savepoints have no native files, so every mode restores them as NO_CLAIM does; CLAIM
+still deletes the savepoint after the first checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from backend.checkpoints import METADATA_NAME, CheckpointError, SnapshotMetadata, read_snapshot
+from backend.handles import KeyedStateHandle
+from backend.keyed_backend import ChangelogKeyedStateBackend
+from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
+from materializer.chunks import encode_chunk
+from materializer.periodic import read_sections
+
+Progress = Callable[[str, int, int], None]  # (what, done, total)
+
+
+class RestoreMode(enum.Enum):
+    CLAIM = "CLAIM"
+    NO_CLAIM = "NO_CLAIM"
+    LEGACY = "LEGACY"
+
+
+def open_directory(url: str, config: ChangelogConfig | None = None) -> StateChangelogStorage:
+    """A storage whose base path is ``url`` (a job, checkpoint or savepoint directory)."""
+    base = replace(config, base_path=url) if config is not None else ChangelogConfig(base_path=url)
+    return StateChangelogStorage(base)
+
+
+def _no_progress(what: str, done: int, total: int) -> None:
+    return None
+
+
+def copy_files(
+    source: StateChangelogStorage, target: StateChangelogStorage, paths: Sequence[str], progress: Progress
+) -> int:
+    copied = 0
+    for i, path in enumerate(sorted(paths)):
+        try:
+            data = source.get_file(path)
+        except FileNotFoundError:
+            raise CheckpointError(f"{source.config.base_path}/{path} is missing: the snapshot is incomplete") from None
+        target.put_file(path, data)
+        copied += len(data)
+        progress("copy", i + 1, len(paths))
+    return copied
+
+
+def write_native_savepoint(
+    checkpoint: SnapshotMetadata,
+    source: StateChangelogStorage,
+    target: StateChangelogStorage,
+    progress: Progress = _no_progress,
+) -> SnapshotMetadata:
+    """Copy a checkpoint's files from ``source`` (its job directory) into ``target`` and write
+    ``_metadata`` last: a savepoint directory without it is an aborted savepoint."""
+    if checkpoint.format != "native":
+        raise CheckpointError("a native savepoint is made from a native checkpoint")
+    _refuse_existing(target)
+    copy_files(source, target, sorted(checkpoint.referenced_files()), progress)
+    meta = replace(checkpoint, kind="savepoint")
+    target.put_file(METADATA_NAME, meta.dumps())
+    return meta
+
+
+def write_canonical_savepoint(
+    operators: Mapping[str, Sequence[ChangelogKeyedStateBackend]],
+    target: StateChangelogStorage,
+    *,
+    checkpoint_id: int,
+    job_id: str = "",
+    timestamp_ms: int = 0,
+    progress: Progress = _no_progress,
+) -> SnapshotMetadata:
+    """Dump every subtask's full state, one file per subtask, from a consistent view of its tables."""
+    _refuse_existing(target)
+    parts: dict[str, dict[str, Any]] = {}
+    total = sum(len(b) for b in operators.values())
+    done = 0
+    for index, (uid, backends) in enumerate(sorted(operators.items())):
+        files: list[dict[str, Any]] = []
+        states: dict[str, dict[str, Any]] = {}
+        max_parallelism = backends[0].max_parallelism if backends else 0
+        for backend in backends:
+            txn, databases = backend.consistent_view()
+            try:
+                rng = backend.key_group_range
+                sections = read_sections(txn, databases, rng)
+                states.update(backend.state_metadata())
+            finally:
+                txn.abort()
+            if sections:
+                data = encode_chunk(rng, 0, sections)
+                path = f"canonical/op-{index}/kg-{rng.start}-{rng.end}.chunk"
+                target.put_file(path, data)
+                entries = sum(len(v) for v in sections.values())
+                files.append({"path": path, "key_groups": rng.to_json(), "size": len(data), "entries": entries})
+            done += 1
+            progress("dump", done, total)
+        parts[uid] = {"max_parallelism": max_parallelism, "states": states, "files": files}
+    meta = SnapshotMetadata(
+        checkpoint_id, parts, kind="savepoint", format="canonical", job_id=job_id, timestamp_ms=timestamp_ms
+    )
+    target.put_file(METADATA_NAME, meta.dumps())
+    return meta
+
+
+def _refuse_existing(target: StateChangelogStorage) -> None:
+    if target.list_all(METADATA_NAME):
+        raise CheckpointError(f"{target.config.base_path} already holds a snapshot; choose an empty directory")
+
+
+def handles_of(meta: SnapshotMetadata, uid: str) -> list[KeyedStateHandle]:
+    """The handles to restore operator ``uid`` from; canonical files become handles of one
+    materialized chunk each (their bulk load is the same as a materialization's)."""
+    if meta.format == "native":
+        return meta.handles(uid)
+    part = meta.operators[uid]
+    try:
+        max_parallelism = int(part["max_parallelism"])
+        states = dict(part["states"])
+        handles = []
+        for f in part["files"]:
+            rng = KeyGroupRange.from_json(f["key_groups"])
+            chunk = {"path": f["path"], "key_groups": rng.to_json(), "scope": rng.to_json(), "sqn": 0,
+                     "size": int(f["size"]), "entries": int(f["entries"])}  # fmt: skip
+            handles.append(KeyedStateHandle(uid, max_parallelism, rng, states, (), (chunk,)))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"canonical savepoint entry of operator {uid!r} is malformed: {exc}") from None
+    return handles
+
+
+def check_operators(meta: SnapshotMetadata, uids: Sequence[str], allow_non_restored_state: bool) -> None:
+    """Every operator in the snapshot must exist in the job, unless ``allow_non_restored_state``."""
+    missing = sorted(set(meta.operators) - set(uids))
+    if missing and not allow_non_restored_state:
+        raise CheckpointError(
+            f"the snapshot holds state of operators {missing} that this job does not have; "
+            "restore with allow_non_restored_state=True to drop it"
+        )
+
+
+def dispose_savepoint(directory: StateChangelogStorage, progress: Progress = _no_progress) -> int:
+    """Delete a savepoint: ``_metadata`` first (from then on it is gone, a crash leaves only
+    unreferenced files), then every file it names. Returns the number of files deleted."""
+    meta = read_snapshot(directory)
+    if meta.kind != "savepoint":
+        raise CheckpointError(f"{directory.config.base_path} is a checkpoint, not a savepoint: not disposing it")
+    files = sorted(meta.referenced_files())
+    directory.delete_file(METADATA_NAME)
+    for i, path in enumerate(files):
+        directory.delete_file(path)
+        progress("delete", i + 1, len(files))
+    _remove_empty_dirs(directory.config.base_path)
+    return len(files) + 1
+
+
+def _remove_empty_dirs(base: str) -> None:
+    if "://" in base and not base.startswith("file://"):
+        return
+    root = base.removeprefix("file://")
+    for current, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):
+        with contextlib.suppress(OSError):
+            os.rmdir(current)
