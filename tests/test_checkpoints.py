@@ -55,7 +55,7 @@ class Workload:
                 seen.add(amount)
             last.put(f"k{amount % 4}", amount)
             t, s, m = self.model.get(key, (0, [], {}))
-            self.model[key] = (t + amount, s + [amount] if amount % 3 == 0 else s, {**m, f"k{amount % 4}": amount})
+            self.model[key] = (t + amount, [*s, amount] if amount % 3 == 0 else s, {**m, f"k{amount % 4}": amount})
 
 
 def read_state(job: LocalJob, uid: str = "op") -> dict[str, tuple[int, list[int], dict[str, int]]]:
@@ -265,7 +265,7 @@ def test_paths_outside_the_job_directory_are_rejected(tmp_path: Path, path: str)
     try:
         cid = coordinator.trigger()
         coordinator.acknowledge(cid, "op", 0, _handle([path]))
-        with pytest.raises(CheckpointError, match="outside|not relative"):
+        with pytest.raises(CheckpointError, match=r"outside|not relative"):
             coordinator.complete(cid)
     finally:
         storage.close()
@@ -280,7 +280,7 @@ def test_paths_outside_the_job_directory_are_rejected(tmp_path: Path, path: str)
     chk = tmp_path / "job2" / "chk-1"
     chk.mkdir(parents=True)
     (chk / "_metadata").write_text(json.dumps(body))
-    with pytest.raises(CheckpointError, match="chk-1/_metadata.*(outside|not relative)"):
+    with pytest.raises(CheckpointError, match=r"chk-1/_metadata.*(outside|not relative)"):
         LocalJob(tmp_path, "job2", [OperatorSpec("op", 1)], tmp_path / "local")
 
 
