@@ -269,18 +269,19 @@ class CheckpointCoordinator:
         self.pending: dict[int, PendingCheckpoint] = {}
         self._clock_ms = clock_ms
         self._step = on_step or (lambda _: None)
-        self._next_id = 1
+        self._last_id = -1  # the highest checkpoint id used or seen; automatic ids start at 1
         self._recovered = False
         #: called with the first checkpoint completed after a restore (CLAIM drops its source then)
         self.on_first_completion: Callable[[SnapshotMetadata], None] | None = None
 
     # -- restart --------------------------------------------------------------------------
 
-    def recover(self) -> SnapshotMetadata | None:
+    def recover(self, protect: Iterable[str] = ()) -> SnapshotMetadata | None:
         """Rebuild the registry from the completed checkpoints, delete every unreferenced file
-        under the job directory; returns the latest completed checkpoint (None for a new job)."""
+        under the job directory (except ``protect``); returns the latest completed checkpoint
+        (None for a new job)."""
         found: list[SnapshotMetadata] = []
-        highest = 0
+        highest = -1
         all_files = self.storage.list_all("")
         for path in all_files:
             head, _, rest = path.partition("/")
@@ -294,13 +295,13 @@ class CheckpointCoordinator:
         self.completed = found[-self.num_retained :]
         for meta in self.completed:
             self.registry.register(meta.checkpoint_id, meta.referenced_files())
-        keep = self.registry.files() | {metadata_path(m.checkpoint_id) for m in self.completed}
+        keep = self.registry.files() | {metadata_path(m.checkpoint_id) for m in self.completed} | set(protect)
         for path in all_files:
             if path not in keep:
                 self.storage.delete_file(path)
                 if _CHK_DIR.match(path.partition("/")[0]):
                     self.storage.remove_empty_directory(path.partition("/")[0])
-        self._next_id = max(highest, max((m.checkpoint_id for m in found), default=0)) + 1
+        self._last_id = highest
         self._recovered = True
         return self.completed[-1] if self.completed else None
 
@@ -316,11 +317,15 @@ class CheckpointCoordinator:
 
     # -- the protocol ---------------------------------------------------------------------
 
-    def trigger(self) -> int:
+    def trigger(self, checkpoint_id: int | None = None) -> int:
+        """A new pending checkpoint: the next id, or ``checkpoint_id`` (a Spark batch id) if it
+        is larger than every id used before."""
         if not self._recovered:
             raise CheckpointError("call recover() before the first checkpoint: orphan files must be cleaned first")
-        checkpoint_id = self._next_id
-        self._next_id += 1
+        if checkpoint_id is not None and checkpoint_id <= self._last_id:
+            raise CheckpointError(f"checkpoint id {checkpoint_id} is not after the last one ({self._last_id})")
+        checkpoint_id = max(1, self._last_id + 1) if checkpoint_id is None else checkpoint_id
+        self._last_id = checkpoint_id
         self.pending[checkpoint_id] = PendingCheckpoint(checkpoint_id, self._clock_ms())
         return checkpoint_id
 

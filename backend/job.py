@@ -88,6 +88,8 @@ def snapshot_location(url: str) -> tuple[str, str]:
     """(directory the snapshot's paths are relative to, path of its ``_metadata`` in it) for a
     savepoint directory, a ``chk-<n>`` directory, or either's ``_metadata`` file."""
     url = url.rstrip("/")
+    if "://" not in url:
+        url = os.path.abspath(url)
     if url.endswith("/_metadata"):
         url = url[: -len("/_metadata")]
     parent, _, last = url.rpartition("/")

@@ -167,6 +167,16 @@ class ChangelogKeyedStateBackend:
         rng = self.key_group_range
         raise ValueError(f"key {key!r} is in key group {kg}, which this subtask [{rng.start}, {rng.end}] does not own")
 
+    def set_current_key_in_group(self, key: Any, key_group: int) -> None:
+        """``set_current_key`` with a key group computed elsewhere (by Spark's SQL hash in the JVM,
+        which also partitions the rows); the key group must stay the same for a key forever."""
+        data = self._serialize_key(key)
+        if key_group < self._kg_start or key_group > self._kg_end or len(data) > rec.MAX_KEY_BYTES:
+            self._bad_key(key, key_group, data)
+        self.current_ckey = _ckey_head(key_group, len(data)) + data
+        self.current_kg = key_group
+        self.current_key = key
+
     def set_current_ckey(self, ck: bytes) -> Any:
         self.current_ckey = ck
         self.current_kg = rec.key_group_of(ck)
@@ -484,6 +494,22 @@ class ChangelogKeyedStateBackend:
         with self._lock:
             self.flush()
             return self.tables.env.begin(), dict(self.tables.databases())
+
+    def adopt_local(self, handle: KeyedStateHandle) -> None:
+        """Continue from local tables that already hold exactly ``handle``'s state (left by a
+        backend of another process on this host): take its metadata and DFS references without
+        reading the DFS. The caller vouches for the tables (``backend.spark`` keeps a marker)."""
+        if self._states:
+            raise StateRestoreError("adopt_local() must be called before any state is used")
+        self._check_compatible(handle)
+        scope = intersect(handle.key_group_range, self.key_group_range)
+        if scope != self.key_group_range:
+            raise StateRestoreError(f"handle covers {handle.key_group_range}, this subtask {self.key_group_range}")
+        with self._lock:
+            self._merge_metadata(handle.states)
+            self._materialized = [dict(c) for c in handle.materialized]
+            self._carried = list(handle.changelog)
+            self.timers.load()
 
     def disown_restored(self) -> None:
         """Forget the files the restore read (they belong to a savepoint or another job): later

@@ -137,8 +137,8 @@ def write_canonical_savepoint(
 
 
 def _refuse_existing(target: StateChangelogStorage) -> None:
-    if target.list_all(METADATA_NAME):
-        raise CheckpointError(f"{target.config.base_path} already holds a snapshot; choose an empty directory")
+    if target.list_all(""):
+        raise CheckpointError(f"{target.config.base_path} is not empty (it may hold a snapshot already)")
 
 
 def handles_of(meta: SnapshotMetadata, uid: str) -> list[KeyedStateHandle]:

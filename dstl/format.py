@@ -268,7 +268,8 @@ def read_footer(path: str, data: bytes) -> FileIndex:
         if index["version"] != version or not isinstance(segments, list):
             raise ValueError("bad footer fields")
         for seg in segments:
-            if not (isinstance(seg["offset"], int) and isinstance(seg["length"], int)):
+            ints = (seg["offset"], seg["length"], seg["sqn"], seg["records"])
+            if not (all(type(v) is int for v in ints) and isinstance(seg["log_id"], str)):
                 raise ValueError("bad segment entry")
             if seg["offset"] < FILE_HEADER.size or seg["offset"] + seg["length"] > footer_start:
                 raise ValueError("segment outside the file body")

@@ -57,8 +57,12 @@ class _FileState:
 
 
 class StateChangelogStorage:
-    def __init__(self, config: ChangelogConfig, *, uploader: Uploader | None = None) -> None:
+    def __init__(self, config: ChangelogConfig, *, uploader: Uploader | None = None, owns_files: bool = True) -> None:
+        """``owns_files=False``: never delete an uploaded file (another process, e.g. the Spark
+        driver's registry, decides when files die, because this one never learns which
+        checkpoints completed)."""
         self.config = config
+        self.owns_files = owns_files
         self.metrics = ChangelogMetrics()
         self.lock = threading.Lock()
         self._uploader = uploader if uploader is not None else make_uploader(config)
@@ -230,7 +234,7 @@ class StateChangelogStorage:
     def _maybe_delete(self, path: str, state: _FileState) -> None:
         if state.refs <= 0:
             del self._files[path]
-            if not state.confirmed:
+            if not state.confirmed and self.owns_files:
                 self._call(self._delete_soon, path)
 
     def _delete_soon(self, path: str) -> None:

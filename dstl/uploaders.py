@@ -77,8 +77,6 @@ class FsspecUploader:
         self._fs, root = fsspec.core.url_to_fs(base_path)
         self._root = root.rstrip("/")
         self._local = "file" in _protocols(self._fs)
-        if self._local:
-            os.makedirs(self._root, exist_ok=True)
 
     def _full(self, path: str) -> str:
         return f"{self._root}/{check_relative(path)}"
