@@ -39,3 +39,30 @@ def local_storage(tmp_path: Path) -> Iterator[StateChangelogStorage]:
         yield storage
     finally:
         storage.close()
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[object]:
+    """One local SparkSession for the whole test session (start-up costs 6-15 s here).
+
+    ``local[2,4]``: two cores, and a failed task is retried (up to 4 attempts), as on a cluster.
+    """
+    pytest.importorskip("pyspark")
+    import sys
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2,4]")
+        .appName("dstl-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "4")
+        .config("spark.default.parallelism", "4")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()

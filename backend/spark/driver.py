@@ -1,0 +1,164 @@
+"""The driver's side: turn a committed micro-batch's subtask handles into ``chk-<b>/_metadata``.
+
+Spark writes ``commits/<b>`` after batch ``b``'s sink committed, then reports the batch's progress
+to ``StreamingQueryListener``s. Our listener completes checkpoint ``b`` from the handles the tasks
+left under ``pending/<b>/`` (the checkpoint id is the batch id), which registers its files,
+subsumes checkpoints beyond ``num_retained`` (at least 2 under Spark: the next batch may still
+restore from the previous one) and deletes pending handles up to ``b``.
+
+Only a *committed* batch may become a checkpoint: the listener acts on progress events of the
+query that wrote the handles (the task records ``sql.streaming.queryId``). If the driver dies
+between Spark's commit and our completion, the next batch restores from the pending handles
+(``backend.spark.tasks.handles_after``), so nothing is lost; that checkpoint is simply skipped.
+
+On start (``DriverCoordinator.__init__``) the registry is rebuilt from the completed checkpoints
+and unreferenced files are deleted, except the pending handles of batches after the latest
+checkpoint and the files they name: Spark may have committed such a batch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Any
+
+from backend.checkpoints import CheckpointCoordinator, CheckpointError, SnapshotMetadata
+from backend.handles import KeyedStateHandle
+from backend.spark.tasks import OperatorConfig
+from dstl import StateChangelogStorage
+
+_PENDING = re.compile(r"^pending/(\d+)/([^/]+)/(\d+)\.json$")
+_CHK = re.compile(r"^chk-(\d+)/_metadata$")
+
+
+class DriverCoordinator:
+    """One per checkpoint location in a driver process; every operator writing there registers."""
+
+    def __init__(self, cfg: OperatorConfig, num_retained: int = 2) -> None:
+        if num_retained < 2:
+            raise ValueError("under Spark, num_retained must be >= 2 (the next batch may restore from the previous)")
+        self.storage = StateChangelogStorage(cfg.changelog)
+        self.coordinator = CheckpointCoordinator(self.storage, job_id=cfg.job_dir, num_retained=num_retained)
+        self.operators: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.completed_batches: list[int] = []
+        self.errors: list[str] = []
+        self._recover()
+
+    def _recover(self) -> None:
+        files = self.storage.list_all("")
+        latest = max((int(m.group(1)) for p in files if (m := _CHK.match(p))), default=-1)
+        protect: set[str] = set()
+        for path in files:
+            match = _PENDING.match(path)
+            if match and int(match.group(1)) > latest:
+                protect.add(path)
+                protect |= self._record_handle(path).referenced_files()
+        self.coordinator.recover(protect=protect)
+
+    def _record_handle(self, path: str) -> KeyedStateHandle:
+        record = json.loads(self.storage.get_file(path))
+        return KeyedStateHandle.from_json(record["handle"])
+
+    def register(self, cfg: OperatorConfig) -> None:
+        with self.lock:
+            known = self.operators.get(cfg.uid)
+            if known is not None and known != cfg.parallelism:
+                raise ValueError(f"operator {cfg.uid!r} is registered already with parallelism {known}")
+            self.operators[cfg.uid] = cfg.parallelism
+
+    def latest(self) -> SnapshotMetadata | None:
+        return self.coordinator.latest()
+
+    def complete_batch(self, batch: int, query_id: str | None = None) -> SnapshotMetadata | None:
+        """Complete checkpoint ``batch`` if every subtask of every operator left its handle."""
+        with self.lock:
+            latest = self.coordinator.latest()
+            if latest is not None and latest.checkpoint_id >= batch:
+                return None
+            records: list[tuple[str, dict[str, Any]]] = []
+            for uid, parallelism in self.operators.items():
+                for subtask in range(parallelism):
+                    try:
+                        record = json.loads(self.storage.get_file(f"pending/{batch}/{uid}/{subtask}.json"))
+                    except FileNotFoundError:
+                        return None  # not this location's batch (yet)
+                    if record.get("parallelism") != parallelism:
+                        return None
+                    if query_id is not None and record.get("query_id") != query_id:
+                        return None
+                    records.append((uid, record))
+            checkpoint_id = self.coordinator.trigger(batch)
+            for uid, record in records:
+                handle = KeyedStateHandle.from_json(record["handle"])
+                self.coordinator.acknowledge(checkpoint_id, uid, int(record["subtask"]), handle)
+            try:
+                meta = self.coordinator.complete(checkpoint_id, {"batch": batch, "query_id": query_id})
+            except CheckpointError as exc:
+                self.coordinator.abort(checkpoint_id)
+                self.errors.append(str(exc))
+                raise
+            self.completed_batches.append(batch)
+            for path in self.storage.list_all("pending"):
+                match = _PENDING.match(path)
+                if match and int(match.group(1)) <= batch:
+                    self.storage.delete_file(path)
+            return meta
+
+    def close(self) -> None:
+        self.storage.close()
+
+
+_COORDINATORS: dict[str, DriverCoordinator] = {}
+_LISTENED: set[int] = set()
+_GLOBAL = threading.Lock()
+
+
+def coordinator_for(spark: Any, cfg: OperatorConfig, num_retained: int = 2) -> DriverCoordinator:
+    """The coordinator of ``cfg.job_dir`` in this driver, with a progress listener on ``spark``."""
+    with _GLOBAL:
+        coordinator = _COORDINATORS.get(cfg.job_dir)
+        if coordinator is None:
+            coordinator = _COORDINATORS[cfg.job_dir] = DriverCoordinator(cfg, num_retained)
+        coordinator.register(cfg)
+        if id(spark) not in _LISTENED:
+            spark.streams.addListener(_listener())
+            _LISTENED.add(id(spark))
+    return coordinator
+
+
+def complete_committed(batch: int, query_id: str | None) -> None:
+    for coordinator in list(_COORDINATORS.values()):
+        try:
+            coordinator.complete_batch(batch, query_id)
+        except Exception as exc:  # a listener must not die; the error is kept for the user
+            coordinator.errors.append(f"batch {batch}: {exc}")
+
+
+def forget_all() -> None:
+    """Close every coordinator of this driver (tests; a restarted driver builds new ones)."""
+    with _GLOBAL:
+        for coordinator in _COORDINATORS.values():
+            coordinator.close()
+        _COORDINATORS.clear()
+
+
+def _listener() -> Any:
+    from pyspark.sql.streaming.listener import StreamingQueryListener
+
+    class _Completer(StreamingQueryListener):
+        def onQueryStarted(self, event: Any) -> None:
+            return None
+
+        def onQueryProgress(self, event: Any) -> None:
+            progress = event.progress
+            complete_committed(int(progress.batchId), str(progress.id))
+
+        def onQueryIdle(self, event: Any) -> None:
+            return None
+
+        def onQueryTerminated(self, event: Any) -> None:
+            return None
+
+    return _Completer()

@@ -1,0 +1,177 @@
+"""The PySpark drop-in: build the streaming DataFrame that runs a stateful processor on this backend.
+
+Spark's own stateful operators keep state in its state store and cannot change the number of state
+partitions of a query. We build the operator from Spark's public parts instead (DESIGN section 7)::
+
+    input --withColumn(key group = pmod(hash(grouping columns), max_parallelism))   (JVM, Spark SQL hash)
+          --withColumn(batch time = current_timestamp())                             (fixed per batch)
+          --repartition(parallelism, route(subtask of the key group))
+          --mapInPandas(task: one subtask of one micro-batch, backend.spark.tasks)  -> output rows
+
+``route`` maps subtask ``i`` to an integer whose Spark hash lands in partition ``i``, so partition
+``i`` holds exactly the key groups of subtask ``i`` (Flink's key-group ranges); the task checks
+it. The key group of a key is Spark's SQL hash, computed once in the JVM: the same in every run,
+so a restart at another parallelism re-splits the same key groups (rescaling).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import mmh3
+
+from backend.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
+from backend.spark.driver import DriverCoordinator, coordinator_for
+from backend.spark.tasks import OperatorConfig, run_subtask
+from dstl import ChangelogConfig
+
+KEY_GROUP = "__dstl_key_group"
+BATCH_TIME = "__dstl_batch_time"
+_ROUTE = "__dstl_route"
+
+
+def _spark_int_hash(value: int) -> int:
+    """Spark's ``hash()`` of an INT literal: Murmur3_x86_32 of its 4 little-endian bytes, seed 42."""
+    return int(mmh3.hash(struct.pack("<i", value), 42))
+
+
+def route_values(parallelism: int) -> list[int]:
+    """For each subtask i, the smallest int whose Spark hash partition (pmod by parallelism) is i."""
+    values: list[int | None] = [None] * parallelism
+    found, candidate = 0, 0
+    while found < parallelism:
+        partition = _spark_int_hash(candidate) % parallelism
+        if values[partition] is None:
+            values[partition] = candidate
+            found += 1
+        candidate += 1
+    return [v for v in values if v is not None]
+
+
+def grouping_columns(grouped: Any) -> list[str]:
+    """The plain column names a ``GroupedData`` groups by (expressions are refused)."""
+    exprs = grouped._jgd.groupingExprs()
+    names = [exprs.apply(i).toString().lstrip("'") for i in range(exprs.size())]
+    columns = set(grouped._df.columns)
+    bad = [n for n in names if n not in columns]
+    if bad or not names:
+        raise ValueError(
+            f"group by plain column names for this backend (got {names or 'no grouping'}); "
+            "add computed keys with withColumn first"
+        )
+    return names
+
+
+def _check_session(spark: Any) -> None:
+    conf = spark.sparkContext.getConf()
+    if conf.get("spark.speculation", "false").lower() == "true":
+        raise ValueError(
+            "spark.speculation is on: two attempts of one task would run one subtask's state at once; "
+            "this backend refuses speculative execution"
+        )
+
+
+def build(
+    grouped: Any,
+    output_schema: Any,
+    make_process: Callable[[OperatorConfig, list[str]], Callable[..., list[Any]]],
+    *,
+    checkpoint_location: str | None,
+    operator_uid: str | None,
+    max_parallelism: int = DEFAULT_MAX_PARALLELISM,
+    parallelism: int | None = None,
+    local_dir: str | None = None,
+    changelog_config: ChangelogConfig | None = None,
+    num_retained: int = 2,
+    materialization_interval_s: float = 600.0,
+    size_trigger_bytes: int | None = 64 << 20,
+) -> Any:
+    """The streaming DataFrame running ``make_process(cfg, key columns)`` per subtask and batch."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import StructType
+
+    if not checkpoint_location:
+        raise ValueError("checkpoint_location is required: the DFS directory (URL) of this operator's state")
+    if not operator_uid:
+        raise ValueError("operator_uid is required: it maps the state in checkpoints to this operator")
+    check_max_parallelism(max_parallelism)
+    df = grouped._df
+    spark = df.sparkSession
+    if not df.isStreaming:
+        raise ValueError("this backend runs stateful processors on streaming DataFrames only")
+    _check_session(spark)
+    if isinstance(output_schema, str):
+        output_schema = spark._parse_ddl(output_schema)
+    if not isinstance(output_schema, StructType):
+        raise TypeError(f"outputStructType must be a StructType or a DDL string, got {type(output_schema).__name__}")
+    keys = grouping_columns(grouped)
+    parallelism = parallelism or int(spark.conf.get("spark.sql.shuffle.partitions"))
+    if not 1 <= parallelism <= max_parallelism:
+        raise ValueError(f"parallelism must be in 1..{max_parallelism}, got {parallelism}")
+    location = checkpoint_location.rstrip("/")
+    base = changelog_config or ChangelogConfig(base_path=location)
+    cfg = OperatorConfig(
+        job_dir=location, uid=operator_uid, parallelism=parallelism, max_parallelism=max_parallelism,
+        local_root=local_dir or os.path.join(tempfile.gettempdir(), "dstl-spark-local"),
+        changelog=replace(base, base_path=location), materialization_interval_s=materialization_interval_s,
+        size_trigger_bytes=size_trigger_bytes,
+    )  # fmt: skip
+    coordinator_for(spark, cfg, num_retained)
+    process = make_process(cfg, keys)
+    kg = F.pmod(F.hash(*[F.col(k) for k in keys]), F.lit(max_parallelism))
+    subtask = F.floor(F.col(KEY_GROUP) * F.lit(parallelism) / F.lit(max_parallelism)).cast("int")
+    route = F.element_at(F.array(*[F.lit(v) for v in route_values(parallelism)]), subtask + F.lit(1))
+    prepared = (
+        df.withColumn(KEY_GROUP, kg.cast("int"))
+        .withColumn(BATCH_TIME, F.unix_millis(F.current_timestamp()))
+        .withColumn(_ROUTE, route)
+        .repartition(parallelism, F.col(_ROUTE))
+        .drop(_ROUTE)
+    )
+
+    def task(frames: Iterator[Any]) -> Iterator[Any]:
+        yield from run_partition(cfg, frames, process)
+
+    return prepared.mapInPandas(task, output_schema)
+
+
+def run_partition(cfg: OperatorConfig, frames: Iterator[Any], process: Callable[..., list[Any]]) -> Iterator[Any]:
+    """The body of one task (a Python worker): see ``backend.spark.tasks``."""
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    batch_id = context.getLocalProperty("streaming.sql.batchId") if context is not None else None
+    if context is None or batch_id is None:
+        raise RuntimeError("backend.spark operators run inside a streaming query only (no micro-batch id)")
+    subtask = context.partitionId()
+    query_id = context.getLocalProperty("sql.streaming.queryId") or ""
+    data = [f for f in frames if len(f)]
+    rng = cfg.key_group_range(subtask)
+    now_ms = None
+    for frame in data:
+        groups = frame[KEY_GROUP]
+        if int(groups.min()) < rng.start or int(groups.max()) > rng.end:
+            raise RuntimeError(
+                f"partition {subtask} received key groups outside [{rng.start}, {rng.end}]: the input was not "
+                "partitioned by backend.spark (adaptive coalescing of shuffle partitions must stay off)"
+            )
+        if now_ms is None:
+            now_ms = int(frame[BATCH_TIME].iloc[0])
+
+    def body(backend: Any, now: int) -> list[Any]:
+        return process(backend, data, now)
+
+    outputs, _ = run_subtask(cfg, subtask, int(batch_id), query_id, now_ms, body)
+    yield from outputs
+
+
+def driver_coordinator(checkpoint_location: str) -> DriverCoordinator | None:
+    """The driver's coordinator of a checkpoint location (for tests and tools)."""
+    from backend.spark.driver import _COORDINATORS
+
+    return _COORDINATORS.get(checkpoint_location.rstrip("/"))

@@ -1,0 +1,249 @@
+"""What runs in a Spark task: one operator subtask for one micro-batch, exactly once.
+
+Partition ``p`` of the repartitioned input holds exactly the key groups of subtask ``p`` (see
+``backend.spark.plan``). The task:
+
+1. takes the subtask's host-local lock (a task retry or a zombie attempt never shares the
+   tables with a running one);
+2. gets a backend holding exactly the state after batch ``b - 1``: the one this process kept
+   (fast path), or the host's local LMDB directory if its marker says it holds that state (left by
+   another Python worker of this host: ``adopt_local``), or else a restore from the DFS
+   (``chk-<b-1>/_metadata``, or the subtask handles of batch ``b - 1`` the tasks left under
+   ``pending/`` if the driver has not completed that checkpoint yet; at any old parallelism).
+   A retried task, a batch evaluated twice, a batch re-run after a driver restart, a dead
+   Python worker and a deleted local directory all land in one of these cases;
+3. marks the local directory dirty, runs the user's processor over the partition, materializes
+   when due (synchronously: the worker that runs a subtask changes from batch to batch and idle
+   workers exit), makes the log durable (``snapshot``) and writes the subtask's handle to
+   ``pending/<b>/<uid>/<p>.json``;
+4. flushes the tables (another worker may adopt them), writes the marker (state = batch ``b``),
+   and only then hands the output rows to Spark.
+
+The driver (``backend.spark.driver``) turns the pending handles of a committed batch into
+``chk-<b>/_metadata``. Workers never delete DFS files (``owns_files=False``): they never learn
+which checkpoints completed; the driver's registry decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from backend.checkpoints import CheckpointError, SnapshotMetadata, metadata_path
+from backend.handles import KeyedStateHandle, StateRestoreError
+from backend.keyed_backend import ChangelogKeyedStateBackend
+from backend.keygroups import key_group_range_for_subtask
+from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
+from materializer.periodic import PeriodicMaterializer, restore
+
+MARKER = "state.json"
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Everything a task needs, shipped (pickled) with the task."""
+
+    job_dir: str
+    uid: str
+    parallelism: int
+    max_parallelism: int
+    local_root: str
+    changelog: ChangelogConfig
+    materialization_interval_s: float = 600.0
+    size_trigger_bytes: int | None = 64 << 20
+    snapshot_timeout_s: float = 120.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def key_group_range(self, subtask: int) -> KeyGroupRange:
+        return key_group_range_for_subtask(self.max_parallelism, self.parallelism, subtask)
+
+    def local_dir(self, subtask: int) -> Path:
+        name = self.job_dir.replace("://", "_").replace("/", "_").strip("_")
+        return Path(self.local_root) / name / self.uid / f"{subtask}-of-{self.parallelism}"
+
+
+def pending_path(batch: int, uid: str, subtask: int) -> str:
+    return f"pending/{batch}/{uid}/{subtask}.json"
+
+
+@dataclass
+class _Kept:
+    backend: ChangelogKeyedStateBackend
+    materializer: PeriodicMaterializer
+    version: int
+    token: str
+
+
+_STORAGES: dict[tuple[str, ChangelogConfig], StateChangelogStorage] = {}
+_KEPT: dict[tuple[str, str, int, int], _Kept] = {}
+
+
+def storage_for(cfg: OperatorConfig) -> StateChangelogStorage:
+    key = (cfg.job_dir, cfg.changelog)
+    storage = _STORAGES.get(key)
+    if storage is None:
+        storage = _STORAGES[key] = StateChangelogStorage(cfg.changelog, owns_files=False)
+    return storage
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{directory}.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _read_marker(directory: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads((directory / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _write_marker(directory: Path, value: dict[str, Any]) -> None:
+    tmp = directory / f"{MARKER}.tmp"
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, directory / MARKER)
+
+
+def handles_after(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> list[KeyedStateHandle]:
+    """The handles of the state after ``batch`` (any parallelism); ``[]`` before the first batch."""
+    if batch < 0:
+        return []
+    try:
+        meta = SnapshotMetadata.loads(storage.get_file(metadata_path(batch)), f"{cfg.job_dir}/{metadata_path(batch)}")
+        return meta.handles(cfg.uid) if cfg.uid in meta.operators else []
+    except FileNotFoundError:
+        pass
+    names = [p for p in storage.list_all(f"pending/{batch}/{cfg.uid}") if p.endswith(".json")]
+    handles = [KeyedStateHandle.from_json(json.loads(storage.get_file(p))["handle"]) for p in names]
+    covered = sorted((h.key_group_range.start, h.key_group_range.end) for h in handles)
+    expected = 0
+    for start, end in covered:
+        if start > expected:
+            break
+        expected = max(expected, end + 1)
+    if not handles or expected < cfg.max_parallelism:
+        raise CheckpointError(
+            f"no state after batch {batch} in {cfg.job_dir} for operator {cfg.uid!r} (neither "
+            f"{metadata_path(batch)} nor a complete set of pending handles): the Spark checkpointLocation "
+            "and this checkpoint_location must be kept (or deleted) together"
+        )
+    return handles
+
+
+def _fresh(cfg: OperatorConfig, storage: StateChangelogStorage, subtask: int, directory: Path) -> _Kept:
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    backend = ChangelogKeyedStateBackend(
+        cfg.uid, cfg.key_group_range(subtask), directory / "lmdb", storage=storage,
+        max_parallelism=cfg.max_parallelism, num_retained=2,
+    )  # fmt: skip
+    materializer = PeriodicMaterializer(
+        backend, interval_s=cfg.materialization_interval_s, size_trigger_bytes=cfg.size_trigger_bytes
+    )
+    return _Kept(backend, materializer, -1, uuid.uuid4().hex)
+
+
+def acquire(cfg: OperatorConfig, storage: StateChangelogStorage, subtask: int, batch: int) -> tuple[_Kept, str]:
+    """A backend holding exactly the state after ``batch - 1``, and how it was obtained."""
+    directory = cfg.local_dir(subtask)
+    key = (cfg.job_dir, cfg.uid, cfg.parallelism, subtask)
+    marker = _read_marker(directory)
+    kept = _KEPT.pop(key, None)
+    if kept is not None:
+        if marker is not None and marker.get("token") == kept.token and kept.version == batch - 1:
+            return kept, "kept"
+        _discard(kept)
+    if marker is not None and marker.get("version") == batch - 1 and batch > 0:
+        fresh = _adopt(cfg, storage, subtask, directory, marker)
+        if fresh is not None:
+            return fresh, "local"
+    fresh = _fresh(cfg, storage, subtask, directory)
+    handles = handles_after(storage, cfg, batch - 1)
+    if handles:
+        restore(fresh.backend, handles)
+    return fresh, "dfs"
+
+
+def _adopt(
+    cfg: OperatorConfig, storage: StateChangelogStorage, subtask: int, directory: Path, marker: dict[str, Any]
+) -> _Kept | None:
+    try:
+        handle = KeyedStateHandle.from_json(marker["handle"])
+    except (KeyError, StateRestoreError):
+        return None
+    backend = ChangelogKeyedStateBackend(
+        cfg.uid, cfg.key_group_range(subtask), directory / "lmdb", storage=storage,
+        max_parallelism=cfg.max_parallelism, num_retained=2,
+    )  # fmt: skip
+    backend.adopt_local(handle)
+    materializer = PeriodicMaterializer(
+        backend, interval_s=cfg.materialization_interval_s, size_trigger_bytes=cfg.size_trigger_bytes
+    )
+    return _Kept(backend, materializer, int(marker["version"]), uuid.uuid4().hex)
+
+
+def _discard(kept: _Kept) -> None:
+    """Drop a backend whose tables another process has moved on from (never flush its caches)."""
+    with contextlib.suppress(Exception):
+        kept.materializer.close()
+    with contextlib.suppress(Exception):
+        kept.backend.close()
+
+
+def existing_now_ms(storage: StateChangelogStorage, batch: int, uid: str, subtask: int) -> int | None:
+    """The processing time an earlier attempt of this task used (for partitions without rows)."""
+    try:
+        return int(json.loads(storage.get_file(pending_path(batch, uid, subtask)))["now_ms"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
+Process = Callable[[ChangelogKeyedStateBackend, int], list[Any]]
+
+
+def run_subtask(
+    cfg: OperatorConfig, subtask: int, batch: int, query_id: str, now_ms: int | None, process: Process
+) -> tuple[list[Any], dict[str, Any]]:
+    """Steps 1-4 of the module docstring; returns the output and the task's figures."""
+    storage = storage_for(cfg)
+    directory = cfg.local_dir(subtask)
+    with _locked(directory):
+        began = time.perf_counter()
+        kept, source = acquire(cfg, storage, subtask, batch)
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_marker(directory, {"version": None})  # dirty until this batch's state is complete
+        if now_ms is None:
+            now_ms = existing_now_ms(storage, batch, cfg.uid, subtask) or time.time_ns() // 1_000_000
+        restored_s = time.perf_counter() - began
+        outputs = process(kept.backend, now_ms)
+        kept.materializer.poll()
+        kept.materializer.wait()  # a materialization finishes inside the task that started it
+        began = time.perf_counter()
+        handle = kept.backend.snapshot(batch).result(cfg.snapshot_timeout_s)
+        persist_s = time.perf_counter() - began
+        record = {"query_id": query_id, "batch": batch, "subtask": subtask, "parallelism": cfg.parallelism,
+                  "now_ms": now_ms, "handle": handle.to_json()}  # fmt: skip
+        storage.put_file(pending_path(batch, cfg.uid, subtask), json.dumps(record).encode())
+        kept.backend.flush()
+        kept.version = batch
+        _write_marker(directory, {"version": batch, "token": kept.token, "handle": handle.to_json()})
+        _KEPT[(cfg.job_dir, cfg.uid, cfg.parallelism, subtask)] = kept
+    stats = {"source": source, "restore_s": restored_s, "persist_s": persist_s,
+             "materializations": kept.materializer.metrics.completed}  # fmt: skip
+    return outputs, stats
