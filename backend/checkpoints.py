@@ -271,6 +271,8 @@ class CheckpointCoordinator:
         self._step = on_step or (lambda _: None)
         self._last_id = -1  # the highest checkpoint id used or seen; automatic ids start at 1
         self._recovered = False
+        #: deletions that failed after a commit (left to the next ``recover()``), for logs and metrics
+        self.cleanup_errors: list[str] = []
         #: called with the first checkpoint completed after a restore (CLAIM drops its source then)
         self.on_first_completion: Callable[[SnapshotMetadata], None] | None = None
 
@@ -361,7 +363,9 @@ class CheckpointCoordinator:
         files = meta.referenced_files()
         self._check_references(checkpoint_id, files)
         self._step("before-metadata")
-        self.storage.put_file(metadata_path(checkpoint_id), meta.dumps())
+        self._commit(metadata_path(checkpoint_id), meta.dumps())
+        # Committed (or possibly committed): from here on nothing may fail the checkpoint, or the
+        # caller would abort it and release files that its _metadata names.
         del self.pending[checkpoint_id]
         self._step("after-metadata")
         self.registry.register(checkpoint_id, files)
@@ -371,8 +375,26 @@ class CheckpointCoordinator:
         self.completed.append(meta)
         self._subsume()
         if first and self.on_first_completion is not None:
-            self.on_first_completion(meta)
+            try:
+                self.on_first_completion(meta)
+            except Exception as exc:
+                self.cleanup_errors.append(f"after checkpoint {checkpoint_id}: {exc}")
         return meta
+
+    def _commit(self, path: str, data: bytes) -> None:
+        """Write ``_metadata``. Raises only when the checkpoint is certainly not committed: a failed
+        put may still have landed (a lost response, a timeout), so its object is removed first; if
+        that fails too, the checkpoint counts as committed (its files stay owned; recover() cleans
+        up if the write had not landed after all)."""
+        try:
+            self.storage.put_file(path, data)
+        except Exception as exc:
+            try:
+                self.storage.delete_file(path)
+            except Exception:
+                self.cleanup_errors.append(f"{path}: write failed ({exc}), its removal too: kept as committed")
+                return
+            raise
 
     def _check_references(self, checkpoint_id: int, files: set[str]) -> None:
         for path in sorted(files):
@@ -391,18 +413,30 @@ class CheckpointCoordinator:
         return True
 
     def _subsume(self) -> None:
+        """Best effort: the new checkpoint is committed already, so a failed deletion must not fail
+        it; what stays behind is deleted by the next ``recover()``."""
         while len(self.completed) > self.num_retained:
             old = self.completed.pop(0)
             self._step("before-subsume")
-            self.storage.delete_file(metadata_path(old.checkpoint_id))
+            unused = self.registry.unregister(old.checkpoint_id)
+            try:
+                self.storage.delete_file(metadata_path(old.checkpoint_id))
+            except Exception as exc:
+                # The old _metadata still names its files: keep them (recover() drops both).
+                self.cleanup_errors.append(f"subsuming checkpoint {old.checkpoint_id}: {exc}")
+                self.registry.deleted.update(unused)  # never referenced again by a new checkpoint
+                continue
             self.storage.remove_empty_directory(checkpoint_dir(old.checkpoint_id))
             self._step("after-subsume-metadata")
-            self._delete(self.registry.unregister(old.checkpoint_id))
+            self._delete(unused)
 
     def _delete(self, paths: Sequence[str]) -> None:
         for i, path in enumerate(paths):
-            self.storage.delete_file(path)
             self.registry.deleted.add(path)
+            try:
+                self.storage.delete_file(path)
+            except Exception as exc:
+                self.cleanup_errors.append(f"{path}: {exc}")  # an orphan for the next recover()
             if i == 0:
                 self._step("during-file-deletion")
 

@@ -14,6 +14,7 @@ handles are carried into every later snapshot until a materialization replaces t
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 import time
@@ -377,7 +378,7 @@ class ChangelogKeyedStateBackend:
     def _delete_superseded_chunks(self) -> None:
         in_use = {str(c["path"]) for c in self._materialized}.union(*self._pending_chunks.values())
         garbage = self._unconfirmed_chunks - in_use
-        if garbage and self.storage is not None:
+        if garbage and self.storage is not None and self.storage.owns_files:
             for path in sorted(garbage):
                 self.storage.delete_file(path)
         self._unconfirmed_chunks -= garbage
@@ -617,6 +618,11 @@ class ChangelogKeyedStateBackend:
         """Close the local tables and the writer (uploaded, unconfirmed log files are released)."""
         if self.writer is not None:
             self.writer.close()
+        if self.storage is not None and self.storage.owns_files:
+            for path in sorted(self._unconfirmed_chunks):  # chunks no completed checkpoint names
+                with contextlib.suppress(Exception):
+                    self.storage.delete_file(path)
+            self._unconfirmed_chunks.clear()
         self.tables.close()
 
 
