@@ -164,7 +164,7 @@ def run_partition(cfg: OperatorConfig, frames: Iterator[Any], process: Callable[
             now_ms = int(frame[BATCH_TIME].iloc[0])
 
     def body(backend: Any, now: int) -> list[Any]:
-        return process(backend, data, now)
+        return process(backend, data, now, int(batch_id))
 
     outputs, _ = run_subtask(cfg, subtask, int(batch_id), query_id, now_ms, body)
     yield from outputs

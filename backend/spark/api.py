@@ -1,0 +1,197 @@
+"""The public entry points: Spark's stateful operators, with this backend's checkpoints.
+
+``transform_with_state_in_pandas(df.groupBy("user"), MyProcessor(), schema, "Update",
+"ProcessingTime", checkpoint_location="s3://bucket/state/q1", operator_uid="sessions")`` takes
+the same arguments as ``GroupedData.transformWithStateInPandas`` plus where the state lives and
+the operator's uid, and returns a streaming DataFrame for any sink. ``use_for_session()`` routes
+the ``GroupedData`` methods themselves here, for code that cannot be changed.
+
+Options (keyword-only, all optional): ``parallelism`` (default: spark.sql.shuffle.partitions;
+may change between runs: the state is rescaled), ``max_parallelism`` (128; fixed for the life of
+the state), ``local_dir`` (the host's LMDB directories), ``changelog_config``
+(``dstl.ChangelogConfig``: S3 options, hedging, ...), ``num_retained`` (2),
+``materialization_interval_s`` (600) and ``size_trigger_bytes`` (64 MiB).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from backend.spark.plan import KEY_GROUP, build
+from backend.spark.tasks import OperatorConfig
+
+_OUTPUT_MODES = {"append", "update"}
+_TIME_MODES = {"none", "processingtime", "eventtime"}
+
+
+def _check_modes(output_mode: str, time_mode: str | None = None) -> None:
+    if str(output_mode).lower() not in _OUTPUT_MODES:
+        raise ValueError(f"outputMode must be 'Append' or 'Update', got {output_mode!r}")
+    if time_mode is not None and str(time_mode).lower() not in _TIME_MODES:
+        raise ValueError(f"timeMode must be 'None', 'ProcessingTime' or 'EventTime', got {time_mode!r}")
+    if time_mode is not None and str(time_mode).lower() == "eventtime":
+        raise NotImplementedError(
+            "timeMode='EventTime' is not supported by this backend yet (watermarks are not propagated); "
+            "use 'ProcessingTime' or Spark's own operator"
+        )
+
+
+def _rows_to_pandas(rows: Iterable[Any], names: list[str]) -> Any:
+    import pandas as pd  # type: ignore[import-untyped, unused-ignore]
+
+    records = [tuple(r) for r in rows]
+    return pd.DataFrame.from_records(records, columns=names) if records else None
+
+
+def _transform(
+    grouped: Any,
+    processor: Any,
+    output_schema: Any,
+    output_mode: str,
+    time_mode: str,
+    initial_state: Any,
+    use_pandas: bool,
+    options: dict[str, Any],
+) -> Any:
+    from pyspark.sql.streaming.stateful_processor import StatefulProcessor
+
+    _check_modes(output_mode, time_mode)
+    if not isinstance(processor, StatefulProcessor):
+        raise TypeError(f"statefulProcessor must be a pyspark StatefulProcessor, got {type(processor).__name__}")
+    if initial_state is not None:
+        raise NotImplementedError("initialState is not supported by this backend yet")
+    schema = _parse(grouped, output_schema)
+    names = [f.name for f in schema.fields]
+
+    def make_process(cfg: OperatorConfig, keys: list[str]) -> Callable[..., list[Any]]:
+        def process(backend: Any, frames: list[Any], now_ms: int, batch_id: int) -> list[Any]:
+            from backend.spark.runner import run_transform_with_state
+
+            out = run_transform_with_state(
+                processor, backend, [f.drop(columns=_internal(f)) for f in frames], key_columns=keys,
+                time_mode=time_mode, batch_id=batch_id, batch_timestamp_ms=now_ms, use_pandas=use_pandas,
+                key_group_column=KEY_GROUP,
+            )  # fmt: skip
+            if use_pandas:
+                return [f for f in out if len(f)]
+            frame = _rows_to_pandas(out, names)
+            return [] if frame is None else [frame]
+
+        return process
+
+    return build(grouped, schema, make_process, **options)
+
+
+def _internal(frame: Any) -> list[str]:
+    return [c for c in frame.columns if c.startswith("__dstl_") and c != KEY_GROUP]
+
+
+def _parse(grouped: Any, schema: Any) -> Any:
+    if isinstance(schema, str):
+        return grouped._df.sparkSession._parse_ddl(schema)
+    return schema
+
+
+def transform_with_state_in_pandas(
+    grouped: Any,
+    statefulProcessor: Any,
+    outputStructType: Any,
+    outputMode: str,
+    timeMode: str,
+    initialState: Any = None,
+    eventTimeColumnName: str = "",
+    **options: Any,
+) -> Any:
+    """``GroupedData.transformWithStateInPandas`` on this backend (pandas API of the processor)."""
+    return _transform(grouped, statefulProcessor, outputStructType, outputMode, timeMode, initialState, True, options)
+
+
+def transform_with_state(
+    grouped: Any,
+    statefulProcessor: Any,
+    outputStructType: Any,
+    outputMode: str,
+    timeMode: str,
+    initialState: Any = None,
+    eventTimeColumnName: str = "",
+    **options: Any,
+) -> Any:
+    """``GroupedData.transformWithState`` on this backend (Row API of the processor)."""
+    return _transform(grouped, statefulProcessor, outputStructType, outputMode, timeMode, initialState, False, options)
+
+
+def apply_in_pandas_with_state(
+    grouped: Any,
+    func: Callable[..., Any],
+    outputStructType: Any,
+    stateStructType: Any,
+    outputMode: str,
+    timeoutConf: str,
+    **options: Any,
+) -> Any:
+    """``GroupedData.applyInPandasWithState`` on this backend (the ``GroupState`` function API)."""
+    from backend.spark.runner import GroupStateTimeout
+
+    _check_modes(outputMode)
+    if timeoutConf == GroupStateTimeout.EventTimeTimeout:
+        raise NotImplementedError("EventTimeTimeout is not supported by this backend yet (no watermark propagation)")
+    schema = _parse(grouped, outputStructType)
+    state_schema = _parse(grouped, stateStructType)
+    data_columns = [c for c in grouped._df.columns]
+
+    def make_process(cfg: OperatorConfig, keys: list[str]) -> Callable[..., list[Any]]:
+        def process(backend: Any, frames: list[Any], now_ms: int, batch_id: int) -> list[Any]:
+            from backend.spark.runner import run_apply_in_pandas_with_state
+
+            out = run_apply_in_pandas_with_state(
+                func, backend, [f.drop(columns=_internal(f)) for f in frames], key_columns=keys,
+                state_schema=state_schema, timeout_conf=timeoutConf, batch_timestamp_ms=now_ms,
+                data_columns=data_columns, key_group_column=KEY_GROUP,
+            )  # fmt: skip
+            return [f for f in out if len(f)]
+
+        return process
+
+    return build(grouped, schema, make_process, **options)
+
+
+_ROUTED = ("transformWithStateInPandas", "transformWithState", "applyInPandasWithState")
+
+
+def use_for_session(checkpoint_root: str, **options: Any) -> Callable[[], None]:
+    """Route ``GroupedData.transformWithStateInPandas`` / ``transformWithState`` /
+    ``applyInPandasWithState`` to this backend for this Python process; each operator's state goes
+    to ``<checkpoint_root>/<operator uid>`` with the uid taken from the ``operator_uid`` keyword or
+    derived from the processor's class name. Returns a function that restores Spark's methods."""
+    from pyspark.sql.group import GroupedData
+
+    saved = {name: getattr(GroupedData, name) for name in _ROUTED}
+    root = checkpoint_root.rstrip("/")
+
+    def _uid(target: Any, given: str | None) -> str:
+        name = given or re.sub(r"[^A-Za-z0-9_.-]", "-", getattr(type(target), "__name__", "") or target.__name__)
+        return name
+
+    def routed(target: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self: Any, first: Any, *args: Any, operator_uid: str | None = None, **kw: Any) -> Any:
+            uid = _uid(first, operator_uid)
+            extra: dict[str, Any] = {**options, **kw, "checkpoint_location": f"{root}/{uid}", "operator_uid": uid}
+            return target(self, first, *args, **extra)
+
+        return method
+
+    targets: dict[str, Callable[..., Any]] = {
+        "transformWithStateInPandas": transform_with_state_in_pandas,
+        "transformWithState": transform_with_state,
+        "applyInPandasWithState": apply_in_pandas_with_state,
+    }
+    for name, target in targets.items():
+        setattr(GroupedData, name, routed(target))
+
+    def restore() -> None:
+        for name, method in saved.items():
+            setattr(GroupedData, name, method)
+
+    return restore

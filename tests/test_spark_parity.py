@@ -1,0 +1,135 @@
+"""Parity: one unchanged ``StatefulProcessor`` on this backend and on Spark's own
+``transformWithStateInPandas`` (RocksDB state store) over the same input, batch by batch.
+
+The processor uses value, list and map state, a TTL'd value state and processing-time timers. Its
+output depends on the batch only, never on wall-clock time: a timer registered at the batch's
+processing time fires in the next batch, whenever that runs; a 1 ms TTL has expired by then.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.spark
+
+OUTPUT = "user string, kind string, count long, recent long, categories long, ttl_seen boolean"
+
+
+def processor_class() -> Any:
+    import pandas as pd
+    from pyspark.sql.streaming.stateful_processor import StatefulProcessor
+    from pyspark.sql.types import BooleanType, LongType, StringType, StructField, StructType
+
+    class Sessions(StatefulProcessor):  # type: ignore[misc]
+        def init(self, handle: Any) -> None:
+            self.handle = handle
+            self.count = handle.getValueState("count", StructType([StructField("c", LongType())]))
+            self.recent = handle.getListState("recent", StructType([StructField("v", LongType())]))
+            self.categories = handle.getMapState(
+                "categories", StructType([StructField("cat", StringType())]), StructType([StructField("n", LongType())])
+            )
+            self.flash = handle.getValueState("flash", StructType([StructField("b", BooleanType())]), 1)
+
+        def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:
+            values: list[int] = []
+            cats: list[str] = []
+            for frame in rows:
+                values += [int(v) for v in frame["v"]]
+                cats += list(frame["cat"])
+            count = (self.count.get()[0] if self.count.exists() else 0) + len(values)
+            self.count.update((count,))
+            self.recent.appendList([(v,) for v in values])
+            kept = [v for (v,) in self.recent.get()][-3:]
+            self.recent.put([(v,) for v in kept])
+            for cat in cats:
+                old = self.categories.getValue((cat,)) if self.categories.containsKey((cat,)) else None
+                self.categories.updateValue((cat,), ((old[0] if old else 0) + 1,))
+            ttl_seen = self.flash.exists()
+            self.flash.update((True,))
+            for timer in list(self.handle.listTimers()):
+                self.handle.deleteTimer(timer)
+            self.handle.registerTimer(timerValues.getCurrentProcessingTimeInMs())
+            n_cats = len(list(self.categories.keys()))
+            yield pd.DataFrame(
+                {"user": [key[0]], "kind": ["input"], "count": [count], "recent": [sum(kept)],
+                 "categories": [n_cats], "ttl_seen": [ttl_seen]}
+            )  # fmt: skip
+
+        def handleExpiredTimer(self, key: Any, timerValues: Any, expiredTimerInfo: Any) -> Any:
+            count = self.count.get()[0] if self.count.exists() else 0
+            if count >= 6:  # a long session closes: its state is dropped
+                self.count.clear()
+                self.recent.clear()
+                self.categories.clear()
+            yield pd.DataFrame(
+                {"user": [key[0]], "kind": ["timer"], "count": [count], "recent": [0], "categories": [0],
+                 "ttl_seen": [False]}
+            )  # fmt: skip
+
+        def close(self) -> None:
+            return None
+
+    return Sessions
+
+
+def write_batch(directory: Path, index: int, rows: list[tuple[str, int, str]]) -> None:
+    path = directory / f"{index:04d}.json"
+    path.with_suffix(".tmp").write_text("".join(json.dumps({"user": u, "v": v, "cat": c}) + "\n" for u, v, c in rows))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def test_same_output_as_sparks_own_operator_batch_by_batch(spark: Any, tmp_path: Path) -> None:
+    from backend.spark import driver
+    from backend.spark.api import transform_with_state_in_pandas
+
+    driver.forget_all()
+    source = tmp_path / "in"
+    source.mkdir()
+    # Batches only when data arrives: Spark otherwise runs no-data batches for pending timers, and
+    # processAllAvailable() would not return while a timer is pending.
+    spark.conf.set("spark.sql.streaming.noDataMicroBatches.enabled", "false")
+    Sessions = processor_class()
+    outputs: dict[str, dict[int, list[tuple[Any, ...]]]] = {"ours": {}, "spark": {}}
+
+    def sink(name: str) -> Any:
+        def collect(batch_df: Any, batch_id: int) -> None:
+            outputs[name][batch_id] = sorted(tuple(r) for r in batch_df.collect())
+
+        return collect
+
+    def stream() -> Any:
+        return spark.readStream.schema("user string, v long, cat string").json(str(source))
+
+    ours = transform_with_state_in_pandas(
+        stream().groupBy("user"), Sessions(), OUTPUT, "Update", "ProcessingTime",
+        checkpoint_location=str(tmp_path / "state"), operator_uid="sessions", parallelism=3,
+        local_dir=str(tmp_path / "local"),
+    )  # fmt: skip
+    theirs = stream().groupBy("user").transformWithStateInPandas(Sessions(), OUTPUT, "Update", "ProcessingTime")
+    queries = [
+        ours.writeStream.foreachBatch(sink("ours")).option("checkpointLocation", str(tmp_path / "c1")).start(),
+        theirs.writeStream.foreachBatch(sink("spark")).option("checkpointLocation", str(tmp_path / "c2")).start(),
+    ]
+    try:
+        batches = [
+            [("a", 1, "x"), ("b", 2, "y"), ("a", 3, "y"), ("c", 4, "x")],
+            [("a", 5, "z"), ("b", 6, "y"), ("b", 7, "x"), ("d", 8, "x")],
+            [("a", 9, "x"), ("a", 10, "x"), ("c", 11, "w"), ("e", 12, "v")],
+            [("b", 13, "y"), ("e", 14, "v")],
+            [("a", 15, "q"), ("d", 16, "q")],
+        ]
+        for index, rows in enumerate(batches):
+            write_batch(source, index, rows)
+            for query in queries:
+                query.processAllAvailable()
+    finally:
+        for query in queries:
+            query.stop()
+    assert outputs["ours"] == outputs["spark"]
+    assert len(outputs["ours"]) == 5
+    assert any(row[1] == "timer" for rows in outputs["ours"].values() for row in rows)
