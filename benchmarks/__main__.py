@@ -18,6 +18,7 @@ BENCHMARKS = {
     "recovery": "benchmarks.recovery",
     "space": "benchmarks.space",
     "incremental": "benchmarks.incremental",
+    "spark": "benchmarks.spark",
 }
 
 

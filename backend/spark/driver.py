@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import Counter
 from typing import Any
 
 from backend.checkpoints import CheckpointCoordinator, CheckpointError, SnapshotMetadata
@@ -93,8 +94,17 @@ class DriverCoordinator:
             for uid, record in records:
                 handle = KeyedStateHandle.from_json(record["handle"])
                 self.coordinator.acknowledge(checkpoint_id, uid, int(record["subtask"]), handle)
+            stats = [r.get("stats", {}) for _, r in records]
+            properties = {
+                "batch": batch,
+                "query_id": query_id,
+                "persist_ms_max": max((s.get("persist_ms", 0) for s in stats), default=0),
+                "log_records": sum(s.get("log_records", 0) for s in stats),
+                "materializations": sum(s.get("materialized", 0) for s in stats),
+                "restored_from": dict(Counter(str(s.get("source")) for s in stats)),
+            }
             try:
-                meta = self.coordinator.complete(checkpoint_id, {"batch": batch, "query_id": query_id})
+                meta = self.coordinator.complete(checkpoint_id, properties)
             except CheckpointError as exc:
                 self.coordinator.abort(checkpoint_id)
                 self.errors.append(str(exc))
@@ -111,7 +121,7 @@ class DriverCoordinator:
 
 
 _COORDINATORS: dict[str, DriverCoordinator] = {}
-_LISTENED: set[int] = set()
+_LISTENED: dict[int, Any] = {}
 _GLOBAL = threading.Lock()
 
 
@@ -123,8 +133,9 @@ def coordinator_for(spark: Any, cfg: OperatorConfig, num_retained: int = 2) -> D
             coordinator = _COORDINATORS[cfg.job_dir] = DriverCoordinator(cfg, num_retained)
         coordinator.register(cfg)
         if id(spark) not in _LISTENED:
-            spark.streams.addListener(_listener())
-            _LISTENED.add(id(spark))
+            listener = _listener()
+            spark.streams.addListener(listener)
+            _LISTENED[id(spark)] = listener
     return coordinator
 
 
@@ -134,6 +145,15 @@ def complete_committed(batch: int, query_id: str | None) -> None:
             coordinator.complete_batch(batch, query_id)
         except Exception as exc:  # a listener must not die; the error is kept for the user
             coordinator.errors.append(f"batch {batch}: {exc}")
+
+
+def detach(spark: Any) -> None:
+    """Remove our listener from ``spark`` (before stopping it: a late callback into a Python
+    process that is shutting down only makes noise)."""
+    with _GLOBAL:
+        listener = _LISTENED.pop(id(spark), None)
+        if listener is not None:
+            spark.streams.removeListener(listener)
 
 
 def forget_all() -> None:

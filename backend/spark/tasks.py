@@ -232,18 +232,25 @@ def run_subtask(
             now_ms = existing_now_ms(storage, batch, cfg.uid, subtask) or time.time_ns() // 1_000_000
         restored_s = time.perf_counter() - began
         outputs = process(kept.backend, now_ms)
+        materialized = kept.materializer.metrics.completed
         kept.materializer.poll()
         kept.materializer.wait()  # a materialization finishes inside the task that started it
         began = time.perf_counter()
         handle = kept.backend.snapshot(batch).result(cfg.snapshot_timeout_s)
         persist_s = time.perf_counter() - began
+        stats = {
+            "source": source,  # where the state came from: kept | local | dfs
+            "restore_ms": round(restored_s * 1000, 2),
+            "persist_ms": round(persist_s * 1000, 2),
+            "materialized": kept.materializer.metrics.completed - materialized,
+            "log_records": sum(s.records for e in handle.changelog for s in e.log.segments),
+            "chunks": len(handle.materialized),
+        }
         record = {"query_id": query_id, "batch": batch, "subtask": subtask, "parallelism": cfg.parallelism,
-                  "now_ms": now_ms, "handle": handle.to_json()}  # fmt: skip
+                  "now_ms": now_ms, "handle": handle.to_json(), "stats": stats}  # fmt: skip
         storage.put_file(pending_path(batch, cfg.uid, subtask), json.dumps(record).encode())
         kept.backend.flush()
         kept.version = batch
         _write_marker(directory, {"version": batch, "token": kept.token, "handle": handle.to_json()})
         _KEPT[(cfg.job_dir, cfg.uid, cfg.parallelism, subtask)] = kept
-    stats = {"source": source, "restore_s": restored_s, "persist_s": persist_s,
-             "materializations": kept.materializer.metrics.completed}  # fmt: skip
     return outputs, stats

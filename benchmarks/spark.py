@@ -1,0 +1,197 @@
+"""``spark``: one StatefulProcessor on this backend vs Spark's own transformWithStateInPandas.
+
+Same processor, same generated input, one local Spark session (``local[2]``, 4 shuffle
+partitions = our parallelism), run side by side in one process:
+
+- ours: ``backend.spark.api.transform_with_state_in_pandas`` (state in LMDB, changelog on a local
+  directory, checkpoint per batch completed by the driver);
+- Spark: ``GroupedData.transformWithStateInPandas`` on the RocksDB state store with changelog
+  checkpointing (``spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled``).
+
+Workloads (input files written up front, one parquet file per micro-batch, ``maxFilesPerTrigger``
+1, ``availableNow``): *heavy* (100k rows per batch over 10k keys; quick 20k rows) where the
+processor makes 3 state calls per row (value get + update, map update), and *light* (1k rows per
+batch). The batch duration is Spark's ``triggerExecution`` of each batch; the first batch of each
+run is a warm-up and left out of the median. Files written per batch: new files under each
+system's state directory (ours: ``chk-*``, ``pending/``, ``dstl/``, ``shared/``; Spark: the
+query's ``state/`` directory), counted after every batch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import BenchResult, progress
+
+OUTPUT = "user string, count long, last long"
+
+
+def _processor() -> Any:
+    import pandas as pd  # type: ignore[import-untyped, unused-ignore]
+    from pyspark.sql.streaming.stateful_processor import StatefulProcessor
+
+    class PerRow(StatefulProcessor):  # type: ignore[misc]
+        """Three state calls per input row: the value state's get and update, a map update."""
+
+        def init(self, handle: Any) -> None:
+            self.count = handle.getValueState("count", "c long")
+            self.last = handle.getMapState("last", "k string", "v long")
+
+        def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:
+            count = 0
+            last = 0
+            for frame in rows:
+                for cat, v in zip(frame["cat"], frame["v"], strict=True):
+                    current = self.count.get()
+                    count = (current[0] if current else 0) + 1
+                    self.count.update((count,))
+                    self.last.updateValue((cat,), (int(v),))
+                    last = int(v)
+            yield pd.DataFrame({"user": [key[0]], "count": [count], "last": [last]})
+
+        def close(self) -> None:
+            return None
+
+    return PerRow
+
+
+def _write_input(directory: Path, batches: int, rows: int, keys: int, seed: int) -> None:
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True)
+    for b in range(batches):
+        frame = pd.DataFrame(
+            {
+                "user": [f"u{k}" for k in rng.integers(0, keys, rows)],
+                "cat": [f"c{c}" for c in rng.integers(0, 4, rows)],
+                "v": rng.integers(0, 1000, rows),
+            }
+        )
+        frame.to_parquet(directory / f"{b:05d}.parquet")
+
+
+def _count_files(directory: Path) -> set[str]:
+    return {str(p) for p in directory.rglob("*") if p.is_file()} if directory.exists() else set()
+
+
+def _run(spark: Any, which: str, source: Path, work: Path, parallelism: int) -> dict[str, Any]:
+    from backend.spark import driver
+    from backend.spark.api import transform_with_state_in_pandas
+
+    df = spark.readStream.schema("user string, cat string, v long").option("maxFilesPerTrigger", 1).parquet(str(source))
+    processor = _processor()()
+    if which == "ours":
+        driver.forget_all()
+        out = transform_with_state_in_pandas(
+            df.groupBy("user"), processor, OUTPUT, "Update", "None",
+            checkpoint_location=str(work / "state"), operator_uid="bench", parallelism=parallelism,
+            local_dir=str(work / "local"),
+        )  # fmt: skip
+        state_dir = work / "state"
+    else:
+        out = df.groupBy("user").transformWithStateInPandas(processor, OUTPUT, "Update", "None")
+        state_dir = work / "spark-chk" / "state"
+    seen: set[str] = set()
+    new_files: list[int] = []
+    rows_out = [0]
+
+    def sink(batch_df: Any, batch_id: int) -> None:
+        rows_out[0] += batch_df.count()
+        if which == "ours":
+            # the listener completes chk-<b-1> asynchronously; count what exists now
+            pass
+        files = _count_files(state_dir)
+        new_files.append(len(files - seen))
+        seen.update(files)
+
+    query = (
+        out.writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(work / "spark-chk"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    durations = [p["durationMs"]["triggerExecution"] for p in query.recentProgress if p["numInputRows"] > 0]
+    return {"durations_ms": durations, "new_files": new_files, "rows_out": rows_out[0]}
+
+
+def _session() -> Any:
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    from pyspark.sql import SparkSession
+
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .appName("dstl-bench")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "4")
+        .config(
+            "spark.sql.streaming.stateStore.providerClass",
+            "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider",
+        )
+        .config("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled", "true")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values[1:] if len(values) > 1 else values))
+
+
+def run(quick: bool, out_dir: Path) -> BenchResult:
+    heavy_rows = 20_000 if quick else 100_000
+    batches = 4 if quick else 6
+    spark = _session()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-spark-"))
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for workload, rows, keys in (("heavy", heavy_rows, 10_000), ("light", 1_000, 1_000)):
+            source = tmp / f"in-{workload}"
+            _write_input(source, batches, rows, keys, seed=len(workload))
+            for which in ("spark", "ours"):
+                progress(f"spark: {workload} workload ({rows} rows x {batches} batches) on {which}")
+                began = time.perf_counter()
+                results[f"{workload}_{which}"] = _run(spark, which, source, tmp / f"{workload}-{which}", 4)
+                results[f"{workload}_{which}"]["seconds"] = round(time.perf_counter() - began, 2)
+    finally:
+        spark.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    med = {k: _median(v["durations_ms"]) for k, v in results.items()}
+    calls = 3 * heavy_rows
+    metrics = {
+        "heavy_batch_ratio": round(med["heavy_ours"] / med["heavy_spark"], 3),
+        "light_batch_ratio": round(med["light_ours"] / med["light_spark"], 3),
+        "heavy_batch_ms_ours": med["heavy_ours"],
+        "heavy_batch_ms_spark": med["heavy_spark"],
+        "light_batch_ms_ours": med["light_ours"],
+        "light_batch_ms_spark": med["light_spark"],
+        "state_calls_per_s_ours": round(calls / (med["heavy_ours"] / 1000)),
+        "state_calls_per_s_spark": round(calls / (med["heavy_spark"] / 1000)),
+        "files_per_batch_ours": round(statistics.mean(results["heavy_ours"]["new_files"]), 2),
+        "files_per_batch_spark": round(statistics.mean(results["heavy_spark"]["new_files"]), 2),
+        "rows_per_batch_heavy": heavy_rows,
+        "batches": batches,
+    }
+    table = [
+        ("heavy batch median (ours / Spark)", f"{med['heavy_ours']:.0f} / {med['heavy_spark']:.0f} ms "
+                                              f"= {metrics['heavy_batch_ratio']}"),
+        ("light batch median (ours / Spark)", f"{med['light_ours']:.0f} / {med['light_spark']:.0f} ms "
+                                              f"= {metrics['light_batch_ratio']}"),
+        ("state calls/s heavy (ours / Spark)", f"{metrics['state_calls_per_s_ours']:,} / "
+                                               f"{metrics['state_calls_per_s_spark']:,}"),
+        ("DFS files per batch (ours / Spark)", f"{metrics['files_per_batch_ours']} / "
+                                               f"{metrics['files_per_batch_spark']}"),
+    ]  # fmt: skip
+    return BenchResult("spark", metrics, table, details=results)
