@@ -37,7 +37,7 @@ def _processor() -> Any:
     import pandas as pd  # type: ignore[import-untyped, unused-ignore]
     from pyspark.sql.streaming.stateful_processor import StatefulProcessor
 
-    class PerRow(StatefulProcessor):  # type: ignore[misc]
+    class PerRow(StatefulProcessor):
         """Three state calls per input row: the value state's get and update, a map update."""
 
         def init(self, handle: Any) -> None:

@@ -46,9 +46,11 @@ def _stream(spark: Any, source: Path) -> Any:
 
 
 def _run(out: Any, tmp_path: Path, name: str = "spark") -> None:
-    query = out.writeStream.foreachBatch(lambda df, _: df.collect()).option(
-        "checkpointLocation", str(tmp_path / name)
-    ).start()
+    query = (
+        out.writeStream.foreachBatch(lambda df, _: df.collect())
+        .option("checkpointLocation", str(tmp_path / name))
+        .start()
+    )
     try:
         query.processAllAvailable()
     finally:
