@@ -32,7 +32,7 @@ TOTAL = ValueStateDescriptor("total", Int64Serializer())
 
 def make_process(fault_dir: str) -> Callable[..., Any]:
     def factory(cfg: Any, keys: list[str]) -> Callable[..., list[Any]]:
-        def process(backend: Any, frames: list[Any], now_ms: int, batch_id: int) -> list[Any]:
+        def process(backend: Any, frames: list[Any], now_ms: int, batch_id: int, watermark: Any) -> list[Any]:
             import pandas as pd
             from pyspark import TaskContext
 

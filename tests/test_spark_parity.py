@@ -133,3 +133,103 @@ def test_same_output_as_sparks_own_operator_batch_by_batch(spark: Any, tmp_path:
     assert outputs["ours"] == outputs["spark"]
     assert len(outputs["ours"]) == 5
     assert any(row[1] == "timer" for rows in outputs["ours"].values() for row in rows)
+
+
+EVENT_OUTPUT = "user string, kind string, n long, at long, watermark long"
+
+
+def event_time_processor() -> Any:
+    import pandas as pd
+    from pyspark.sql.streaming.stateful_processor import StatefulProcessor
+
+    class Idle(StatefulProcessor):  # type: ignore[misc]
+        """Counts events per user; an event-time timer 5 s after the user's latest event fires once
+        the watermark passes it."""
+
+        def init(self, handle: Any) -> None:
+            self.handle = handle
+            self.n = handle.getValueState("n", "n long")
+
+        def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:
+            latest, count = 0, 0
+            for frame in rows:
+                count += len(frame)
+                latest = max(latest, int(frame["ts"].max().timestamp() * 1000))
+            n = (self.n.get() or (0,))[0] + count
+            self.n.update((n,))
+            for timer in list(self.handle.listTimers()):
+                self.handle.deleteTimer(timer)
+            self.handle.registerTimer(latest + 5_000)
+            yield pd.DataFrame({"user": [key[0]], "kind": ["input"], "n": [n], "at": [latest],
+                                "watermark": [timerValues.getCurrentWatermarkInMs()]})  # fmt: skip
+
+        def handleExpiredTimer(self, key: Any, timerValues: Any, expiredTimerInfo: Any) -> Any:
+            n = (self.n.get() or (0,))[0]
+            self.n.clear()
+            at = expiredTimerInfo.getExpiryTimeInMs()
+            yield pd.DataFrame({"user": [key[0]], "kind": ["timer"], "n": [n], "at": [at],
+                                "watermark": [timerValues.getCurrentWatermarkInMs()]})  # fmt: skip
+
+        def close(self) -> None:
+            return None
+
+    return Idle
+
+
+def test_event_time_timers_and_watermarks_match_spark(spark: Any, tmp_path: Path) -> None:
+    from backend.spark import driver
+    from backend.spark.api import transform_with_state_in_pandas
+
+    driver.forget_all()
+    spark.conf.set("spark.sql.streaming.noDataMicroBatches.enabled", "false")
+    source = tmp_path / "in"
+    source.mkdir()
+    Idle = event_time_processor()
+    outputs: dict[str, dict[int, list[tuple[Any, ...]]]] = {"ours": {}, "spark": {}}
+
+    def sink(name: str) -> Any:
+        def collect(batch_df: Any, batch_id: int) -> None:
+            outputs[name][batch_id] = sorted(tuple(r) for r in batch_df.collect())
+
+        return collect
+
+    def stream() -> Any:
+        return (
+            spark.readStream.schema("user string, v long, cat string, ts timestamp")
+            .json(str(source))
+            .withWatermark("ts", "10 seconds")
+        )
+
+    ours = transform_with_state_in_pandas(
+        stream().groupBy("user"), Idle(), EVENT_OUTPUT, "Update", "EventTime",
+        checkpoint_location=str(tmp_path / "state"), operator_uid="idle", parallelism=3,
+        local_dir=str(tmp_path / "local"),
+    )  # fmt: skip
+    theirs = stream().groupBy("user").transformWithStateInPandas(Idle(), EVENT_OUTPUT, "Update", "EventTime")
+    queries = [
+        ours.writeStream.foreachBatch(sink("ours")).option("checkpointLocation", str(tmp_path / "c1")).start(),
+        theirs.writeStream.foreachBatch(sink("spark")).option("checkpointLocation", str(tmp_path / "c2")).start(),
+    ]
+    base = 1_700_000_000  # seconds
+    batches = [  # (user, seconds after base); batch 3 holds a row 30 s late
+        [("a", 0), ("b", 1), ("a", 2)],
+        [("a", 10), ("c", 12)],
+        [("b", 30), ("c", 31)],
+        [("a", 5), ("d", 45)],
+        [("d", 60)],
+        [("e", 90)],
+    ]
+    try:
+        for index, rows in enumerate(batches):
+            path = source / f"{index:04d}.json"
+            path.with_suffix(".tmp").write_text(
+                "".join(json.dumps({"user": u, "v": 1, "cat": "x", "ts": base + s}) + "\n" for u, s in rows)
+            )
+            os.replace(path.with_suffix(".tmp"), path)
+            for query in queries:
+                query.processAllAvailable()
+    finally:
+        for query in queries:
+            query.stop()
+    assert outputs["ours"] == outputs["spark"]
+    assert any(row[1] == "timer" for rows in outputs["ours"].values() for row in rows)

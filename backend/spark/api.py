@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from backend.spark.plan import KEY_GROUP, build
+from backend.spark.plan import KEY_GROUP, build, find_watermark
 from backend.spark.tasks import OperatorConfig
 
 _OUTPUT_MODES = {"append", "update"}
@@ -31,11 +31,6 @@ def _check_modes(output_mode: str, time_mode: str | None = None) -> None:
         raise ValueError(f"outputMode must be 'Append' or 'Update', got {output_mode!r}")
     if time_mode is not None and str(time_mode).lower() not in _TIME_MODES:
         raise ValueError(f"timeMode must be 'None', 'ProcessingTime' or 'EventTime', got {time_mode!r}")
-    if time_mode is not None and str(time_mode).lower() == "eventtime":
-        raise NotImplementedError(
-            "timeMode='EventTime' is not supported by this backend yet (watermarks are not propagated); "
-            "use 'ProcessingTime' or Spark's own operator"
-        )
 
 
 def _rows_to_pandas(rows: Iterable[Any], names: list[str]) -> Any:
@@ -62,17 +57,21 @@ def _transform(
         raise TypeError(f"statefulProcessor must be a pyspark StatefulProcessor, got {type(processor).__name__}")
     if initial_state is not None:
         raise NotImplementedError("initialState is not supported by this backend yet")
+    if str(time_mode).lower() == "eventtime" and find_watermark(grouped._df) is None:
+        raise ValueError("timeMode='EventTime' needs a watermark: call withWatermark on the input")
     schema = _parse(grouped, output_schema)
     names = [f.name for f in schema.fields]
 
     def make_process(cfg: OperatorConfig, keys: list[str]) -> Callable[..., list[Any]]:
-        def process(backend: Any, frames: list[Any], now_ms: int, batch_id: int) -> list[Any]:
+        def process(backend: Any, frames: list[Any], now_ms: int, batch_id: int, watermark: int | None) -> list[Any]:
             from backend.spark.runner import run_transform_with_state
 
+            if str(time_mode).lower() == "eventtime" and watermark is None:
+                raise ValueError("timeMode='EventTime' needs a watermark: call withWatermark on the input")
             out = run_transform_with_state(
                 processor, backend, [f.drop(columns=_internal(f)) for f in frames], key_columns=keys,
                 time_mode=time_mode, batch_id=batch_id, batch_timestamp_ms=now_ms, use_pandas=use_pandas,
-                key_group_column=KEY_GROUP,
+                key_group_column=KEY_GROUP, watermark_ms=watermark or 0,
             )  # fmt: skip
             if use_pandas:
                 return [f for f in out if len(f)]
@@ -135,20 +134,22 @@ def apply_in_pandas_with_state(
     from backend.spark.runner import GroupStateTimeout
 
     _check_modes(outputMode)
-    if timeoutConf == GroupStateTimeout.EventTimeTimeout:
-        raise NotImplementedError("EventTimeTimeout is not supported by this backend yet (no watermark propagation)")
+    if timeoutConf == GroupStateTimeout.EventTimeTimeout and find_watermark(grouped._df) is None:
+        raise ValueError("EventTimeTimeout needs a watermark: call withWatermark on the input")
     schema = _parse(grouped, outputStructType)
     state_schema = _parse(grouped, stateStructType)
     data_columns = [c for c in grouped._df.columns]
 
     def make_process(cfg: OperatorConfig, keys: list[str]) -> Callable[..., list[Any]]:
-        def process(backend: Any, frames: list[Any], now_ms: int, batch_id: int) -> list[Any]:
+        def process(backend: Any, frames: list[Any], now_ms: int, batch_id: int, watermark: int | None) -> list[Any]:
             from backend.spark.runner import run_apply_in_pandas_with_state
 
+            if timeoutConf == GroupStateTimeout.EventTimeTimeout and watermark is None:
+                raise ValueError("EventTimeTimeout needs a watermark: call withWatermark on the input")
             out = run_apply_in_pandas_with_state(
                 func, backend, [f.drop(columns=_internal(f)) for f in frames], key_columns=keys,
                 state_schema=state_schema, timeout_conf=timeoutConf, batch_timestamp_ms=now_ms,
-                data_columns=data_columns, key_group_column=KEY_GROUP,
+                data_columns=data_columns, key_group_column=KEY_GROUP, watermark_ms=watermark,
             )  # fmt: skip
             return [f for f in out if len(f)]
 

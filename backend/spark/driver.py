@@ -103,6 +103,9 @@ class DriverCoordinator:
                 "materializations": sum(s.get("materialized", 0) for s in stats),
                 "restored_from": dict(Counter(str(s.get("source")) for s in stats)),
             }
+            if any("event_time_basis_ms" in s for s in stats):
+                properties["event_time_basis_ms"] = max(int(s.get("event_time_basis_ms", 0)) for s in stats)
+                properties["watermark_ms"] = max(int(s.get("watermark_ms", 0)) for s in stats)
             try:
                 meta = self.coordinator.complete(checkpoint_id, properties)
             except CheckpointError as exc:

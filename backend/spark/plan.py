@@ -32,6 +32,7 @@ from dstl import ChangelogConfig
 
 KEY_GROUP = "__dstl_key_group"
 BATCH_TIME = "__dstl_batch_time"
+EVENT_TIME = "__dstl_event_time"
 _ROUTE = "__dstl_route"
 
 
@@ -65,6 +66,22 @@ def grouping_columns(grouped: Any) -> list[str]:
             "add computed keys with withColumn first"
         )
     return names
+
+
+def find_watermark(df: Any) -> tuple[str, int] | None:
+    """(event time column, delay in ms) of the input's ``withWatermark``, read from its analyzed
+    plan (the watermark itself is computed here, from the event times the tasks see)."""
+    found: list[tuple[str, int]] = []
+    pending = [df._jdf.queryExecution().analyzed()]
+    while pending:
+        node = pending.pop()
+        if node.getClass().getSimpleName() == "EventTimeWatermark":
+            found.append((str(node.eventTime().name()), int(node.getDelayMs(node.delay()))))
+        children = node.children()
+        pending.extend(children.apply(i) for i in range(children.size()))
+    if len(found) > 1:
+        raise NotImplementedError("more than one withWatermark in the input is not supported by this backend")
+    return found[0] if found else None
 
 
 def _check_session(spark: Any) -> None:
@@ -113,19 +130,24 @@ def build(
     parallelism = parallelism or int(spark.conf.get("spark.sql.shuffle.partitions"))
     if not 1 <= parallelism <= max_parallelism:
         raise ValueError(f"parallelism must be in 1..{max_parallelism}, got {parallelism}")
+    watermark = find_watermark(df)
+    if watermark is not None and watermark[0] not in df.columns:
+        raise ValueError(f"the watermark's event time column {watermark[0]!r} is not a column of the input")
     location = checkpoint_location.rstrip("/")
     base = changelog_config or ChangelogConfig(base_path=location)
     cfg = OperatorConfig(
         job_dir=location, uid=operator_uid, parallelism=parallelism, max_parallelism=max_parallelism,
         local_root=local_dir or os.path.join(tempfile.gettempdir(), "dstl-spark-local"),
         changelog=replace(base, base_path=location), materialization_interval_s=materialization_interval_s,
-        size_trigger_bytes=size_trigger_bytes,
+        size_trigger_bytes=size_trigger_bytes, watermark_delay_ms=None if watermark is None else watermark[1],
     )  # fmt: skip
     coordinator_for(spark, cfg, num_retained)
     process = make_process(cfg, keys)
     kg = F.pmod(F.hash(*[F.col(k) for k in keys]), F.lit(max_parallelism))
     subtask = F.floor(F.col(KEY_GROUP) * F.lit(parallelism) / F.lit(max_parallelism)).cast("int")
     route = F.element_at(F.array(*[F.lit(v) for v in route_values(parallelism)]), subtask + F.lit(1))
+    if watermark is not None:
+        df = df.withColumn(EVENT_TIME, F.unix_millis(F.col(watermark[0]).cast("timestamp")))
     prepared = (
         df.withColumn(KEY_GROUP, kg.cast("int"))
         .withColumn(BATCH_TIME, F.unix_millis(F.current_timestamp()))
@@ -153,6 +175,7 @@ def run_partition(cfg: OperatorConfig, frames: Iterator[Any], process: Callable[
     data = [f for f in frames if len(f)]
     rng = cfg.key_group_range(subtask)
     now_ms = None
+    max_event: int | None = None
     for frame in data:
         groups = frame[KEY_GROUP]
         if int(groups.min()) < rng.start or int(groups.max()) > rng.end:
@@ -162,11 +185,14 @@ def run_partition(cfg: OperatorConfig, frames: Iterator[Any], process: Callable[
             )
         if now_ms is None:
             now_ms = int(frame[BATCH_TIME].iloc[0])
+        if EVENT_TIME in frame.columns and frame[EVENT_TIME].notna().any():
+            top = int(frame[EVENT_TIME].max())
+            max_event = top if max_event is None else max(max_event, top)
 
-    def body(backend: Any, now: int) -> list[Any]:
-        return process(backend, data, now, int(batch_id))
+    def body(backend: Any, now: int, watermark: int | None) -> list[Any]:
+        return process(backend, data, now, int(batch_id), watermark)
 
-    outputs, _ = run_subtask(cfg, subtask, int(batch_id), query_id, now_ms, body)
+    outputs, _ = run_subtask(cfg, subtask, int(batch_id), query_id, now_ms, body, max_event)
     yield from outputs
 
 

@@ -34,7 +34,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,9 @@ class OperatorConfig:
     materialization_interval_s: float = 600.0
     size_trigger_bytes: int | None = 64 << 20
     snapshot_timeout_s: float = 120.0
-    extra: dict[str, Any] = field(default_factory=dict)
+    #: the input's ``withWatermark`` delay (None: no watermark); the watermark of batch b is the
+    #: largest event time of batches < b minus this, as in Spark
+    watermark_delay_ms: int | None = None
 
     def key_group_range(self, subtask: int) -> KeyGroupRange:
         return key_group_range_for_subtask(self.max_parallelism, self.parallelism, subtask)
@@ -118,6 +120,20 @@ def _write_marker(directory: Path, value: dict[str, Any]) -> None:
     tmp = directory / f"{MARKER}.tmp"
     tmp.write_text(json.dumps(value))
     os.replace(tmp, directory / MARKER)
+
+
+def event_time_basis(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> int:
+    """The largest event time of all batches up to ``batch`` (0 before the first), from
+    ``chk-<batch>``'s properties or the pending records of ``batch``."""
+    if batch < 0:
+        return 0
+    try:
+        meta = SnapshotMetadata.loads(storage.get_file(metadata_path(batch)), f"{cfg.job_dir}/{metadata_path(batch)}")
+        return int(meta.properties.get("event_time_basis_ms", 0))
+    except FileNotFoundError:
+        pass
+    records = [json.loads(storage.get_file(p)) for p in storage.list_all(f"pending/{batch}") if p.endswith(".json")]
+    return max((int(r.get("stats", {}).get("event_time_basis_ms", 0)) for r in records), default=0)
 
 
 def handles_after(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> list[KeyedStateHandle]:
@@ -214,11 +230,17 @@ def existing_now_ms(storage: StateChangelogStorage, batch: int, uid: str, subtas
         return None
 
 
-Process = Callable[[ChangelogKeyedStateBackend, int], list[Any]]
+Process = Callable[[ChangelogKeyedStateBackend, int, int | None], list[Any]]
 
 
 def run_subtask(
-    cfg: OperatorConfig, subtask: int, batch: int, query_id: str, now_ms: int | None, process: Process
+    cfg: OperatorConfig,
+    subtask: int,
+    batch: int,
+    query_id: str,
+    now_ms: int | None,
+    process: Process,
+    max_event_time_ms: int | None = None,
 ) -> tuple[list[Any], dict[str, Any]]:
     """Steps 1-4 of the module docstring; returns the output and the task's figures."""
     storage = storage_for(cfg)
@@ -230,8 +252,12 @@ def run_subtask(
         _write_marker(directory, {"version": None})  # dirty until this batch's state is complete
         if now_ms is None:
             now_ms = existing_now_ms(storage, batch, cfg.uid, subtask) or time.time_ns() // 1_000_000
+        basis = watermark = None
+        if cfg.watermark_delay_ms is not None:
+            basis = event_time_basis(storage, cfg, batch - 1)
+            watermark = max(0, basis - cfg.watermark_delay_ms) if basis > 0 else 0
         restored_s = time.perf_counter() - began
-        outputs = process(kept.backend, now_ms)
+        outputs = process(kept.backend, now_ms, watermark)
         materialized = kept.materializer.metrics.completed
         kept.materializer.poll()
         kept.materializer.wait()  # a materialization finishes inside the task that started it
@@ -246,6 +272,9 @@ def run_subtask(
             "log_records": sum(s.records for e in handle.changelog for s in e.log.segments),
             "chunks": len(handle.materialized),
         }
+        if basis is not None:
+            stats["event_time_basis_ms"] = max(basis, max_event_time_ms or 0)
+            stats["watermark_ms"] = watermark
         record = {"query_id": query_id, "batch": batch, "subtask": subtask, "parallelism": cfg.parallelism,
                   "now_ms": now_ms, "handle": handle.to_json(), "stats": stats}  # fmt: skip
         storage.put_file(pending_path(batch, cfg.uid, subtask), json.dumps(record).encode())
