@@ -233,3 +233,68 @@ def test_event_time_timers_and_watermarks_match_spark(spark: Any, tmp_path: Path
             query.stop()
     assert outputs["ours"] == outputs["spark"]
     assert any(row[1] == "timer" for rows in outputs["ours"].values() for row in rows)
+
+
+def test_initial_state_matches_spark(spark: Any, tmp_path: Path) -> None:
+    import pandas as pd
+    from pyspark.sql.streaming.stateful_processor import StatefulProcessor
+
+    from backend.spark import driver
+    from backend.spark.api import transform_with_state_in_pandas
+
+    class Totals(StatefulProcessor):  # type: ignore[misc]
+        def init(self, handle: Any) -> None:
+            self.total = handle.getValueState("total", "t long")
+
+        def handleInitialState(self, key: Any, initialState: Any, timerValues: Any) -> None:
+            self.total.update((int(initialState["start"].sum()),))
+
+        def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:
+            total = (self.total.get() or (0,))[0] + sum(int(f["v"].sum()) for f in rows)
+            self.total.update((total,))
+            yield pd.DataFrame({"user": [key[0]], "total": [total]})
+
+        def close(self) -> None:
+            return None
+
+    driver.forget_all()
+    source = tmp_path / "in"
+    source.mkdir()
+    initial = spark.createDataFrame([("a", 100), ("b", 200), ("z", 5), ("a", 1)], "user string, start long")
+    outputs: dict[str, dict[int, list[tuple[Any, ...]]]] = {"ours": {}, "spark": {}}
+
+    def sink(name: str) -> Any:
+        def collect(batch_df: Any, batch_id: int) -> None:
+            outputs[name][batch_id] = sorted(tuple(r) for r in batch_df.collect())
+
+        return collect
+
+    def stream() -> Any:
+        return spark.readStream.schema("user string, v long, cat string").json(str(source))
+
+    ours = transform_with_state_in_pandas(
+        stream().groupBy("user"), Totals(), "user string, total long", "Update", "None",
+        initialState=initial.groupBy("user"), checkpoint_location=str(tmp_path / "state"), operator_uid="totals",
+        parallelism=3, local_dir=str(tmp_path / "local"),
+    )  # fmt: skip
+    theirs = (
+        stream()
+        .groupBy("user")
+        .transformWithStateInPandas(
+            Totals(), "user string, total long", "Update", "None", initialState=initial.groupBy("user")
+        )
+    )
+    queries = [
+        ours.writeStream.foreachBatch(sink("ours")).option("checkpointLocation", str(tmp_path / "c1")).start(),
+        theirs.writeStream.foreachBatch(sink("spark")).option("checkpointLocation", str(tmp_path / "c2")).start(),
+    ]
+    try:
+        for index, rows in enumerate([[("a", 1, "x"), ("c", 2, "x")], [("b", 3, "x"), ("z", 4, "x")]]):
+            write_batch(source, index, rows)
+            for query in queries:
+                query.processAllAvailable()
+    finally:
+        for query in queries:
+            query.stop()
+    assert outputs["ours"] == outputs["spark"]
+    assert outputs["ours"][1] == [("b", 203), ("z", 9)]

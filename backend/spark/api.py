@@ -55,23 +55,33 @@ def _transform(
     _check_modes(output_mode, time_mode)
     if not isinstance(processor, StatefulProcessor):
         raise TypeError(f"statefulProcessor must be a pyspark StatefulProcessor, got {type(processor).__name__}")
-    if initial_state is not None:
-        raise NotImplementedError("initialState is not supported by this backend yet")
     if str(time_mode).lower() == "eventtime" and find_watermark(grouped._df) is None:
         raise ValueError("timeMode='EventTime' needs a watermark: call withWatermark on the input")
     schema = _parse(grouped, output_schema)
     names = [f.name for f in schema.fields]
 
     def make_process(cfg: OperatorConfig, keys: list[str]) -> Callable[..., list[Any]]:
+        init_keys = None
+        if initial_state is not None:
+            from backend.spark.initial import write_initial_state
+
+            init_keys = write_initial_state(cfg, initial_state, grouped._df, keys)
+
         def process(backend: Any, frames: list[Any], now_ms: int, batch_id: int, watermark: int | None) -> list[Any]:
             from backend.spark.runner import run_transform_with_state
 
             if str(time_mode).lower() == "eventtime" and watermark is None:
                 raise ValueError("timeMode='EventTime' needs a watermark: call withWatermark on the input")
+            initial = None
+            if init_keys is not None and batch_id == 0:
+                from backend.spark.initial import read_initial_state
+
+                initial = [read_initial_state(cfg, backend_subtask(backend, cfg))]
             out = run_transform_with_state(
                 processor, backend, [f.drop(columns=_internal(f)) for f in frames], key_columns=keys,
                 time_mode=time_mode, batch_id=batch_id, batch_timestamp_ms=now_ms, use_pandas=use_pandas,
-                key_group_column=KEY_GROUP, watermark_ms=watermark or 0,
+                key_group_column=KEY_GROUP, watermark_ms=watermark or 0, initial_state=initial,
+                initial_state_key_columns=init_keys,
             )  # fmt: skip
             if use_pandas:
                 return [f for f in out if len(f)]
@@ -81,6 +91,14 @@ def _transform(
         return process
 
     return build(grouped, schema, make_process, **options)
+
+
+def backend_subtask(backend: Any, cfg: OperatorConfig) -> int:
+    """The subtask index of a backend (its key-group range's position at cfg's parallelism)."""
+    for index in range(cfg.parallelism):
+        if cfg.key_group_range(index) == backend.key_group_range:
+            return index
+    raise AssertionError(f"no subtask of {cfg.uid} owns {backend.key_group_range}")
 
 
 def _internal(frame: Any) -> list[str]:

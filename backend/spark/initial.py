@@ -1,0 +1,72 @@
+"""``initialState`` of ``transformWithState``: handed to the tasks of the query's first batch.
+
+Spark joins the initial state into the first batch by key. Here the driver collects it once (a
+batch DataFrame; it must fit in the driver's memory), tags every row with its key group computed
+by the same Spark SQL hash as the input's, and writes it as one parquet file to the checkpoint
+location; each task of batch 0 reads the file and keeps the rows of its key groups. The file is
+written only while no checkpoint exists (the initial state only matters before the first batch
+commits) and is deleted as an orphan by the next driver start.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from backend.checkpoints import CheckpointError
+from backend.spark.tasks import OperatorConfig, storage_for
+
+_KEY_GROUP = "__dstl_key_group"
+
+
+def initial_state_path(cfg: OperatorConfig) -> str:
+    return f"initial/{cfg.uid}.parquet"
+
+
+def write_initial_state(cfg: OperatorConfig, grouped: Any, input_df: Any, input_keys: list[str]) -> list[str] | None:
+    """Write the initial state for the first batch; returns its key columns, or None when the
+    operator already has checkpoints (Spark ignores the initial state then too)."""
+    import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
+    import pyarrow.parquet as pq  # type: ignore[import-untyped, unused-ignore]
+    from pyspark.sql import functions as F
+
+    from backend.spark.plan import grouping_columns
+
+    storage = storage_for(cfg)
+    if any(p.startswith("chk-") for p in storage.list_all("")):
+        return None
+    keys = grouping_columns(grouped)
+    if len(keys) != len(input_keys):
+        raise ValueError(f"initialState is grouped by {keys}, the input by {input_keys}: the keys must match")
+    types = dict(input_df.dtypes)
+    init_types = dict(grouped._df.dtypes)
+    for key, input_key in zip(keys, input_keys, strict=True):
+        if init_types[key] != types[input_key]:
+            raise ValueError(
+                f"initialState key column {key!r} is {init_types[key]}, the input's {input_key!r} is "
+                f"{types[input_key]}: they must have the same type (key groups are hashes of the values)"
+            )
+    df = grouped._df.withColumn(
+        _KEY_GROUP, F.pmod(F.hash(*[F.col(k) for k in keys]), F.lit(cfg.max_parallelism)).cast("int")
+    )
+    table = pa.Table.from_pandas(df.toPandas(), preserve_index=False)
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    storage.put_file(initial_state_path(cfg), buffer.getvalue())
+    return keys
+
+
+def read_initial_state(cfg: OperatorConfig, subtask: int) -> Any:
+    """The rows of the initial state in ``subtask``'s key groups (a pandas DataFrame)."""
+    import pyarrow.parquet as pq
+
+    rng = cfg.key_group_range(subtask)
+    try:
+        data = storage_for(cfg).get_file(initial_state_path(cfg))
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{cfg.job_dir}/{initial_state_path(cfg)} is missing: the initial state of the first batch is gone"
+        ) from None
+    frame = pq.read_table(io.BytesIO(data)).to_pandas()
+    groups = frame[_KEY_GROUP]
+    return frame[(groups >= rng.start) & (groups <= rng.end)].reset_index(drop=True)
