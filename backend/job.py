@@ -146,6 +146,7 @@ class LocalJob:
         try:
             latest = self.coordinator.recover()
             if latest is not None:
+                check_operators(latest, [op.uid for op in self.operators], allow_non_restored_state)
                 self._start(latest, self.storage, own=True)
             elif restore_from is not None:
                 self._restore_external(restore_from, restore_mode, allow_non_restored_state)

@@ -488,7 +488,13 @@ class ChangelogKeyedStateBackend:
                 applied += self._apply_log(reader, log, rng, progress, applied)
                 self._carried.append(LogEntry(log, rng))
         self.timers.load()
+        self.log_bytes_since_materialization = self._carried_bytes()
         return applied
+
+    def _carried_bytes(self) -> int:
+        """The restored log counts toward the materializer's size trigger: a subtask that moves to
+        another process every batch (Spark) must still materialize and let the log shrink."""
+        return sum(seg.length for entry in self._carried for seg in entry.log.segments)
 
     def consistent_view(self) -> tuple[Any, dict[str, Any]]:
         """Flush, then an LMDB read transaction and the tables it sees (abort the txn when done)."""
@@ -510,6 +516,7 @@ class ChangelogKeyedStateBackend:
             self._merge_metadata(handle.states)
             self._materialized = [dict(c) for c in handle.materialized]
             self._carried = list(handle.changelog)
+            self.log_bytes_since_materialization = self._carried_bytes()
             self.timers.load()
 
     def disown_restored(self) -> None:

@@ -9,7 +9,7 @@ restore from the previous one) and deletes pending handles up to ``b``.
 Only a *committed* batch may become a checkpoint: the listener acts on progress events of the
 query that wrote the handles (the task records ``sql.streaming.queryId``). If the driver dies
 between Spark's commit and our completion, the next batch restores from the pending handles
-(``backend.spark.tasks.handles_after``), so nothing is lost; that checkpoint is simply skipped.
+(``backend.spark.tasks.state_after``), so nothing is lost; that checkpoint is simply skipped.
 
 On start (``DriverCoordinator.__init__``) the registry is rebuilt from the completed checkpoints
 and unreferenced files are deleted, except the pending handles of batches after the latest
@@ -19,6 +19,7 @@ checkpoint and the files they name: Spark may have committed such a batch.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections import Counter
@@ -29,6 +30,7 @@ from backend.handles import KeyedStateHandle
 from backend.spark.tasks import OperatorConfig
 from dstl import StateChangelogStorage
 
+_log = logging.getLogger(__name__)
 _PENDING = re.compile(r"^pending/(\d+)/([^/]+)/(\d+)\.json$")
 _CHK = re.compile(r"^chk-(\d+)/_metadata$")
 
@@ -113,10 +115,17 @@ class DriverCoordinator:
                 self.errors.append(str(exc))
                 raise
             self.completed_batches.append(batch)
+            # pending/<batch> stays until chk-<batch+1>: a task of batch+1 that missed chk-<batch>
+            # may be reading it right now
+            emptied: set[str] = set()
             for path in self.storage.list_all("pending"):
                 match = _PENDING.match(path)
-                if match and int(match.group(1)) <= batch:
+                if match and int(match.group(1)) < batch:
                     self.storage.delete_file(path)
+                    emptied.add(path.rsplit("/", 1)[0])
+            for directory in sorted(emptied, reverse=True):
+                self.storage.remove_empty_directory(directory)
+                self.storage.remove_empty_directory(directory.rsplit("/", 1)[0])
             return meta
 
     def close(self) -> None:
@@ -146,7 +155,8 @@ def complete_committed(batch: int, query_id: str | None) -> None:
     for coordinator in list(_COORDINATORS.values()):
         try:
             coordinator.complete_batch(batch, query_id)
-        except Exception as exc:  # a listener must not die; the error is kept for the user
+        except Exception as exc:  # a listener must not die: log it, keep it for the user
+            _log.error("checkpoint of batch %s in %s failed: %s", batch, coordinator.storage.config.base_path, exc)
             coordinator.errors.append(f"batch {batch}: {exc}")
 
 

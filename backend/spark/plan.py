@@ -117,6 +117,10 @@ def build(
     if not operator_uid:
         raise ValueError("operator_uid is required: it maps the state in checkpoints to this operator")
     check_max_parallelism(max_parallelism)
+    if materialization_interval_s <= 0 or (size_trigger_bytes is not None and size_trigger_bytes <= 0):
+        raise ValueError("materialization_interval_s and size_trigger_bytes must be positive")
+    if num_retained < 2:
+        raise ValueError("num_retained must be >= 2 under Spark (the next batch may restore from the previous)")
     df = grouped._df
     spark = df.sparkSession
     if not df.isStreaming:

@@ -122,44 +122,94 @@ def _write_marker(directory: Path, value: dict[str, Any]) -> None:
     os.replace(tmp, directory / MARKER)
 
 
-def event_time_basis(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> int:
-    """The largest event time of all batches up to ``batch`` (0 before the first), from
-    ``chk-<batch>``'s properties or the pending records of ``batch``."""
-    if batch < 0:
-        return 0
-    try:
-        meta = SnapshotMetadata.loads(storage.get_file(metadata_path(batch)), f"{cfg.job_dir}/{metadata_path(batch)}")
-        return int(meta.properties.get("event_time_basis_ms", 0))
-    except FileNotFoundError:
-        pass
-    records = [json.loads(storage.get_file(p)) for p in storage.list_all(f"pending/{batch}") if p.endswith(".json")]
-    return max((int(r.get("stats", {}).get("event_time_basis_ms", 0)) for r in records), default=0)
+@dataclass
+class BatchState:
+    """The committed state after one batch: its subtask handles and event-time basis."""
+
+    handles: list[KeyedStateHandle]
+    event_time_basis_ms: int
 
 
-def handles_after(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> list[KeyedStateHandle]:
-    """The handles of the state after ``batch`` (any parallelism); ``[]`` before the first batch."""
-    if batch < 0:
-        return []
+def _read_checkpoint(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> SnapshotMetadata | None:
     try:
-        meta = SnapshotMetadata.loads(storage.get_file(metadata_path(batch)), f"{cfg.job_dir}/{metadata_path(batch)}")
-        return meta.handles(cfg.uid) if cfg.uid in meta.operators else []
+        data = storage.get_file(metadata_path(batch))
+    except FileNotFoundError:
+        return None
+    return SnapshotMetadata.loads(data, f"{cfg.job_dir}/{metadata_path(batch)}")
+
+
+def _pending_records(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> list[dict[str, Any]] | None:
+    """The complete set of this operator's pending records of ``batch``, or None. Records of an
+    earlier attempt at another parallelism may linger (a re-run overwrites only its own indices):
+    only the parallelism whose every index is present counts."""
+    by_parallelism: dict[int, dict[int, dict[str, Any]]] = {}
+    for path in storage.list_all(f"pending/{batch}/{cfg.uid}"):
+        if not path.endswith(".json"):
+            continue
+        try:
+            record = json.loads(storage.get_file(path))
+        except FileNotFoundError:
+            return None  # the driver completed the batch meanwhile
+        by_parallelism.setdefault(int(record["parallelism"]), {})[int(record["subtask"])] = record
+    complete = [p for p, records in by_parallelism.items() if set(records) == set(range(p))]
+    if len(complete) != 1:
+        return None
+    return list(by_parallelism[complete[0]].values())
+
+
+def state_after(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> BatchState:
+    """The committed state after ``batch``: ``chk-<batch>`` or, if the driver has not completed it
+    yet, the complete set of pending records (looked up twice: the driver may complete the
+    checkpoint while we read). Refuses state that does not belong to this query's timeline."""
+    if batch < 0:
+        ahead = [p for p in storage.list_all("") if p.startswith("chk-")]
+        if ahead:
+            raise CheckpointError(
+                f"{cfg.job_dir} holds checkpoints ({ahead[0].split('/')[0]}, ...) but the query starts at batch 0: "
+                "Spark's checkpointLocation was deleted or replaced; keep both locations together (or delete both)"
+            )
+        return BatchState([], 0)
+    for _ in range(2):
+        meta = _read_checkpoint(storage, cfg, batch)
+        if meta is not None:
+            if cfg.uid not in meta.operators and meta.operators:
+                raise CheckpointError(
+                    f"{cfg.job_dir}/{metadata_path(batch)} holds state of operators {sorted(meta.operators)}, "
+                    f"not of {cfg.uid!r}: was the operator_uid changed?"
+                )
+            handles = meta.handles(cfg.uid) if cfg.uid in meta.operators else []
+            return BatchState(handles, int(meta.properties.get("event_time_basis_ms", 0)))
+        records = _pending_records(storage, cfg, batch)
+        if records is not None:
+            handles = [KeyedStateHandle.from_json(r["handle"]) for r in records]
+            basis = max((int(r.get("stats", {}).get("event_time_basis_ms", 0)) for r in records), default=0)
+            return BatchState(handles, basis)
+    later = sorted(int(p.split("/")[0][4:]) for p in storage.list_all("") if p.endswith("/_metadata"))
+    hint = f" (it holds checkpoints up to {later[-1]})" if later else ""
+    raise CheckpointError(
+        f"no state after batch {batch} in {cfg.job_dir}{hint} for operator {cfg.uid!r}: neither "
+        f"{metadata_path(batch)} nor a complete set of pending handles (a batch whose output was evaluated "
+        "only in part, or a Spark checkpointLocation not kept together with this one)"
+    )
+
+
+def committed_handle(storage: StateChangelogStorage, cfg: OperatorConfig, subtask: int, batch: int) -> Any:
+    """The handle JSON this subtask committed for ``batch`` (None if unknown): local tables are
+    only trusted if they hold exactly that state (not a superseded attempt, not another life)."""
+    try:
+        record = json.loads(storage.get_file(pending_path(batch, cfg.uid, subtask)))
+        if record.get("parallelism") == cfg.parallelism:
+            return record.get("handle")
     except FileNotFoundError:
         pass
-    names = [p for p in storage.list_all(f"pending/{batch}/{cfg.uid}") if p.endswith(".json")]
-    handles = [KeyedStateHandle.from_json(json.loads(storage.get_file(p))["handle"]) for p in names]
-    covered = sorted((h.key_group_range.start, h.key_group_range.end) for h in handles)
-    expected = 0
-    for start, end in covered:
-        if start > expected:
-            break
-        expected = max(expected, end + 1)
-    if not handles or expected < cfg.max_parallelism:
-        raise CheckpointError(
-            f"no state after batch {batch} in {cfg.job_dir} for operator {cfg.uid!r} (neither "
-            f"{metadata_path(batch)} nor a complete set of pending handles): the Spark checkpointLocation "
-            "and this checkpoint_location must be kept (or deleted) together"
-        )
-    return handles
+    meta = _read_checkpoint(storage, cfg, batch)
+    if meta is None or cfg.uid not in meta.operators:
+        return None
+    rng = cfg.key_group_range(subtask)
+    for handle in meta.operators[cfg.uid].get("subtasks", []):
+        if KeyedStateHandle.from_json(handle).key_group_range == rng:
+            return handle
+    return None
 
 
 def _fresh(cfg: OperatorConfig, storage: StateChangelogStorage, subtask: int, directory: Path) -> _Kept:
@@ -181,18 +231,25 @@ def acquire(cfg: OperatorConfig, storage: StateChangelogStorage, subtask: int, b
     key = (cfg.job_dir, cfg.uid, cfg.parallelism, subtask)
     marker = _read_marker(directory)
     kept = _KEPT.pop(key, None)
+    trusted = marker is not None and batch > 0 and marker.get("version") == batch - 1
+    if trusted and marker is not None:
+        trusted = marker.get("handle") == committed_handle(storage, cfg, subtask, batch - 1)
     if kept is not None:
-        if marker is not None and marker.get("token") == kept.token and kept.version == batch - 1:
+        if trusted and marker is not None and marker.get("token") == kept.token and kept.version == batch - 1:
             return kept, "kept"
         _discard(kept)
-    if marker is not None and marker.get("version") == batch - 1 and batch > 0:
+    if trusted and marker is not None:
         fresh = _adopt(cfg, storage, subtask, directory, marker)
         if fresh is not None:
             return fresh, "local"
     fresh = _fresh(cfg, storage, subtask, directory)
-    handles = handles_after(storage, cfg, batch - 1)
-    if handles:
-        restore(fresh.backend, handles)
+    try:
+        handles = state_after(storage, cfg, batch - 1).handles
+        if handles:
+            restore(fresh.backend, handles)
+    except BaseException:
+        _discard(fresh)
+        raise
     return fresh, "dfs"
 
 
@@ -252,34 +309,55 @@ def run_subtask(
         _write_marker(directory, {"version": None})  # dirty until this batch's state is complete
         if now_ms is None:
             now_ms = existing_now_ms(storage, batch, cfg.uid, subtask) or time.time_ns() // 1_000_000
-        basis = watermark = None
-        if cfg.watermark_delay_ms is not None:
-            basis = event_time_basis(storage, cfg, batch - 1)
-            watermark = max(0, basis - cfg.watermark_delay_ms) if basis > 0 else 0
-        restored_s = time.perf_counter() - began
-        outputs = process(kept.backend, now_ms, watermark)
-        materialized = kept.materializer.metrics.completed
-        kept.materializer.poll()
-        kept.materializer.wait()  # a materialization finishes inside the task that started it
-        began = time.perf_counter()
-        handle = kept.backend.snapshot(batch).result(cfg.snapshot_timeout_s)
-        persist_s = time.perf_counter() - began
-        stats = {
-            "source": source,  # where the state came from: kept | local | dfs
-            "restore_ms": round(restored_s * 1000, 2),
-            "persist_ms": round(persist_s * 1000, 2),
-            "materialized": kept.materializer.metrics.completed - materialized,
-            "log_records": sum(s.records for e in handle.changelog for s in e.log.segments),
-            "chunks": len(handle.materialized),
-        }
-        if basis is not None:
-            stats["event_time_basis_ms"] = max(basis, max_event_time_ms or 0)
-            stats["watermark_ms"] = watermark
+        try:
+            outputs, handle, stats = _run_batch(cfg, storage, kept, source, batch, now_ms, process, max_event_time_ms)
+        except BaseException:
+            _discard(kept)  # its tables hold part of this batch: the marker says dirty
+            raise
+        stats["restore_ms"] = round((time.perf_counter() - began) * 1000 - stats["run_ms"], 2)
         record = {"query_id": query_id, "batch": batch, "subtask": subtask, "parallelism": cfg.parallelism,
-                  "now_ms": now_ms, "handle": handle.to_json(), "stats": stats}  # fmt: skip
+                  "now_ms": stats.pop("now_ms"), "handle": handle.to_json(), "stats": stats}  # fmt: skip
         storage.put_file(pending_path(batch, cfg.uid, subtask), json.dumps(record).encode())
+        kept.backend.notify_checkpoint_complete(batch)  # only bookkeeping: workers own no files
         kept.backend.flush()
         kept.version = batch
         _write_marker(directory, {"version": batch, "token": kept.token, "handle": handle.to_json()})
         _KEPT[(cfg.job_dir, cfg.uid, cfg.parallelism, subtask)] = kept
     return outputs, stats
+
+
+def _run_batch(
+    cfg: OperatorConfig,
+    storage: StateChangelogStorage,
+    kept: _Kept,
+    source: str,
+    batch: int,
+    now_ms: int,
+    process: Process,
+    max_event_time_ms: int | None,
+) -> tuple[list[Any], KeyedStateHandle, dict[str, Any]]:
+    began = time.perf_counter()
+    basis = watermark = None
+    if cfg.watermark_delay_ms is not None:
+        basis = state_after(storage, cfg, batch - 1).event_time_basis_ms
+        watermark = max(0, basis - cfg.watermark_delay_ms) if basis > 0 else 0
+    outputs = process(kept.backend, now_ms, watermark)
+    materialized = kept.materializer.metrics.completed
+    kept.materializer.poll()
+    kept.materializer.wait()  # a materialization finishes inside the task that started it
+    persist_began = time.perf_counter()
+    handle = kept.backend.snapshot(batch).result(cfg.snapshot_timeout_s)
+    persist_s = time.perf_counter() - persist_began
+    stats: dict[str, Any] = {
+        "source": source,  # where the state came from: kept | local | dfs
+        "now_ms": now_ms,
+        "run_ms": round((time.perf_counter() - began) * 1000, 2),
+        "persist_ms": round(persist_s * 1000, 2),
+        "materialized": kept.materializer.metrics.completed - materialized,
+        "log_records": sum(s.records for e in handle.changelog for s in e.log.segments),
+        "chunks": len(handle.materialized),
+    }
+    if basis is not None:
+        stats["event_time_basis_ms"] = max(basis, max_event_time_ms or 0)
+        stats["watermark_ms"] = watermark
+    return outputs, handle, stats
