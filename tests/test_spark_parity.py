@@ -298,3 +298,115 @@ def test_initial_state_matches_spark(spark: Any, tmp_path: Path) -> None:
             query.stop()
     assert outputs["ours"] == outputs["spark"]
     assert outputs["ours"][1] == [("b", 203), ("z", 9)]
+
+
+def _run_pair(spark: Any, tmp_path: Path, ours: Any, theirs: Any, batches: list[list[tuple[str, int, str]]]) -> Any:
+    outputs: dict[str, dict[int, list[tuple[Any, ...]]]] = {"ours": {}, "spark": {}}
+
+    def sink(name: str) -> Any:
+        def collect(batch_df: Any, batch_id: int) -> None:
+            outputs[name][batch_id] = sorted(tuple(r) for r in batch_df.collect())
+
+        return collect
+
+    queries = [
+        df.writeStream.outputMode("update").foreachBatch(sink(name)).option("checkpointLocation", str(tmp_path / c))
+        .start()
+        for name, df, c in (("ours", ours, "c1"), ("spark", theirs, "c2"))
+    ]  # fmt: skip
+    try:
+        for index, rows in enumerate(batches):
+            write_batch(tmp_path / "in", index, rows)
+            for query in queries:
+                query.processAllAvailable()
+    finally:
+        for query in queries:
+            query.stop()
+    return outputs
+
+
+ROWS = [[("a", 1, "x"), ("b", 2, "y"), ("a", 3, "y")], [("a", 5, "z"), ("c", 6, "y")], [("b", 7, "x")]]
+
+
+def test_row_api_and_group_state_functions_match_spark(spark: Any, tmp_path: Path) -> None:
+    import pandas as pd
+    from pyspark.sql import Row
+    from pyspark.sql.streaming.stateful_processor import StatefulProcessor
+
+    from backend.spark import driver
+    from backend.spark.api import apply_in_pandas_with_state, transform_with_state
+
+    class RowTotals(StatefulProcessor):  # type: ignore[misc]
+        def init(self, handle: Any) -> None:
+            self.total = handle.getValueState("total", "t long")
+
+        def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:
+            total = (self.total.get() or (0,))[0] + sum(r.v for r in rows)
+            self.total.update((total,))
+            yield Row(user=key[0], total=total)
+
+        def close(self) -> None:
+            return None
+
+    def group_totals(key: Any, frames: Any, state: Any) -> Any:
+        total = (state.get[0] if state.exists else 0) + sum(int(f["v"].sum()) for f in frames)
+        state.update((total,))
+        yield pd.DataFrame({"user": [key[0]], "total": [total]})
+
+    driver.forget_all()
+    (tmp_path / "in").mkdir()
+
+    def stream() -> Any:
+        return spark.readStream.schema("user string, v long, cat string").json(str(tmp_path / "in"))
+
+    schema = "user string, total long"
+    ours = transform_with_state(
+        stream().groupBy("user"), RowTotals(), schema, "Update", "None",
+        checkpoint_location=str(tmp_path / "rows"), operator_uid="rows", local_dir=str(tmp_path / "local"),
+    )  # fmt: skip
+    theirs = stream().groupBy("user").transformWithState(RowTotals(), schema, "Update", "None")
+    rows_out = _run_pair(spark, tmp_path, ours, theirs, ROWS)
+    assert rows_out["ours"] == rows_out["spark"] and len(rows_out["ours"]) == 3
+
+    driver.forget_all()
+    ours = apply_in_pandas_with_state(
+        stream().groupBy("user"), group_totals, schema, "total long", "Update", "NoTimeout",
+        checkpoint_location=str(tmp_path / "gs"), operator_uid="gs", local_dir=str(tmp_path / "local2"),
+    )  # fmt: skip
+    theirs = stream().groupBy("user").applyInPandasWithState(group_totals, schema, "total long", "Update", "NoTimeout")
+    for name in ("c1", "c2", "in"):
+        (tmp_path / name).rename(tmp_path / f"{name}-rows")
+    (tmp_path / "in").mkdir()
+    gs_out = _run_pair(spark, tmp_path, ours, theirs, ROWS)
+    assert gs_out["ours"] == gs_out["spark"]
+    assert rows_out["ours"][2] == [("b", 9)]
+
+
+def test_use_for_session_routes_groupeddata_to_this_backend(spark: Any, tmp_path: Path) -> None:
+    from backend.spark import driver
+    from backend.spark.api import use_for_session
+
+    driver.forget_all()
+    (tmp_path / "in").mkdir()
+    restore = use_for_session(str(tmp_path / "states"), local_dir=str(tmp_path / "local"))
+    try:
+        Sessions = processor_class()
+        out = (
+            spark.readStream.schema("user string, v long, cat string")
+            .json(str(tmp_path / "in"))
+            .groupBy("user")
+            .transformWithStateInPandas(Sessions(), OUTPUT, "Update", "ProcessingTime")
+        )
+    finally:
+        restore()
+    query = (
+        out.writeStream.foreachBatch(lambda df, _: df.collect())
+        .option("checkpointLocation", str(tmp_path / "c"))
+        .start()
+    )
+    try:
+        write_batch(tmp_path / "in", 0, [("a", 1, "x")])
+        query.processAllAvailable()
+    finally:
+        query.stop()
+    assert (tmp_path / "states" / "Sessions" / "pending").exists()  # our state, under the processor's name
