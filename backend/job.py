@@ -37,7 +37,7 @@ from backend.checkpoints import (
     StepHook,
     read_snapshot,
 )
-from backend.keyed_backend import ChangelogKeyedStateBackend
+from backend.keyed_backend import DEFAULT_CACHE_LIMIT, ChangelogKeyedStateBackend
 from backend.keygroups import DEFAULT_MAX_PARALLELISM, key_group_range_for_subtask
 from backend.savepoints import (
     Progress,
@@ -117,6 +117,7 @@ class LocalJob:
         restore_from: str | None = None,
         restore_mode: RestoreMode = RestoreMode.NO_CLAIM,
         allow_non_restored_state: bool = False,
+        cache_limit: int = DEFAULT_CACHE_LIMIT,
         materialization_interval_s: float = 600.0,
         size_trigger_bytes: int | None = 64 << 20,
         chunk_key_groups: int = 1,
@@ -141,6 +142,7 @@ class LocalJob:
             chunk_key_groups=chunk_key_groups,
         )  # fmt: skip
         self._local_dir = Path(local_dir)
+        self._cache_limit = cache_limit
         self.subtasks: dict[str, list[Subtask]] = {}
         self.restored_from: SnapshotMetadata | None = None
         try:
@@ -204,6 +206,7 @@ class LocalJob:
                 shutil.rmtree(local, ignore_errors=True)
                 backend = ChangelogKeyedStateBackend(
                     op.uid, rng, local, storage=self.storage, max_parallelism=op.max_parallelism,
+                    cache_limit=self._cache_limit,
                     num_retained=self.coordinator.num_retained,
                 )  # fmt: skip
                 subtasks.append(
