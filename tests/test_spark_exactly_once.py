@@ -75,8 +75,11 @@ class Scenario:
         """Write the next batch's input file; returns the expected output (key -> new total)."""
         rows = [(f"u{self.rng.randrange(30)}", self.rng.randrange(1, 50)) for _ in range(60)]
         name = self.root / "in" / f"{self.batches:04d}.json"
-        name.with_suffix(".tmp").write_text("".join(json.dumps({"user": u, "v": v}) + "\n" for u, v in rows))
-        os.replace(name.with_suffix(".tmp"), name)
+        # Spark's file source lists every file not starting with "." or "_": a visible temporary name
+        # could be read as an extra batch before the rename
+        tmp = name.with_name(f".{name.name}.tmp")
+        tmp.write_text("".join(json.dumps({"user": u, "v": v}) + "\n" for u, v in rows))
+        os.replace(tmp, name)
         self.batches += 1
         expected = {}
         for user, v in rows:

@@ -79,8 +79,16 @@ def processor_class() -> Any:
 
 def write_batch(directory: Path, index: int, rows: list[tuple[str, int, str]]) -> None:
     path = directory / f"{index:04d}.json"
-    path.with_suffix(".tmp").write_text("".join(json.dumps({"user": u, "v": v, "cat": c}) + "\n" for u, v, c in rows))
-    os.replace(path.with_suffix(".tmp"), path)
+    publish(path, "".join(json.dumps({"user": u, "v": v, "cat": c}) + "\n" for u, v, c in rows))
+
+
+def publish(path: Path, text: str) -> None:
+    """Write an input file atomically under a name Spark's file source ignores until the rename
+    (it lists every file not starting with "." or "_": a visible temporary name could become an
+    extra batch)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def test_same_output_as_sparks_own_operator_batch_by_batch(spark: Any, tmp_path: Path) -> None:
@@ -222,10 +230,7 @@ def test_event_time_timers_and_watermarks_match_spark(spark: Any, tmp_path: Path
     try:
         for index, rows in enumerate(batches):
             path = source / f"{index:04d}.json"
-            path.with_suffix(".tmp").write_text(
-                "".join(json.dumps({"user": u, "v": 1, "cat": "x", "ts": base + s}) + "\n" for u, s in rows)
-            )
-            os.replace(path.with_suffix(".tmp"), path)
+            publish(path, "".join(json.dumps({"user": u, "v": 1, "cat": "x", "ts": base + s}) + "\n" for u, s in rows))
             for query in queries:
                 query.processAllAvailable()
     finally:
