@@ -30,6 +30,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -46,6 +47,7 @@ from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
 from materializer.periodic import PeriodicMaterializer, restore
 
 MARKER = "state.json"
+_CHECKPOINT = re.compile(r"^chk-(\d+)/_metadata$")
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,12 @@ def state_after(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int)
             handles = [KeyedStateHandle.from_json(r["handle"]) for r in records]
             basis = max((int(r.get("stats", {}).get("event_time_basis_ms", 0)) for r in records), default=0)
             return BatchState(handles, basis)
+    if not any(p.endswith(".json") for p in storage.list_all(f"pending/{batch}/{cfg.uid}")):
+        # No task of this batch ran: Spark runs no task for a batch without rows (an empty file, a
+        # fully filtered batch), so the state is that of the last batch that ran.
+        earlier = _last_batch_with_state(storage, cfg, batch)
+        if earlier is not None:
+            return state_after(storage, cfg, earlier) if earlier >= 0 else BatchState([], 0)
     later = sorted(int(p.split("/")[0][4:]) for p in storage.list_all("") if p.endswith("/_metadata"))
     hint = f" (it holds checkpoints up to {later[-1]})" if later else ""
     raise CheckpointError(
@@ -191,6 +199,15 @@ def state_after(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int)
         f"{metadata_path(batch)} nor a complete set of pending handles (a batch whose output was evaluated "
         "only in part, or a Spark checkpointLocation not kept together with this one)"
     )
+
+
+def _last_batch_with_state(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> int | None:
+    """The last batch before ``batch`` that left a checkpoint or pending records (-1: none, the
+    query's batches so far had no rows)."""
+    batches = {int(p.split("/")[1]) for p in storage.list_all("pending") if p.split("/")[2:3] == [cfg.uid]}
+    batches |= {int(p.split("/")[0][4:]) for p in storage.list_all("") if _CHECKPOINT.match(p)}
+    earlier = [b for b in batches if b < batch]
+    return max(earlier) if earlier else -1
 
 
 def committed_handle(storage: StateChangelogStorage, cfg: OperatorConfig, subtask: int, batch: int) -> Any:
