@@ -48,25 +48,14 @@ def spark() -> Iterator[object]:
     ``local[2,4]``: two cores, and a failed task is retried (up to 4 attempts), as on a cluster.
     """
     pytest.importorskip("pyspark")
-    import sys
+    from backend.spark.session import ROCKSDB_PROVIDER, local_session
 
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark.sql import SparkSession
-
-    session = (
-        SparkSession.builder.master("local[2,4]")
-        .appName("dstl-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "4")
-        .config("spark.default.parallelism", "4")
-        .config(  # Spark's own transformWithState operators (parity tests) need RocksDB
-            "spark.sql.streaming.stateStore.providerClass",
-            "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider",
-        )
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
+    conf = {
+        "spark.sql.shuffle.partitions": "4",
+        "spark.default.parallelism": "4",
+        # Spark's own transformWithState operators (parity tests) need RocksDB
+        "spark.sql.streaming.stateStore.providerClass": ROCKSDB_PROVIDER,
+    }
+    session = local_session("dstl-tests", "local[2,4]", **conf)
     yield session
     session.stop()

@@ -77,11 +77,6 @@ def processor_class() -> Any:
     return Sessions
 
 
-def write_batch(directory: Path, index: int, rows: list[tuple[str, int, str]]) -> None:
-    path = directory / f"{index:04d}.json"
-    publish(path, "".join(json.dumps({"user": u, "v": v, "cat": c}) + "\n" for u, v, c in rows))
-
-
 def publish(path: Path, text: str) -> None:
     """Write an input file atomically under a name Spark's file source ignores until the rename
     (it lists every file not starting with "." or "_": a visible temporary name could become an
@@ -89,6 +84,37 @@ def publish(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def run_pair(tmp_path: Path, ours: Any, theirs: Any, files: list[str]) -> dict[str, dict[int, list[Any]]]:
+    """Run our query and Spark's side by side, one input file (its text) per micro-batch; returns
+    each side's sorted output rows per batch id."""
+    outputs: dict[str, dict[int, list[tuple[Any, ...]]]] = {"ours": {}, "spark": {}}
+
+    def sink(name: str) -> Any:
+        def collect(batch_df: Any, batch_id: int) -> None:
+            outputs[name][batch_id] = sorted(tuple(r) for r in batch_df.collect())
+
+        return collect
+
+    queries = [
+        df.writeStream.outputMode("update").foreachBatch(sink(name)).option("checkpointLocation", str(tmp_path / c))
+        .start()
+        for name, df, c in (("ours", ours, "c1"), ("spark", theirs, "c2"))
+    ]  # fmt: skip
+    try:
+        for index, text in enumerate(files):
+            publish(tmp_path / "in" / f"{index:04d}.json", text)
+            for query in queries:
+                query.processAllAvailable()
+    finally:
+        for query in queries:
+            query.stop()
+    return outputs
+
+
+def lines(rows: list[tuple[str, int, str]]) -> str:
+    return "".join(json.dumps({"user": u, "v": v, "cat": c}) + "\n" for u, v, c in rows)
 
 
 def test_same_output_as_sparks_own_operator_batch_by_batch(spark: Any, tmp_path: Path) -> None:
@@ -102,13 +128,6 @@ def test_same_output_as_sparks_own_operator_batch_by_batch(spark: Any, tmp_path:
     # processAllAvailable() would not return while a timer is pending.
     spark.conf.set("spark.sql.streaming.noDataMicroBatches.enabled", "false")
     Sessions = processor_class()
-    outputs: dict[str, dict[int, list[tuple[Any, ...]]]] = {"ours": {}, "spark": {}}
-
-    def sink(name: str) -> Any:
-        def collect(batch_df: Any, batch_id: int) -> None:
-            outputs[name][batch_id] = sorted(tuple(r) for r in batch_df.collect())
-
-        return collect
 
     def stream() -> Any:
         return spark.readStream.schema("user string, v long, cat string").json(str(source))
@@ -119,25 +138,14 @@ def test_same_output_as_sparks_own_operator_batch_by_batch(spark: Any, tmp_path:
         local_dir=str(tmp_path / "local"),
     )  # fmt: skip
     theirs = stream().groupBy("user").transformWithStateInPandas(Sessions(), OUTPUT, "Update", "ProcessingTime")
-    queries = [
-        ours.writeStream.foreachBatch(sink("ours")).option("checkpointLocation", str(tmp_path / "c1")).start(),
-        theirs.writeStream.foreachBatch(sink("spark")).option("checkpointLocation", str(tmp_path / "c2")).start(),
+    batches = [
+        [("a", 1, "x"), ("b", 2, "y"), ("a", 3, "y"), ("c", 4, "x")],
+        [("a", 5, "z"), ("b", 6, "y"), ("b", 7, "x"), ("d", 8, "x")],
+        [("a", 9, "x"), ("a", 10, "x"), ("c", 11, "w"), ("e", 12, "v")],
+        [("b", 13, "y"), ("e", 14, "v")],
+        [("a", 15, "q"), ("d", 16, "q")],
     ]
-    try:
-        batches = [
-            [("a", 1, "x"), ("b", 2, "y"), ("a", 3, "y"), ("c", 4, "x")],
-            [("a", 5, "z"), ("b", 6, "y"), ("b", 7, "x"), ("d", 8, "x")],
-            [("a", 9, "x"), ("a", 10, "x"), ("c", 11, "w"), ("e", 12, "v")],
-            [("b", 13, "y"), ("e", 14, "v")],
-            [("a", 15, "q"), ("d", 16, "q")],
-        ]
-        for index, rows in enumerate(batches):
-            write_batch(source, index, rows)
-            for query in queries:
-                query.processAllAvailable()
-    finally:
-        for query in queries:
-            query.stop()
+    outputs = run_pair(tmp_path, ours, theirs, [lines(rows) for rows in batches])
     assert outputs["ours"] == outputs["spark"]
     assert len(outputs["ours"]) == 5
     assert any(row[1] == "timer" for rows in outputs["ours"].values() for row in rows)
@@ -193,13 +201,6 @@ def test_event_time_timers_and_watermarks_match_spark(spark: Any, tmp_path: Path
     source = tmp_path / "in"
     source.mkdir()
     Idle = event_time_processor()
-    outputs: dict[str, dict[int, list[tuple[Any, ...]]]] = {"ours": {}, "spark": {}}
-
-    def sink(name: str) -> Any:
-        def collect(batch_df: Any, batch_id: int) -> None:
-            outputs[name][batch_id] = sorted(tuple(r) for r in batch_df.collect())
-
-        return collect
 
     def stream() -> Any:
         return (
@@ -214,10 +215,6 @@ def test_event_time_timers_and_watermarks_match_spark(spark: Any, tmp_path: Path
         local_dir=str(tmp_path / "local"),
     )  # fmt: skip
     theirs = stream().groupBy("user").transformWithStateInPandas(Idle(), EVENT_OUTPUT, "Update", "EventTime")
-    queries = [
-        ours.writeStream.foreachBatch(sink("ours")).option("checkpointLocation", str(tmp_path / "c1")).start(),
-        theirs.writeStream.foreachBatch(sink("spark")).option("checkpointLocation", str(tmp_path / "c2")).start(),
-    ]
     base = 1_700_000_000  # seconds
     batches = [  # (user, seconds after base); batch 3 holds a row 30 s late
         [("a", 0), ("b", 1), ("a", 2)],
@@ -227,15 +224,9 @@ def test_event_time_timers_and_watermarks_match_spark(spark: Any, tmp_path: Path
         [("d", 60)],
         [("e", 90)],
     ]
-    try:
-        for index, rows in enumerate(batches):
-            path = source / f"{index:04d}.json"
-            publish(path, "".join(json.dumps({"user": u, "v": 1, "cat": "x", "ts": base + s}) + "\n" for u, s in rows))
-            for query in queries:
-                query.processAllAvailable()
-    finally:
-        for query in queries:
-            query.stop()
+    files = ["".join(json.dumps({"user": u, "v": 1, "cat": "x", "ts": base + s}) + "\n" for u, s in rows)
+             for rows in batches]  # fmt: skip
+    outputs = run_pair(tmp_path, ours, theirs, files)
     assert outputs["ours"] == outputs["spark"]
     assert any(row[1] == "timer" for rows in outputs["ours"].values() for row in rows)
 
@@ -266,13 +257,6 @@ def test_initial_state_matches_spark(spark: Any, tmp_path: Path) -> None:
     source = tmp_path / "in"
     source.mkdir()
     initial = spark.createDataFrame([("a", 100), ("b", 200), ("z", 5), ("a", 1)], "user string, start long")
-    outputs: dict[str, dict[int, list[tuple[Any, ...]]]] = {"ours": {}, "spark": {}}
-
-    def sink(name: str) -> Any:
-        def collect(batch_df: Any, batch_id: int) -> None:
-            outputs[name][batch_id] = sorted(tuple(r) for r in batch_df.collect())
-
-        return collect
 
     def stream() -> Any:
         return spark.readStream.schema("user string, v long, cat string").json(str(source))
@@ -289,45 +273,11 @@ def test_initial_state_matches_spark(spark: Any, tmp_path: Path) -> None:
             Totals(), "user string, total long", "Update", "None", initialState=initial.groupBy("user")
         )
     )
-    queries = [
-        ours.writeStream.foreachBatch(sink("ours")).option("checkpointLocation", str(tmp_path / "c1")).start(),
-        theirs.writeStream.foreachBatch(sink("spark")).option("checkpointLocation", str(tmp_path / "c2")).start(),
-    ]
-    try:
-        for index, rows in enumerate([[("a", 1, "x"), ("c", 2, "x")], [("b", 3, "x"), ("z", 4, "x")]]):
-            write_batch(source, index, rows)
-            for query in queries:
-                query.processAllAvailable()
-    finally:
-        for query in queries:
-            query.stop()
+    outputs = run_pair(
+        tmp_path, ours, theirs, [lines([("a", 1, "x"), ("c", 2, "x")]), lines([("b", 3, "x"), ("z", 4, "x")])]
+    )
     assert outputs["ours"] == outputs["spark"]
     assert outputs["ours"][1] == [("b", 203), ("z", 9)]
-
-
-def _run_pair(spark: Any, tmp_path: Path, ours: Any, theirs: Any, batches: list[list[tuple[str, int, str]]]) -> Any:
-    outputs: dict[str, dict[int, list[tuple[Any, ...]]]] = {"ours": {}, "spark": {}}
-
-    def sink(name: str) -> Any:
-        def collect(batch_df: Any, batch_id: int) -> None:
-            outputs[name][batch_id] = sorted(tuple(r) for r in batch_df.collect())
-
-        return collect
-
-    queries = [
-        df.writeStream.outputMode("update").foreachBatch(sink(name)).option("checkpointLocation", str(tmp_path / c))
-        .start()
-        for name, df, c in (("ours", ours, "c1"), ("spark", theirs, "c2"))
-    ]  # fmt: skip
-    try:
-        for index, rows in enumerate(batches):
-            write_batch(tmp_path / "in", index, rows)
-            for query in queries:
-                query.processAllAvailable()
-    finally:
-        for query in queries:
-            query.stop()
-    return outputs
 
 
 ROWS = [[("a", 1, "x"), ("b", 2, "y"), ("a", 3, "y")], [("a", 5, "z"), ("c", 6, "y")], [("b", 7, "x")]]
@@ -370,7 +320,7 @@ def test_row_api_and_group_state_functions_match_spark(spark: Any, tmp_path: Pat
         checkpoint_location=str(tmp_path / "rows"), operator_uid="rows", local_dir=str(tmp_path / "local"),
     )  # fmt: skip
     theirs = stream().groupBy("user").transformWithState(RowTotals(), schema, "Update", "None")
-    rows_out = _run_pair(spark, tmp_path, ours, theirs, ROWS)
+    rows_out = run_pair(tmp_path, ours, theirs, [lines(r) for r in ROWS])
     assert rows_out["ours"] == rows_out["spark"] and len(rows_out["ours"]) == 3
 
     driver.forget_all()
@@ -382,7 +332,7 @@ def test_row_api_and_group_state_functions_match_spark(spark: Any, tmp_path: Pat
     for name in ("c1", "c2", "in"):
         (tmp_path / name).rename(tmp_path / f"{name}-rows")
     (tmp_path / "in").mkdir()
-    gs_out = _run_pair(spark, tmp_path, ours, theirs, ROWS)
+    gs_out = run_pair(tmp_path, ours, theirs, [lines(r) for r in ROWS])
     assert gs_out["ours"] == gs_out["spark"]
     assert rows_out["ours"][2] == [("b", 9)]
 
@@ -410,7 +360,7 @@ def test_use_for_session_routes_groupeddata_to_this_backend(spark: Any, tmp_path
         .start()
     )
     try:
-        write_batch(tmp_path / "in", 0, [("a", 1, "x")])
+        publish(tmp_path / "in" / "0000.json", lines([("a", 1, "x")]))
         query.processAllAvailable()
     finally:
         query.stop()

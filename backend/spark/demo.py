@@ -103,20 +103,9 @@ def expected_outputs(stream: list[list[tuple[str, int, str]]]) -> dict[int, list
 
 
 def _session() -> Any:
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    from pyspark.sql import SparkSession
+    from backend.spark.session import local_session
 
-    spark = (
-        SparkSession.builder.master("local[2,4]")
-        .appName("dstl-demo")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
+    return local_session("dstl-demo", "local[2,4]", **{"spark.sql.streaming.noDataMicroBatches.enabled": "false"})
 
 
 def _write_input(directory: Path, batch: int, rows: list[tuple[str, int, str]]) -> None:
