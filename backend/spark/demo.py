@@ -116,7 +116,9 @@ def _write_input(directory: Path, batch: int, rows: list[tuple[str, int, str]]) 
 
 
 def _files(root: Path) -> set[Path]:
-    return {p for p in root.rglob("*") if p.is_file()} if root.exists() else set()
+    """Every file under ``root``; os.walk skips directories the driver deletes meanwhile
+    (subsumed ``chk-*``), where Path.rglob would raise."""
+    return {Path(top) / name for top, _, names in os.walk(root) for name in names}
 
 
 def run_query(args: argparse.Namespace, parallelism: int, first: int, last: int, kill_after: int | None) -> None:
