@@ -146,7 +146,7 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
     tmp = Path(tempfile.mkdtemp(prefix="bench-spark-"))
     results: dict[str, dict[str, Any]] = {}
     try:
-        for workload, rows, keys in (("heavy", heavy_rows, 10_000), ("light", 1_000, 1_000)):
+        for workload, rows, keys in (("heavy", heavy_rows, heavy_rows // 10), ("light", 1_000, 1_000)):
             source = tmp / f"in-{workload}"
             _write_input(source, batches, rows, keys, seed=len(workload))
             for which in ("spark", "ours"):
