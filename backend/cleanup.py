@@ -1,9 +1,10 @@
 """Orphan cleanup: delete the DFS files that no retained snapshot references.
 
 The storage deletes the log files it owns once nothing uses them; files a *confirmed* checkpoint
-owns (log files and materialized chunks) are the business of whoever retains checkpoints. Until
-the shared-state registry exists (issue 5), this is the rule it will apply: keep exactly what the
-retained handles reference, under the storage's ``dstl/`` and ``shared/`` prefixes.
+owns (log files and materialized chunks) are the business of whoever retains checkpoints. Jobs
+have ``backend.checkpoints.CheckpointCoordinator.recover`` for that (registry + whole job
+directory); this helper applies the same rule to bare backends that keep their own handles: keep
+exactly what the retained handles reference, under the storage's ``dstl/`` and ``shared/``.
 
 Only call it when no checkpoint or materialization is in flight: their files are not referenced
 by any retained handle yet.

@@ -24,7 +24,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ from backend.savepoints import (
     copy_files,
     dispose_savepoint,
     handles_of,
+    no_progress,
     open_directory,
     write_canonical_savepoint,
     write_native_savepoint,
@@ -98,10 +99,6 @@ def snapshot_location(url: str) -> tuple[str, str]:
     return url, "_metadata"
 
 
-def _noop(what: str, done: int, total: int) -> None:
-    return None
-
-
 class LocalJob:
     def __init__(
         self,
@@ -121,7 +118,7 @@ class LocalJob:
         materialization_interval_s: float = 600.0,
         size_trigger_bytes: int | None = 64 << 20,
         chunk_key_groups: int = 1,
-        progress: Progress = _noop,
+        progress: Progress = no_progress,
         on_step: StepHook | None = None,
     ) -> None:
         if not _NAME.match(job_id):
@@ -353,6 +350,3 @@ def _inside(url: str, directory: str) -> bool:
 
     a, b = norm(os.fspath(url)), norm(directory)
     return a == b or a.startswith(b.rstrip("/") + "/")
-
-
-ProgressCallback = Callable[[str, int, int], None]

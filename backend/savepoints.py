@@ -58,7 +58,8 @@ def open_directory(url: str, config: ChangelogConfig | None = None) -> StateChan
     return StateChangelogStorage(base)
 
 
-def _no_progress(what: str, done: int, total: int) -> None:
+def no_progress(what: str, done: int, total: int) -> None:
+    """The default ``Progress``: report nothing."""
     return None
 
 
@@ -81,7 +82,7 @@ def write_native_savepoint(
     checkpoint: SnapshotMetadata,
     source: StateChangelogStorage,
     target: StateChangelogStorage,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> SnapshotMetadata:
     """Copy a checkpoint's files from ``source`` (its job directory) into ``target`` and write
     ``_metadata`` last: a savepoint directory without it is an aborted savepoint."""
@@ -101,7 +102,7 @@ def write_canonical_savepoint(
     checkpoint_id: int,
     job_id: str = "",
     timestamp_ms: int = 0,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> SnapshotMetadata:
     """Dump every subtask's full state, one file per subtask, from a consistent view of its tables."""
     _refuse_existing(target)
@@ -171,7 +172,7 @@ def check_operators(meta: SnapshotMetadata, uids: Sequence[str], allow_non_resto
         )
 
 
-def dispose_savepoint(directory: StateChangelogStorage, progress: Progress = _no_progress) -> int:
+def dispose_savepoint(directory: StateChangelogStorage, progress: Progress = no_progress) -> int:
     """Delete a savepoint: ``_metadata`` first (from then on it is gone, a crash leaves only
     unreferenced files), then every file it names. Returns the number of files deleted."""
     meta = read_snapshot(directory)

@@ -170,11 +170,11 @@ def run_query(args: argparse.Namespace, parallelism: int, first: int, last: int,
 def _wait_for_checkpoint(location: str, batch: int, timeout_s: float = 10.0) -> dict[str, Any]:
     """The driver's listener completes chk-<b> just after Spark commits batch b (asynchronously);
     returns its properties (empty if it did not complete in time)."""
-    from backend.spark.plan import driver_coordinator
+    from backend.spark.driver import coordinator_at
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        coordinator = driver_coordinator(location)
+        coordinator = coordinator_at(location)
         latest = coordinator.latest() if coordinator is not None else None
         if latest is not None and latest.checkpoint_id >= batch:
             return dict(latest.properties)

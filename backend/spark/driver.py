@@ -151,6 +151,11 @@ def coordinator_for(spark: Any, cfg: OperatorConfig, num_retained: int = 2) -> D
     return coordinator
 
 
+def coordinator_at(checkpoint_location: str) -> DriverCoordinator | None:
+    """This driver's coordinator of a checkpoint location, if a query built one (tools, demo)."""
+    return _COORDINATORS.get(checkpoint_location.rstrip("/"))
+
+
 def complete_committed(batch: int, query_id: str | None) -> None:
     for coordinator in list(_COORDINATORS.values()):
         try:

@@ -26,7 +26,7 @@ from typing import Any
 import mmh3
 
 from backend.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
-from backend.spark.driver import DriverCoordinator, coordinator_for
+from backend.spark.driver import coordinator_for
 from backend.spark.tasks import OperatorConfig, run_subtask
 from dstl import ChangelogConfig
 
@@ -198,10 +198,3 @@ def run_partition(cfg: OperatorConfig, frames: Iterator[Any], process: Callable[
 
     outputs, _ = run_subtask(cfg, subtask, int(batch_id), query_id, now_ms, body, max_event)
     yield from outputs
-
-
-def driver_coordinator(checkpoint_location: str) -> DriverCoordinator | None:
-    """The driver's coordinator of a checkpoint location (for tests and tools)."""
-    from backend.spark.driver import _COORDINATORS
-
-    return _COORDINATORS.get(checkpoint_location.rstrip("/"))
