@@ -23,7 +23,6 @@ Speed: every keyed access serializes a key, so the int and str paths are a singl
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import operator
@@ -142,20 +141,19 @@ class Int64Serializer(_Base):
             raise SerializationError(self.id, f"cannot serialize {value!r}: {exc}") from None
 
     def serialize_many(self, values: list[int]) -> list[bytes]:
-        """``[serialize(v) for v in values]`` with one struct call: a checkpoint serializes every
+        """``[serialize(v) for v in values]`` as a C-level map: a checkpoint serializes every
         changed value of a state at once (see ``backend.state``)."""
         try:
-            packed = struct.pack(f">{len(values)}q", *values)
+            return list(map(_I64.pack, values))
         except struct.error:
             return [self.serialize(v) for v in values]  # names the bad value
-        read = io.BytesIO(packed).read
-        return [read(8) for _ in values]
 
     def deserialize(self, data: bytes) -> int:
         try:
-            return int(_I64.unpack(data)[0])
+            value: int = _I64.unpack(data)[0]
         except struct.error:
             raise SerializationError(self.id, f"expected 8 bytes, got {len(data)}") from None
+        return value
 
 
 class Float64Serializer(_Base):

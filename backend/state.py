@@ -118,15 +118,18 @@ class _ValueTable(StateTable):
     is written to LMDB, sorted, when the caches outgrow the backend's limit, on the operator's
     next write. Per-key-group dicts let a checkpoint log one SET_BATCH record per key group built
     with C-level joins, instead of grouping every changed key in Python. Entries: value,
-    ``(value, expiry_ms)`` with TTL, or TOMBSTONE."""
+    ``(value, expiry_ms)`` with TTL, or TOMBSTONE. With the log on, ``clean_stored[kg]`` keeps the
+    bytes each clean entry was logged as (None: deleted), beside ``cleans[kg]``: a spill writes
+    them without serializing again, and the read path finds plain values (no per-entry tuples,
+    which would also be objects for the garbage collector to walk)."""
 
     def __init__(self, backend: ChangelogKeyedStateBackend, descriptor: StateDescriptor[Any]) -> None:
         super().__init__(backend, descriptor)
         self.caches: list[dict[bytes, Any]] = [{} for _ in range(backend.max_parallelism)] + [_NoKey()]
-        #: with the log on, ``clean`` holds (entry, stored bytes as serialized for the log, None if
-        #: deleted), so a spill does not serialize again; with it off, just the entries
-        self.clean_bytes = backend.writer is not None
         self.cleans: list[dict[bytes, Any]] = [{} for _ in range(backend.max_parallelism)]
+        self.clean_stored: list[dict[bytes, bytes | None]] | None = (
+            [{} for _ in range(backend.max_parallelism)] if backend.writer is not None else None
+        )
         self.lookup = backend.tables.getter(descriptor.name)
 
     def _cache_of(self, ck: bytes) -> dict[bytes, Any]:
@@ -137,8 +140,6 @@ class _ValueTable(StateTable):
         cached = self._cache_of(ck).get(ck, _MISS)
         if cached is _MISS:
             cached = self.cleans[(ck[0] << 8) | ck[1]].get(ck, _MISS)
-            if cached is not _MISS and self.clean_bytes:
-                cached = cached[0]
         if cached is _MISS:
             stored = self.lookup.get(ck)
             if stored is None:
@@ -173,30 +174,29 @@ class _ValueTable(StateTable):
     def cache_size(self) -> int:
         return sum(map(len, self.caches)) + sum(map(len, self.cleans))
 
-    def _stored(self, cached: Any) -> bytes:
+    def _serialize_entries(self, entries: list[Any]) -> list[bytes | None]:
+        """The stored bytes of cache entries (None for TOMBSTONE), in one call where the
+        serializer packs many values at once."""
+        serialize = self.ser.serialize
         if self.ttl_ms:
-            return rec.with_expiry(cached[1], self.ser.serialize(cached[0]))
-        return self.ser.serialize(cached)
+            return [None if e is TOMBSTONE else rec.with_expiry(e[1], serialize(e[0])) for e in entries]
+        if TOMBSTONE not in entries and hasattr(self.ser, "serialize_many"):
+            return self.ser.serialize_many(entries)  # type: ignore[no-any-return]
+        return [None if e is TOMBSTONE else serialize(e) for e in entries]
 
     def log_changes(self, append: Append | None, append_many: AppendMany | None = None) -> int:
         """Checkpoint: log the changes (one SET_BATCH per key group), then they count as clean."""
         count = 0
-        serialize, ttl, sid = self.ser.serialize, self.ttl_ms, self.sid
+        sid = self.sid
         clear_head = rec.record_prefix(Op.CLEAR, sid)
         pairs: list[Any] = []
         for kg, cache in enumerate(self.caches):
             if not cache:
                 continue
             count += len(cache)
-            if append is not None:
+            if self.clean_stored is not None:  # the log is on
                 cks = list(cache)
-                values = list(cache.values())
-                if ttl:
-                    stored = [None if v is TOMBSTONE else rec.with_expiry(v[1], serialize(v[0])) for v in values]
-                elif TOMBSTONE not in values and hasattr(self.ser, "serialize_many"):
-                    stored = self.ser.serialize_many(values)
-                else:
-                    stored = [None if v is TOMBSTONE else serialize(v) for v in values]
+                stored = self._serialize_entries(list(cache.values()))
                 if None in stored:  # cleared keys: a CLEAR record each, the rest in the batch
                     for ck, data in zip(cks, stored, strict=True):
                         if data is None:
@@ -211,9 +211,8 @@ class _ValueTable(StateTable):
                 if entries:
                     pairs.append(kg)
                     pairs.append(rec.encode_set_batch(sid, entries))
-                self.cleans[kg].update(zip(cks, zip(values, stored, strict=True), strict=True))
-            else:
-                self.cleans[kg].update(cache)
+                self.clean_stored[kg].update(zip(cks, stored, strict=True))
+            self.cleans[kg].update(cache)
             cache.clear()
         if pairs:
             if append_many is not None:
@@ -227,16 +226,26 @@ class _ValueTable(StateTable):
     def flush(self, txn: Any, append: Append | None) -> int:
         count = self.log_changes(append)
         db = self.db
-        puts = []
-        for clean in self.cleans:  # key-group order, then key order: one sorted batch, cheap sorts
-            for ck in sorted(clean):
-                entry = clean[ck]
-                stored = entry[1] if self.clean_bytes else None if entry is TOMBSTONE else self._stored(entry)
-                if stored is None:
-                    txn.delete(ck, db=db)
-                else:
-                    puts.append((ck, stored))
+        puts: list[tuple[bytes, Any]] = []
+        for kg, clean in enumerate(self.cleans):  # key-group order, then key order: cheap sorts
+            if not clean:
+                continue
+            if self.clean_stored is not None:
+                stored_of = self.clean_stored[kg]
+                cks = sorted(stored_of)  # sorting the keys alone is faster than sorting the items
+                stored = list(map(stored_of.__getitem__, cks))
+                stored_of.clear()
+            else:
+                cks = sorted(clean)
+                stored = self._serialize_entries(list(map(clean.__getitem__, cks)))
             clean.clear()
+            if None in stored:
+                for ck, data in zip(cks, stored, strict=True):
+                    if data is None:
+                        txn.delete(ck, db=db)
+                puts += [(ck, data) for ck, data in zip(cks, stored, strict=True) if data is not None]
+            else:
+                puts += zip(cks, stored, strict=True)
         if puts:
             txn.cursor(db=db).putmulti(puts)
         return count
@@ -503,8 +512,6 @@ class ValueState(_Bound, Generic[V]):
                 if cached is _MISS:
                     stored = table.lookup.get(ck)
                     return None if stored is None else table.ser.deserialize(stored)
-                if table.clean_bytes:
-                    cached = cached[0]
             return None if cached is TOMBSTONE else cached
         return self._table.get(self._backend.current_ckey)  # type: ignore[no-any-return]
 
