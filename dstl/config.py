@@ -71,6 +71,11 @@ class S3Options:
     read_timeout_s: float = 30.0
     #: one TCP connection per request (no keep-alive); for proxies that account per connection
     force_close: bool = False
+    #: send ``Expect: 100-continue`` with each PUT (botocore's default) and wait for the server's
+    #: interim answer before the body. It only saves bandwidth when a PUT is refused, and a log
+    #: file is small; off, a PUT is one round trip less (measured against moto through the
+    #: latency proxy: 7.1 -> 4.4 ms mean per PUT, the 12-15 ms mode of 40 % of the PUTs gone).
+    expect_continue: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -189,7 +189,7 @@ class S3Uploader:
             response_checksum_validation="when_required",
         )
         session = get_session()
-        return await self._stack.enter_async_context(
+        client = await self._stack.enter_async_context(
             session.create_client(
                 "s3",
                 endpoint_url=opts.endpoint_url or os.environ.get("AWS_ENDPOINT_URL"),
@@ -200,6 +200,10 @@ class S3Uploader:
                 config=config,
             )
         )
+        if not opts.expect_continue:
+            # botocore adds the header in a "before-call.s3" handler; this one runs after it.
+            client.meta.events.register_last("before-call.s3", _drop_expect_continue)
+        return client
 
     def _key(self, path: str) -> str:
         rel = check_relative(path)
@@ -243,6 +247,10 @@ class S3Uploader:
     async def close(self) -> None:
         await self._stack.aclose()
         self._client = None
+
+
+def _drop_expect_continue(params: dict[str, Any], **_: Any) -> None:
+    params["headers"].pop("Expect", None)
 
 
 def make_uploader(config: ChangelogConfig) -> Uploader:

@@ -151,6 +151,8 @@ class LatencyProxy:
         #: Behaviour used once :attr:`scripted` is exhausted.
         self.default_behavior: Behavior = Behavior.PASS
         self.accepted = 0
+        #: Every byte clients sent upstream, when set to a bytearray (tests that check the wire).
+        self.client_bytes: bytearray | None = None
         self.stalled = 0
         self.resets = 0
         self._rng = random.Random(seed)
@@ -257,7 +259,7 @@ class LatencyProxy:
         self._writers.add(up_writer)
         try:
             pumps = [
-                asyncio.ensure_future(_pump(reader, up_writer)),
+                asyncio.ensure_future(_pump(reader, up_writer, self.client_bytes)),
                 asyncio.ensure_future(_pump(up_reader, writer)),
             ]
             try:
@@ -275,12 +277,14 @@ class LatencyProxy:
             await _close(up_writer)
 
 
-async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, record: bytearray | None = None) -> None:
     """Copy ``src`` to ``dst`` until EOF, then half-close ``dst`` so the peer sees the EOF too."""
     while True:
         data = await src.read(_CHUNK)
         if not data:
             break
+        if record is not None:
+            record += data
         dst.write(data)
         await dst.drain()
     if dst.can_write_eof() and not dst.is_closing():

@@ -10,6 +10,7 @@ proxy's behaviour per connection scripts the fate of each attempt.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import threading
 import uuid
@@ -209,6 +210,23 @@ def test_round_trip_one_object_per_flush_and_ranged_reads(moto_server: S3Server,
         assert list(storage.read(middle, wanted)) == [(kg, d) for kg, d in first[1] if kg in wanted]
         # Key groups of another writer: nothing (the segment is skipped by its key-group index).
         assert list(storage.read(middle, ranges[2])) == []
+
+
+@pytest.mark.parametrize("expect_continue", [False, True])
+def test_puts_skip_the_expect_continue_round_trip_unless_asked(
+    moto_server: S3Server, bucket: str, proxy: ThreadedProxy, expect_continue: bool
+) -> None:
+    proxy.proxy.client_bytes = bytearray()
+    config = s3_config(proxy.url, bucket, persist_delay_s=30.0)
+    config = dataclasses.replace(config, s3=dataclasses.replace(config.s3, expect_continue=expect_continue))
+    with StateChangelogStorage(config) as storage:
+        writer = storage.create_writer("op", KeyGroupRange(0, 3))
+        records = append_records(writer, range(4), "e", 50)
+        handle = writer.persist_durably(0).result(WAIT_S)
+        assert list(storage.read(handle)) == records
+    wire = bytes(proxy.proxy.client_bytes).lower()
+    assert b"put /" in wire
+    assert (b"expect: 100-continue" in wire) is expect_continue
 
 
 def test_released_and_truncated_file_is_deleted_from_the_bucket(moto_server: S3Server, bucket: str) -> None:
