@@ -3,12 +3,13 @@
 The state machine, for one upload (every attempt writes its *own* object name, so that the loser
 of a hedge can be deleted without touching the winner's object):
 
-1. Start attempt 1. Arm the hedge timer at the current hedge delay (an adaptive percentile of
-   recent primary-attempt latencies, see ``HedgeDelay``).
+1. Start attempt 1. Arm the hedge timers at the current hedge delays (adaptive percentiles of
+   recent primary-attempt latencies, see ``HedgeDelay``; the second one only once enough
+   latencies were seen and where it lies beyond the first).
 2. First successful attempt wins: the others are cancelled, and every other object name that was
    tried is deleted in the background (a cancelled or timed-out request may still have written).
-3. Hedge timer fires while the attempt runs: if attempts remain and the budget has a token,
-   start one more attempt (the primary keeps running; the first to finish wins).
+3. A hedge timer fires while an attempt runs: if attempts remain and the budget has a token,
+   start one more attempt (the running ones keep running; the first to finish wins).
 4. An attempt fails (error, or its per-attempt timeout): when nothing else is running and
    attempts remain, start another one after ``retry_delay * 2**(failures-1)``. When no attempt
    remains, the upload fails at once with ``UploadFailedError`` and every object tried is deleted
@@ -54,13 +55,23 @@ class HedgeDelay:
         bisect.insort(self._sorted, latency_s)
 
     def current(self) -> float:
+        """The first hedge's delay."""
         p = self._policy
-        if len(self._sorted) < p.min_samples:
-            value = p.initial_delay_s
-        else:
-            index = min(len(self._sorted) - 1, int(p.percentile * len(self._sorted)))
-            value = self._sorted[index]
+        value = p.initial_delay_s if len(self._sorted) < p.min_samples else self._at(p.percentile)
         return min(p.max_delay_s, max(p.min_delay_s, value))
+
+    def delays(self) -> list[float]:
+        """The delays of the hedges to arm for a new upload, ascending."""
+        first = self.current()
+        p = self._policy
+        if p.second_percentile is None or len(self._sorted) < p.min_samples:
+            return [first]
+        second = min(p.max_delay_s, max(p.min_delay_s, self._at(p.second_percentile)))
+        # A second hedge right behind the first is one hedge more for the same wait.
+        return [first, second] if second >= first + p.min_delay_s else [first]
+
+    def _at(self, percentile: float) -> float:
+        return self._sorted[min(len(self._sorted) - 1, int(percentile * len(self._sorted)))]
 
 
 class HedgeBudget:
@@ -125,7 +136,7 @@ class UploadExecutor:
         tried: list[str] = []
         errors: list[tuple[int, BaseException]] = []
         primary: asyncio.Task[None] | None = None
-        hedge_at = start + self.hedge_delay.current() if policy.enabled else None
+        hedge_times = [start + d for d in self.hedge_delay.delays()] if policy.enabled else []
         retry_at: float | None = None
         hedged = False
         hedge_tasks: set[asyncio.Task[None]] = set()
@@ -141,7 +152,7 @@ class UploadExecutor:
         primary = launch()
         try:
             while running or retry_at is not None:
-                wakeups = [t for t in (hedge_at, retry_at) if t is not None]
+                wakeups = [t for t in (hedge_times[0] if hedge_times else None, retry_at) if t is not None]
                 timeout = max(0.0, min(wakeups) - loop.time()) if wakeups else None
                 if running:
                     done, _ = await asyncio.wait(running, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -159,8 +170,8 @@ class UploadExecutor:
                         self.hedge_delay.observe(loop.time() - start)
                     errors.append((tried.index(path) + 1, exc))
                 now = loop.time()
-                if hedge_at is not None and now >= hedge_at:
-                    hedge_at = None
+                if hedge_times and now >= hedge_times[0]:
+                    del hedge_times[0]
                     if running and len(tried) < cfg.max_attempts:
                         if self.budget.try_take():
                             hedge_tasks.add(launch())

@@ -187,6 +187,9 @@ class S3Uploader:
             read_timeout=opts.read_timeout_s,
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
+            # Every call is built here (bucket, key, bytes); checking it again costs client CPU
+            # that a hedged upload pays twice.
+            parameter_validation=False,
         )
         session = get_session()
         client = await self._stack.enter_async_context(

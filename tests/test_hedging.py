@@ -464,6 +464,65 @@ def test_adaptive_hedge_delay_in_the_executor() -> None:
     assert metrics.hedges == 1
 
 
+def test_second_hedge_wins_when_the_primary_and_the_first_hedge_are_both_slow() -> None:
+    policy = hedge_policy(initial_delay_s=5.0, min_samples=4, window=4, percentile=0.5, second_percentile=0.9)
+    executor, fake, metrics = make([], hedging=policy, upload_timeout_s=30.0)
+
+    async def scenario() -> UploadOutcome:
+        for latency in (0.1, 0.2, 0.3, 0.4):
+            fake.load([("ok", latency)])
+            await upload_and_drain(executor)
+        assert executor.hedge_delay.delays() == pytest.approx([0.3, 0.4])  # sorted window, int(q * 4)
+        fake.load([("ok", 10.0), ("ok", 10.0), OK_FAST])
+        return await upload_and_drain(executor)
+
+    outcome = run_virtual(scenario())
+    assert outcome.hedge_won and outcome.attempts == 3
+    assert outcome.latency_s == pytest.approx(0.4 + 0.05)
+    assert metrics.hedges == 2 and metrics.hedges_won == 1
+    assert outcome.path in fake.objects and len(fake.objects) == 5  # both losers' objects deleted
+
+
+def test_no_second_hedge_once_an_attempt_finished_or_without_samples_or_room() -> None:
+    delay = HedgeDelay(HedgingPolicy(initial_delay_s=0.7, min_samples=3, percentile=0.5, second_percentile=0.9))
+    assert delay.delays() == [0.7]  # no latency seen yet: no estimate for a second hedge
+    for value in (0.2, 0.2, 0.2):
+        delay.observe(value)
+    assert delay.delays() == [0.2]  # the second percentile is no later than the first
+    delay.observe(5.0)
+    assert delay.delays() == [0.2, 5.0]
+    no_second = HedgeDelay(HedgingPolicy(min_samples=1, percentile=0.5, second_percentile=None))
+    for value in (0.1, 0.2, 0.3):
+        no_second.observe(value)
+    assert no_second.delays() == [0.2]
+    # max_attempts 2: the first hedge uses the last attempt, the second timer starts nothing.
+    policy = hedge_policy(initial_delay_s=5.0, min_samples=1, window=2, percentile=0.4, second_percentile=0.9)
+    executor, fake, metrics = make([], hedging=policy, upload_timeout_s=30.0, max_attempts=2)
+
+    async def scenario() -> UploadOutcome:
+        for latency in (0.1, 0.3):
+            fake.load([("ok", latency)])
+            await upload_and_drain(executor)
+        before = metrics.hedges
+        fake.load([("ok", 1.0), ("ok", 1.0)])
+        outcome = await upload_and_drain(executor)
+        assert metrics.hedges - before == 1
+        return outcome
+
+    assert run_virtual(scenario()).attempts == 2
+
+
+@pytest.mark.parametrize("second", [0.0, -0.5, 1.0, 1.5])
+def test_second_percentile_must_be_a_quantile(second: float) -> None:
+    with pytest.raises(ValueError, match="second_percentile"):
+        HedgingPolicy(second_percentile=second)
+    # At or below the first percentile it is allowed: the second hedge never lies beyond the first.
+    delay = HedgeDelay(HedgingPolicy(min_samples=1, percentile=0.99, second_percentile=0.5))
+    for value in (0.1, 0.2, 0.3):
+        delay.observe(value)
+    assert delay.delays() == [0.3]
+
+
 def test_hedge_delay_samples_only_primary_attempts() -> None:
     """A retry that wins after the primary failed is no primary latency (it includes the backoff)."""
     policy = hedge_policy(initial_delay_s=1.0, min_samples=2, percentile=0.5, window=10)
@@ -610,6 +669,7 @@ policies = st.builds(
     HedgingPolicy,
     enabled=st.sampled_from([True, True, True, False]),
     percentile=st.sampled_from([0.5, 0.9, 0.99]),
+    second_percentile=st.sampled_from([None, 0.995]),
     window=st.integers(1, 5),
     min_samples=st.integers(1, 3),
     initial_delay_s=st.sampled_from([0.01, 0.05, 0.1, 0.5, 2.0]),
