@@ -270,10 +270,11 @@ class ChangelogKeyedStateBackend:
         """Write every cache to LMDB (sorted), appending one net change per key and state to the log."""
         with self._lock:
             changed = 0
+            # Serialize everything first: a value its serializer rejects changes nothing.
+            steps = [table.prepare_flush() for table in self._states.values() if table.cache_size()]
             with self.tables.write() as txn:
-                for table in self._states.values():
-                    if table.cache_size():
-                        changed += table.flush(txn, self._append)
+                for step in steps:
+                    changed += step(txn, self._append)
                 changed += self.timers.flush(txn, self._append)
             self.flush_threshold = self.cache_limit
             self.kg_flush_threshold = max(1, self.cache_limit // len(self.key_group_range))
@@ -286,14 +287,15 @@ class ChangelogKeyedStateBackend:
         list, map and timer changes are written through.
         """
         changed = 0
-        write_through = [t for t in self._states.values() if not isinstance(t, _ValueTable) and t.cache]
-        for table in self._states.values():
-            if isinstance(table, _ValueTable):
-                changed += table.log_changes(self._append, self._append_many)
+        # Serialize everything first: a value its serializer rejects changes nothing.
+        logs = [t.prepare_log() for t in self._states.values() if isinstance(t, _ValueTable)]
+        write_through = [t.prepare_flush() for t in self._states.values() if not isinstance(t, _ValueTable) and t.cache]
+        for log in logs:
+            changed += log(self._append, self._append_many)
         if write_through or self.timers.has_changes():
             with self.tables.write() as txn:
-                for table in write_through:
-                    changed += table.flush(txn, self._append)
+                for step in write_through:
+                    changed += step(txn, self._append)
                 changed += self.timers.flush(txn, self._append)
         if sum(t.cache_size() for t in self._states.values()) > self.cache_limit:
             self.flush_threshold = self.kg_flush_threshold = -1  # the next write spills to LMDB

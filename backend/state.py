@@ -37,6 +37,8 @@ K = TypeVar("K")
 
 Append = Callable[[int, bytes], None]
 AppendMany = Callable[[list[Any]], None]
+FlushStep = Callable[[Any, Append | None], int]
+LogStep = Callable[[Append | None, AppendMany | None], int]
 
 
 class _Tombstone:
@@ -103,7 +105,13 @@ class StateTable:
                 return _MISS
         return self.ser.deserialize(stored)
 
-    def flush(self, txn: Any, append: Append | None) -> int:
+    def prepare_flush(self) -> FlushStep:
+        """Serialize every cached change, changing nothing yet, and return the step that writes
+        them to the transaction and the log and empties the cache.
+
+        Why two phases: a value its serializer rejects fails here, before any table, log record
+        or cache has changed, so the caller can fix the value and flush again without losing or
+        duplicating a change (a list append logged twice would replay twice)."""
         raise NotImplementedError
 
     def cache_size(self) -> int:
@@ -180,65 +188,93 @@ class _ValueTable(StateTable):
         serialize = self.ser.serialize
         if self.ttl_ms:
             return [None if e is TOMBSTONE else rec.with_expiry(e[1], serialize(e[0])) for e in entries]
-        if TOMBSTONE not in entries and hasattr(self.ser, "serialize_many"):
+        # Identity, not ``TOMBSTONE in entries``: == on a user value may not give a bool (numpy).
+        if hasattr(self.ser, "serialize_many") and not any(e is TOMBSTONE for e in entries):
             return self.ser.serialize_many(entries)  # type: ignore[no-any-return]
         return [None if e is TOMBSTONE else serialize(e) for e in entries]
 
-    def log_changes(self, append: Append | None, append_many: AppendMany | None = None) -> int:
-        """Checkpoint: log the changes (one SET_BATCH per key group), then they count as clean."""
-        count = 0
+    def prepare_log(self) -> LogStep:
+        """Checkpoint: log the changes (one SET_BATCH per key group), then they count as clean.
+        Two phases, as ``prepare_flush``: serialize now; log and move in the returned step."""
+        changed = [(kg, cache) for kg, cache in enumerate(self.caches) if cache]
+        serialized = []
+        if self.clean_stored is not None:  # the log is on
+            serialized = [(kg, list(cache), self._serialize_entries(list(cache.values()))) for kg, cache in changed]
+
+        def log(append: Append | None, append_many: AppendMany | None) -> int:
+            pairs = self._log_records(serialized)
+            if pairs:
+                if append_many is not None:
+                    append_many(pairs)
+                else:
+                    assert append is not None
+                    for i in range(0, len(pairs), 2):
+                        append(pairs[i], pairs[i + 1])
+            if self.clean_stored is not None:
+                for kg, cks, stored in serialized:
+                    self.clean_stored[kg].update(zip(cks, stored, strict=True))
+            count = 0
+            for kg, cache in changed:
+                count += len(cache)
+                self.cleans[kg].update(cache)
+                cache.clear()
+            return count
+
+        return log
+
+    def _log_records(self, serialized: list[tuple[int, list[bytes], list[bytes | None]]]) -> list[Any]:
+        """``[kg, record, kg, record, ...]``: a SET_BATCH per key group, a CLEAR per cleared key."""
         sid = self.sid
         clear_head = rec.record_prefix(Op.CLEAR, sid)
         pairs: list[Any] = []
-        for kg, cache in enumerate(self.caches):
-            if not cache:
-                continue
-            count += len(cache)
-            if self.clean_stored is not None:  # the log is on
-                cks = list(cache)
-                stored = self._serialize_entries(list(cache.values()))
-                if None in stored:  # cleared keys: a CLEAR record each, the rest in the batch
-                    for ck, data in zip(cks, stored, strict=True):
-                        if data is None:
-                            pairs.append(kg)
-                            pairs.append(clear_head + ck)
-                    live = [(ck, data) for ck, data in zip(cks, stored, strict=True) if data is not None]
-                    entries: list[Any] = [x for pair in live for x in pair]
-                else:
-                    entries = [None] * (2 * len(cks))
-                    entries[0::2] = cks
-                    entries[1::2] = stored
-                if entries:
-                    pairs.append(kg)
-                    pairs.append(rec.encode_set_batch(sid, entries))
-                self.clean_stored[kg].update(zip(cks, stored, strict=True))
-            self.cleans[kg].update(cache)
-            cache.clear()
-        if pairs:
-            if append_many is not None:
-                append_many(pairs)
+        for kg, cks, stored in serialized:
+            if None in stored:  # cleared keys: a CLEAR record each, the rest in the batch
+                for ck, data in zip(cks, stored, strict=True):
+                    if data is None:
+                        pairs.append(kg)
+                        pairs.append(clear_head + ck)
+                live = [(ck, data) for ck, data in zip(cks, stored, strict=True) if data is not None]
+                entries: list[Any] = [x for pair in live for x in pair]
             else:
-                assert append is not None
-                for i in range(0, len(pairs), 2):
-                    append(pairs[i], pairs[i + 1])
-        return count
+                entries = [None] * (2 * len(cks))
+                entries[0::2] = cks
+                entries[1::2] = stored
+            if entries:
+                pairs.append(kg)
+                pairs.append(rec.encode_set_batch(sid, entries))
+        return pairs
 
-    def flush(self, txn: Any, append: Append | None) -> int:
-        count = self.log_changes(append)
+    def prepare_flush(self) -> FlushStep:
+        log = self.prepare_log()
+        pending: list[tuple[list[bytes], list[bytes | None]]] = []
+        if self.clean_stored is None:  # log off: serialize the clean and the changed entries now
+            for kg, clean in enumerate(self.cleans):
+                merged = {**clean, **self.caches[kg]} if self.caches[kg] else clean
+                if merged:
+                    cks = sorted(merged)
+                    pending.append((cks, self._serialize_entries(list(map(merged.__getitem__, cks)))))
+
+        def flush(txn: Any, append: Append | None) -> int:
+            count = log(append, None)
+            if self.clean_stored is not None:  # the bytes the log got, in key-group then key order
+                for stored_of in self.clean_stored:
+                    if stored_of:
+                        cks = sorted(stored_of)  # sorting the keys alone is faster than the items
+                        pending.append((cks, list(map(stored_of.__getitem__, cks))))
+            self._write(txn, pending)
+            for clean in self.cleans:
+                clean.clear()
+            if self.clean_stored is not None:
+                for stored_of in self.clean_stored:
+                    stored_of.clear()
+            return count
+
+        return flush
+
+    def _write(self, txn: Any, batches: list[tuple[list[bytes], list[bytes | None]]]) -> None:
         db = self.db
         puts: list[tuple[bytes, Any]] = []
-        for kg, clean in enumerate(self.cleans):  # key-group order, then key order: cheap sorts
-            if not clean:
-                continue
-            if self.clean_stored is not None:
-                stored_of = self.clean_stored[kg]
-                cks = sorted(stored_of)  # sorting the keys alone is faster than sorting the items
-                stored = list(map(stored_of.__getitem__, cks))
-                stored_of.clear()
-            else:
-                cks = sorted(clean)
-                stored = self._serialize_entries(list(map(clean.__getitem__, cks)))
-            clean.clear()
+        for cks, stored in batches:
             if None in stored:
                 for ck, data in zip(cks, stored, strict=True):
                     if data is None:
@@ -248,7 +284,6 @@ class _ValueTable(StateTable):
                 puts += zip(cks, stored, strict=True)
         if puts:
             txn.cursor(db=db).putmulti(puts)
-        return count
 
 
 class _ListEntry:
@@ -326,33 +361,36 @@ class _ListTable(StateTable):
     def clear(self, ck: bytes) -> None:
         self._replace(ck, [])
 
-    def flush(self, txn: Any, append: Append | None) -> int:
-        sid, db = self.sid, self.db
+    def prepare_flush(self) -> FlushStep:
+        # Per key, in key order: (ck, op, blob); ADD appends to what LMDB holds, SET replaces it.
+        ops: list[tuple[bytes, Op, bytes]] = []
         for ck in sorted(self.cache):
             entry: _ListEntry = self.cache[ck]
             added = [self._encode_element(e) for e in entry.appended]
-            kg = rec.key_group_of(ck)
             if entry.base is None:  # appends only: log just the new elements
-                if not added:
-                    continue
-                added_blob = rec.encode_list(added)
-                txn.put(ck, rec.concat_lists(txn.get(ck, db=db), added_blob), db=db)
-                if append is not None:
-                    append(kg, rec.record(Op.ADD, sid, ck, added_blob))
+                if added:
+                    ops.append((ck, Op.ADD, rec.encode_list(added)))
                 continue
             elements = [self._encode_element(e) for e in entry.base] + added
-            if elements:
-                blob = rec.encode_list(elements)
-                txn.put(ck, blob, db=db)
+            ops.append((ck, Op.SET, rec.encode_list(elements)) if elements else (ck, Op.CLEAR, b""))
+
+        def flush(txn: Any, append: Append | None) -> int:
+            sid, db = self.sid, self.db
+            for ck, op, blob in ops:
+                if op is Op.ADD:
+                    txn.put(ck, rec.concat_lists(txn.get(ck, db=db), blob), db=db)
+                elif op is Op.SET:
+                    txn.put(ck, blob, db=db)
+                else:
+                    txn.delete(ck, db=db)
                 if append is not None:
-                    append(kg, rec.record(Op.SET, sid, ck, blob))
-            else:
-                txn.delete(ck, db=db)
-                if append is not None:
-                    append(kg, rec.record(Op.CLEAR, sid, ck))
-        count = len(self.cache)
-        self.cache.clear()
-        return count
+                    record = rec.record(Op.CLEAR, sid, ck) if op is Op.CLEAR else rec.record(op, sid, ck, blob)
+                    append(rec.key_group_of(ck), record)
+            count = len(self.cache)
+            self.cache.clear()
+            return count
+
+        return flush
 
 
 class _MapEntry:
@@ -445,32 +483,43 @@ class _MapTable(StateTable):
         deser = self.user_ser.deserialize
         return iter([(deser(k), merged[k]) for k in sorted(merged)])
 
-    def flush(self, txn: Any, append: Append | None) -> int:
-        sid, db = self.sid, self.db
+    def prepare_flush(self) -> FlushStep:
+        # Per key, in key order: whether it was cleared, then (user key, stored bytes or None).
+        ops: list[tuple[bytes, bool, list[tuple[bytes, bytes | None]]]] = []
         for ck in sorted(self.cache):
             entry: _MapEntry = self.cache[ck]
-            kg = rec.key_group_of(ck)
-            if entry.cleared:
-                self.backend.tables.delete_prefix(txn, db, ck)
-                if append is not None:
-                    append(kg, rec.record(Op.CLEAR, sid, ck))
-            for ukey in sorted(entry.changes):
-                cached = entry.changes[ukey]
-                if cached is TOMBSTONE:
-                    txn.delete(ck + ukey, db=db)
+            changes = [(ukey, self._encode_change(entry.changes[ukey])) for ukey in sorted(entry.changes)]
+            ops.append((ck, entry.cleared, changes))
+
+        def flush(txn: Any, append: Append | None) -> int:
+            sid, db = self.sid, self.db
+            for ck, cleared, changes in ops:
+                kg = rec.key_group_of(ck)
+                if cleared:
+                    self.backend.tables.delete_prefix(txn, db, ck)
                     if append is not None:
-                        append(kg, rec.record(Op.REMOVE, sid, ck, ukey))
-                    continue
-                if self.ttl_ms:
-                    stored = rec.with_expiry(cached[1], self.ser.serialize(cached[0]))
-                else:
-                    stored = self.ser.serialize(cached)
-                txn.put(ck + ukey, stored, db=db)
-                if append is not None:
-                    append(kg, rec.record(Op.PUT, sid, ck, rec.put_rest(ukey, stored)))
-        count = len(self.cache)
-        self.cache.clear()
-        return count
+                        append(kg, rec.record(Op.CLEAR, sid, ck))
+                for ukey, stored in changes:
+                    if stored is None:
+                        txn.delete(ck + ukey, db=db)
+                        if append is not None:
+                            append(kg, rec.record(Op.REMOVE, sid, ck, ukey))
+                    else:
+                        txn.put(ck + ukey, stored, db=db)
+                        if append is not None:
+                            append(kg, rec.record(Op.PUT, sid, ck, rec.put_rest(ukey, stored)))
+            count = len(self.cache)
+            self.cache.clear()
+            return count
+
+        return flush
+
+    def _encode_change(self, cached: Any) -> bytes | None:
+        if cached is TOMBSTONE:
+            return None
+        if self.ttl_ms:
+            return rec.with_expiry(cached[1], self.ser.serialize(cached[0]))
+        return self.ser.serialize(cached)
 
 
 def table_for(backend: ChangelogKeyedStateBackend, descriptor: StateDescriptor[Any]) -> StateTable:

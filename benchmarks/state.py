@@ -91,7 +91,7 @@ def _checkpoint_p50(tmp: str, storage: StateChangelogStorage, total: int, change
 def run(quick: bool, out_dir: Path) -> BenchResult:
     keys = 200_000 if quick else 1_000_000
     updates = 200_000 if quick else 500_000
-    rounds = 3 if quick else 5
+    rounds = 4 if quick else 6  # even: each mode runs first in half the rounds
     small, large = (50_000, 200_000) if quick else (100_000, 1_000_000)
     with tempfile.TemporaryDirectory() as tmp, StateChangelogStorage(ChangelogConfig.local(Path(tmp) / "dfs")) as st:
         on, off = _backend(tmp, st, True), _backend(tmp, None, False)

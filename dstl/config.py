@@ -29,8 +29,8 @@ class HedgingPolicy:
     (a token bucket that holds at most ``burst`` hedges), so a storage that is slow for everyone
     is not hit with twice the load.
 
-    A second hedge starts at the ``second_percentile`` (None: never) if no attempt has finished
-    by then, once ``min_samples`` latencies were seen and only where that delay lies at least
+    A second hedge starts at the ``second_percentile`` (None: never) while an attempt is running
+    and none has succeeded, once ``min_samples`` latencies were seen and only where that delay lies at least
     ``min_delay_s`` beyond the first (a ``percentile`` at or above it means one hedge). Why: the
     p99.9 of once-hedged uploads is made of those whose hedge was slow too. For the same budget,
     a first hedge a little later and a second one at p99 give those a third chance.

@@ -466,7 +466,8 @@ def test_adaptive_hedge_delay_in_the_executor() -> None:
 
 def test_second_hedge_wins_when_the_primary_and_the_first_hedge_are_both_slow() -> None:
     policy = hedge_policy(initial_delay_s=5.0, min_samples=4, window=4, percentile=0.5, second_percentile=0.9)
-    executor, fake, metrics = make([], hedging=policy, upload_timeout_s=30.0)
+    # store_first: a cancelled attempt has written its object, which must be deleted.
+    executor, fake, metrics = make([], hedging=policy, upload_timeout_s=30.0, store_first=True)
 
     async def scenario() -> UploadOutcome:
         for latency in (0.1, 0.2, 0.3, 0.4):
@@ -480,7 +481,52 @@ def test_second_hedge_wins_when_the_primary_and_the_first_hedge_are_both_slow() 
     assert outcome.hedge_won and outcome.attempts == 3
     assert outcome.latency_s == pytest.approx(0.4 + 0.05)
     assert metrics.hedges == 2 and metrics.hedges_won == 1
-    assert outcome.path in fake.objects and len(fake.objects) == 5  # both losers' objects deleted
+    losers = {c.path for c in fake.calls[4:]} - {outcome.path}
+    assert len(losers) == 2 and losers <= set(fake.deleted)
+    assert set(fake.objects) == {c.path for c in fake.calls[:4]} | {outcome.path}
+
+
+def test_hedge_timers_that_fall_due_while_nothing_runs_start_nothing() -> None:
+    """The primary failed and the retry waits out its backoff: both hedge timers pass unused."""
+    policy = hedge_policy(initial_delay_s=5.0, min_samples=4, window=4, percentile=0.5, second_percentile=0.9)
+    executor, fake, metrics = make([], hedging=policy, upload_timeout_s=30.0, retry_delay_s=1.0)
+
+    async def scenario() -> UploadOutcome:
+        for latency in (0.1, 0.2, 0.3, 0.4):
+            fake.load([("ok", latency)])
+            await upload_and_drain(executor)
+        fake.load([("fail", 0.01), OK_FAST])
+        return await upload_and_drain(executor)
+
+    before = Counters(metrics)
+    outcome = run_virtual(scenario())
+    assert outcome.attempts == 2 and not outcome.hedged
+    assert metrics.hedges == before.hedges and metrics.retries - before.retries == 1
+    assert outcome.latency_s == pytest.approx(0.01 + 1.0 + 0.05)
+
+
+def test_a_stalled_loop_starts_one_hedge_not_both_at_once() -> None:
+    policy = hedge_policy(initial_delay_s=5.0, min_samples=4, window=4, percentile=0.5, second_percentile=0.9)
+    executor, fake, metrics = make([], hedging=policy, upload_timeout_s=30.0)
+
+    async def scenario() -> None:
+        for latency in (0.1, 0.2, 0.3, 0.4):
+            fake.load([("ok", latency)])
+            await upload_and_drain(executor)
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, VirtualTimeLoop)
+
+        async def stall() -> None:  # the loop is busy from 0.25 s to 0.75 s: both timers pass
+            await asyncio.sleep(0.25)
+            loop.advance(0.5)
+
+        stalled = asyncio.ensure_future(stall())
+        fake.load([("ok", 2.0), ("ok", 2.0), ("ok", 2.0)])
+        await upload_and_drain(executor)
+        await stalled
+
+    run_virtual(scenario())
+    assert metrics.hedges == 1 and len(fake.calls) == 4 + 2
 
 
 def test_no_second_hedge_once_an_attempt_finished_or_without_samples_or_room() -> None:
@@ -496,7 +542,7 @@ def test_no_second_hedge_once_an_attempt_finished_or_without_samples_or_room() -
         no_second.observe(value)
     assert no_second.delays() == [0.2]
     # max_attempts 2: the first hedge uses the last attempt, the second timer starts nothing.
-    policy = hedge_policy(initial_delay_s=5.0, min_samples=1, window=2, percentile=0.4, second_percentile=0.9)
+    policy = hedge_policy(initial_delay_s=5.0, min_samples=2, window=2, percentile=0.4, second_percentile=0.9)
     executor, fake, metrics = make([], hedging=policy, upload_timeout_s=30.0, max_attempts=2)
 
     async def scenario() -> UploadOutcome:
@@ -668,15 +714,15 @@ steps: st.SearchStrategy[Step] = st.one_of(
 policies = st.builds(
     HedgingPolicy,
     enabled=st.sampled_from([True, True, True, False]),
-    percentile=st.sampled_from([0.5, 0.9, 0.99]),
-    second_percentile=st.sampled_from([None, 0.995]),
+    percentile=st.sampled_from([0.25, 0.5, 0.9, 0.99]),
+    second_percentile=st.sampled_from([None, 0.6, 0.9, 0.995]),
     window=st.integers(1, 5),
     min_samples=st.integers(1, 3),
     initial_delay_s=st.sampled_from([0.01, 0.05, 0.1, 0.5, 2.0]),
     min_delay_s=st.just(0.005),
     max_delay_s=st.sampled_from([0.3, 5.0]),
     budget=st.sampled_from([0.0, 0.3, 1.0, 1.0]),
-    burst=st.sampled_from([1.0, 2.0]),
+    burst=st.sampled_from([1.0, 2.0, 3.0]),
 )
 
 
@@ -688,6 +734,8 @@ policies = st.builds(
     retry_delay_s=st.sampled_from([0.0, 0.1, 0.5]),
     store_first=st.booleans(),
     uploads=st.integers(1, 3),
+    seen=st.lists(latencies, max_size=6),
+    tokens=st.sampled_from([0.0, 3.0]),
 )
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_state_machine_invariants(
@@ -698,6 +746,8 @@ def test_state_machine_invariants(
     retry_delay_s: float,
     store_first: bool,
     uploads: int,
+    seen: list[float],
+    tokens: float,
 ) -> None:
     scripts = [
         data.draw(st.lists(steps, min_size=max_attempts, max_size=max_attempts), label=f"script {i}")
@@ -711,6 +761,10 @@ def test_state_machine_invariants(
         upload_timeout_s=upload_timeout_s,
         retry_delay_s=retry_delay_s,
     )
+    # Latencies seen and tokens saved by earlier uploads: both hedge timers armed from the start.
+    for latency in seen:
+        executor.hedge_delay.observe(latency)
+    executor.budget.tokens = min(tokens, policy.burst)
     winners: set[str] = set()
     loop = VirtualTimeLoop()
 
@@ -759,6 +813,6 @@ def test_state_machine_invariants(
             assert set(fake.objects) == winners
 
     run_virtual(scenario(), loop=loop)
-    assert metrics.hedges <= policy.budget * uploads + 1e-9
+    assert metrics.hedges <= policy.budget * uploads + min(tokens, policy.burst) + 1e-9
     if not policy.enabled:
         assert metrics.hedges == 0 and metrics.hedges_denied_by_budget == 0

@@ -34,6 +34,8 @@ from backend.serializers import (
     BytesSerializer,
     Int64Serializer,
     JsonSerializer,
+    PickleSerializer,
+    SerializationError,
     StrSerializer,
     TupleSerializer,
     serialize_key,
@@ -870,6 +872,86 @@ def test_small_cache_spills_mid_checkpoint_and_restores(env: Env) -> None:
     at_first = env.reopen(at_first)
     for k in keys:
         assert _read(at_first, k) == _expected(2)
+
+
+@pytest.mark.parametrize("log_enabled", [True, False])
+@pytest.mark.parametrize("bad_state", ["value", "list", "map"])
+def test_a_value_its_serializer_rejects_fails_the_flush_and_changes_nothing(
+    env: Env, log_enabled: bool, bad_state: str
+) -> None:
+    """The failing checkpoint or spill leaves every change where it was: none lost, none logged
+    twice (a list append replayed twice would duplicate elements), until the value is fixed."""
+    b = env.backend(log_enabled=log_enabled)
+    value, lst, mp = b.get_state(VALUE), b.get_state(LIST), b.get_state(MAP)
+    keys = range(60)  # many key groups, before and after the bad key's in every order
+    for k in keys:
+        b.set_current_key(k)
+        value.update(k)
+        lst.add(f"e{k}")
+        mp.put("a", k)
+    b.set_current_key("bad")
+    {"value": lambda: value.update("not an int"), "list": lambda: lst.add(123), "map": lambda: mp.put("a", "x")}[
+        bad_state
+    ]()
+
+    def persist() -> None:
+        if log_enabled:
+            b.snapshot(1)
+        else:
+            b.flush()
+
+    for _ in range(2):  # failing twice changes nothing either
+        with pytest.raises(SerializationError):
+            persist()
+
+    def check(backend: B) -> None:
+        for k in keys:
+            backend.set_current_key(k)
+            assert (value.value(), lst.get(), mp.get("a")) == (k, [f"e{k}"], k)
+
+    check(b)
+    b.set_current_key("bad")
+    {"value": lambda: value.update(7), "list": lambda: lst.update(["ok"]), "map": lambda: mp.put("a", 7)}[bad_state]()
+    if log_enabled:
+        (handle,) = env.checkpoint(b)
+        (b,) = env.restore([handle], 1)
+        value, lst, mp = b.get_state(VALUE), b.get_state(LIST), b.get_state(MAP)
+    else:
+        b.flush()
+    check(b)
+
+
+class Ambiguous:
+    """Like a numpy array: ``==`` gives no truth value (module level, so pickle finds it)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __eq__(self, other: object) -> bool:
+        raise TypeError("the truth value is ambiguous")
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def test_values_whose_equality_is_not_a_bool_spill_and_checkpoint(env: Env) -> None:
+    """Cache bookkeeping compares entries by identity, never with a user type's ``==``."""
+
+    state = ValueStateDescriptor("pickled", PickleSerializer())
+    for log_enabled in (True, False):
+        b = env.backend(log_enabled=log_enabled)
+        s = b.get_state(state)
+        for k in range(20):
+            b.set_current_key(k)
+            s.update(Ambiguous(k))
+        b.set_current_key(0)
+        s.clear()
+        b.snapshot(1).result(WAIT_S)
+        b.flush()
+        for k in range(1, 20):
+            b.set_current_key(k)
+            assert s.value().n == k
+        b.set_current_key(0)
+        assert s.value() is None
 
 
 # -- keys --------------------------------------------------------------------------------------
