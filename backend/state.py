@@ -16,7 +16,9 @@ is never returned, and reading it schedules its removal (logged as a CLEAR at th
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Iterator
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from backend import records as rec
@@ -189,7 +191,7 @@ class _ValueTable(StateTable):
         if self.ttl_ms:
             return [None if e is TOMBSTONE else rec.with_expiry(e[1], serialize(e[0])) for e in entries]
         # Identity, not ``TOMBSTONE in entries``: == on a user value may not give a bool (numpy).
-        if hasattr(self.ser, "serialize_many") and not any(e is TOMBSTONE for e in entries):
+        if hasattr(self.ser, "serialize_many") and not any(map(operator.is_, entries, repeat(TOMBSTONE))):
             return self.ser.serialize_many(entries)  # type: ignore[no-any-return]
         return [None if e is TOMBSTONE else serialize(e) for e in entries]
 
