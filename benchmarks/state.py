@@ -9,7 +9,10 @@
    ratios (a noisy neighbour slows both halves of a round alike, and an outlier round does not
    decide), the rates are each mode's best round. A round's rate also depends on how many cache
    spills to LMDB fall into it (one every few checkpoints), so the mean over all rounds
-   (``updates_per_s_on_mean``) is printed too: it is the long-run figure.
+   (``updates_per_s_on_mean``) is printed too: it is the long-run figure. Each round also times
+   the same keys on a plain dict of N ints (``d[k] = d[k] + 1``): the speed of this shared
+   machine at that moment (it drifts by 2-3x between hours here), so runs on different days can
+   be compared through ``on_vs_bare_dict``.
 2. Checkpoint latency: 10k random keys changed per checkpoint, with 100k and with 1M keys in
    total (quick: 50k and 200k); p50 of the snapshot latency (flush to LMDB + log + durable upload
    on a local directory). ``flat_ratio`` = large / small: a checkpoint costs what changed.
@@ -68,6 +71,15 @@ def _updates(backend: ChangelogKeyedStateBackend, keys: list[int], checkpoint_ba
     return len(keys) / (time.perf_counter() - start)
 
 
+def _bare_dict(keys: list[int], total: int) -> float:
+    """The machine's reference speed: the same read-modify-write on a plain dict of ints."""
+    table = dict.fromkeys(range(total), 0)
+    start = time.perf_counter()
+    for k in keys:
+        table[k] = table[k] + 1
+    return len(keys) / (time.perf_counter() - start)
+
+
 def _checkpoint_p50(tmp: str, storage: StateChangelogStorage, total: int, changed: int, rounds: int) -> float:
     backend = ChangelogKeyedStateBackend(f"ckpt{total}", ALL, Path(tmp) / f"ckpt{total}", storage=storage)
     try:
@@ -99,11 +111,12 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
         _populate(on, keys)
         _populate(off, keys)
         rng = random.Random(1)
-        rates: dict[str, list[float]] = {"on": [], "off": []}
+        rates: dict[str, list[float]] = {"on": [], "off": [], "bare": []}
         for r in range(rounds):
             sample = [rng.randrange(keys) for _ in range(updates)]
             for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
                 rates[mode].append(_updates(on if mode == "on" else off, sample, r * 100))
+            rates["bare"].append(_bare_dict(sample, keys))
             progress(f"state: round {r + 1}/{rounds}: on {rates['on'][-1]:,.0f}/s, off {rates['off'][-1]:,.0f}/s")
         on.close()
         off.close()
@@ -111,7 +124,7 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
         p50_small = _checkpoint_p50(tmp, st, small, 10_000, 10)
         progress("state: checkpoint latency, large state")
         p50_large = _checkpoint_p50(tmp, st, large, 10_000, 10)
-    on_rate, off_rate = max(rates["on"]), max(rates["off"])
+    on_rate, off_rate, bare_rate = max(rates["on"]), max(rates["off"]), max(rates["bare"])
     ratio = statistics.median(a / b for a, b in zip(rates["on"], rates["off"], strict=True))
     metrics = {
         "keys": keys,
@@ -120,6 +133,8 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
         "updates_per_s_on_mean": round(statistics.mean(rates["on"])),
         "updates_per_s_off_mean": round(statistics.mean(rates["off"])),
         "on_off_ratio": round(ratio, 3),
+        "bare_dict_updates_per_s": round(bare_rate),
+        "on_vs_bare_dict": round(statistics.median(a / b for a, b in zip(rates["on"], rates["bare"], strict=True)), 3),
         "ckpt_p50_ms_small": round(p50_small, 2),
         "ckpt_p50_ms_large": round(p50_large, 2),
         "flat_ratio": round(p50_large / p50_small, 3),
@@ -136,6 +151,7 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
             ("updates/s, mean of rounds, on", f"{statistics.mean(rates['on']):,.0f}"),
             ("updates/s, mean of rounds, off", f"{statistics.mean(rates['off']):,.0f}"),
             ("on/off ratio (median of rounds)", f"{ratio:.3f}"),
+            ("machine: plain dict updates/s", f"{bare_rate:,.0f} (log on / dict {metrics['on_vs_bare_dict']})"),
             (f"checkpoint p50, {small:,} keys", f"{p50_small:.2f} ms (10k changed)"),
             (f"checkpoint p50, {large:,} keys", f"{p50_large:.2f} ms (10k changed)"),
             ("flat ratio (large/small)", f"{p50_large / p50_small:.3f}"),

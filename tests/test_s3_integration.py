@@ -31,6 +31,7 @@ from dstl import (
     StateChangelogStorage,
     UploadFailedError,
 )
+from dstl.uploaders import USER_AGENT
 from tests.latency_proxy import Behavior, LatencyProxy
 from tests.s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, create_bucket, list_keys, start_s3_server
 
@@ -227,6 +228,9 @@ def test_puts_skip_the_expect_continue_round_trip_unless_asked(
     wire = bytes(proxy.proxy.client_bytes).lower()
     assert b"put /" in wire
     assert (b"expect: 100-continue" in wire) is expect_continue
+    # A fixed User-Agent that names this library (botocore's structured one costs CPU per request).
+    agents = re.findall(rb"user-agent: ([^\r]*)\r\n", wire)
+    assert agents and all(a.startswith(USER_AGENT.lower().encode()) for a in agents), agents
 
 
 def test_released_and_truncated_file_is_deleted_from_the_bucket(moto_server: S3Server, bucket: str) -> None:
