@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import os
 import posixpath
 import uuid
@@ -28,8 +29,18 @@ from dstl.config import ChangelogConfig, S3Options
 
 T = TypeVar("T")
 
+
+def _user_agent() -> str:
+    """Our name and version, for the store's access logs. botocore's own app id setting
+    (``AWS_SDK_UA_APP_ID``) is not included in a fixed User-Agent; ``user_agent_extra`` is."""
+    try:
+        return f"dstl-state-backend/{importlib.metadata.version('dstl-state-backend')}"
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "dstl-state-backend/dev"
+
+
 #: the User-Agent of S3 requests (see ``S3Uploader._open``)
-USER_AGENT = "dstl-state-backend/0.1"
+USER_AGENT = _user_agent()
 
 
 class Uploader(Protocol):

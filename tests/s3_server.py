@@ -1,5 +1,8 @@
 """A real S3-compatible HTTP server for tests and benchmarks: moto's server mode on 127.0.0.1.
 
+Only S3 is served (moto's S3 application without its multi-service dispatcher, see ``_main``):
+no ``/moto-api``, no other AWS service.
+
 It runs in a subprocess (its own GIL, like a real remote store) bound to port 0; the child prints
 ``PORT <n>`` once it listens and exits when its stdin closes, so it cannot outlive the parent.
 """

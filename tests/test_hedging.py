@@ -819,16 +819,18 @@ def test_state_machine_invariants(
 
 
 def test_default_policy_on_the_flip158_profile_in_the_monte_carlo_model() -> None:
-    """The default policy's own bound (the benchmark's model, seeded): on FLIP-158's profile it
-    halves the p99.9 within the 5 % budget; a per-attempt overhead, paid twice by a hedged
-    upload, costs ratio (what the hedging benchmark's harness adds on top of the profile)."""
+    """The default policy's own bound (the benchmark's model, seeded, both arms on the same
+    primary draws): on FLIP-158's profile it halves the p99.9 within the 5 % budget, better
+    than one hedge at p95 (what the issue's bound assumes); a per-attempt overhead, paid twice
+    by a hedged upload, costs ratio (what the hedging benchmark's harness adds)."""
     from benchmarks.hedging_model import p999_ratio
     from tests.latency_proxy import LatencyProfile
 
     profile = LatencyProfile.flip158(0.1)
     free, extra = p999_ratio(HedgingPolicy(), profile, [], 20_000, seeds=2)
-    assert free <= 0.5 and extra <= 0.05
+    assert free <= 0.5 and 0.03 <= extra <= 0.05
+    one_hedge, _ = p999_ratio(HedgingPolicy(percentile=0.95, second_percentile=None), profile, [], 20_000, seeds=2)
+    assert free < one_hedge
     with_overhead, _ = p999_ratio(HedgingPolicy(), profile, [0.008], 20_000, seeds=2)
-    assert free < with_overhead < 1.0
-    disabled, no_extra = p999_ratio(HedgingPolicy.disabled(), profile, [], 20_000, seeds=2)
-    assert no_extra == 0.0 and 0.8 < disabled < 1.25  # two plain samples: only sampling noise
+    assert free < with_overhead
+    assert p999_ratio(HedgingPolicy.disabled(), profile, [], 1_000, seeds=1) == (1.0, 0.0)
