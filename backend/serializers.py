@@ -477,6 +477,12 @@ _CANONICAL_NAN = _F64.pack(math.nan)
 _NEGATIVE_ZERO = _F64.pack(-0.0)
 _pack_int = _TAGGED_U64.pack
 _unpack_int = _TAGGED_U64.unpack
+#: ``serialize_key``'s int case, for the one caller that inlines it (the backend's
+#: ``set_current_key``): ``pack_int_key(INT_KEY_TAG, key + INT_KEY_OFFSET)`` for an exact ``int``;
+#: ``struct.error`` means the int needs more than 64 bits (``serialize_key`` handles those).
+pack_int_key = _TAGGED_U64.pack
+INT_KEY_TAG = _INT
+INT_KEY_OFFSET = _OFFSET
 
 
 def serialize_key(key: Key) -> bytes:

@@ -990,6 +990,21 @@ def test_keys_of_many_types_are_distinct_and_round_trip(env: Env, kind: str) -> 
         assert type(key) is type(original)
 
 
+def test_set_current_key_encodes_every_key_as_the_canonical_serializer_does(env: Env) -> None:
+    """set_current_key inlines serialize_key's int case: the table key and key group must be
+    those of the canonical encoding for every key, at the 64-bit edges and beyond them too
+    (checkpoints and rescaling rely on them)."""
+    from backend import records as rec
+
+    b = env.backend()
+    for key in [k for keys in KEYS_BY_TYPE.values() for k in keys] + [2**63, -(2**63) - 1, 2**64, True, 7]:
+        data = serialize_key(key)
+        kg = assign_key_group(data, MAX_P)
+        b.set_current_key(key)
+        assert (b.current_ckey, b.current_kg) == (rec.ckey(kg, data), kg), key
+        assert b.key_group_of(key) == kg
+
+
 def test_set_current_key_outside_the_key_group_range_raises(env: Env) -> None:
     rng = key_group_ranges(MAX_P, 2)[0]
     b = env.backend(rng)
