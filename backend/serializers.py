@@ -497,8 +497,10 @@ def serialize_key(key: Key) -> bytes:
     ``hash()``, so the bytes (and the key group) are the same in every process.
     """
     if type(key) is int:
-        if -_OFFSET <= key < _OFFSET:
+        try:  # cheaper than a chained big-int range check
             return _pack_int(_INT, key + _OFFSET)
+        except struct.error:
+            pass  # more than 64 bits: the general path below
     elif type(key) is str:
         try:
             return b"s" + key.encode("utf-8")

@@ -517,7 +517,7 @@ def test_a_stalled_loop_starts_one_hedge_not_both_at_once() -> None:
         assert isinstance(loop, VirtualTimeLoop)
 
         async def stall() -> None:  # the loop is busy from 0.25 s to 0.75 s: both timers pass
-            await asyncio.sleep(0.25)
+            await elapse(0.25)
             loop.advance(0.5)
 
         stalled = asyncio.ensure_future(stall())
