@@ -8,6 +8,7 @@ import contextlib
 import math
 import random
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -22,6 +23,8 @@ class EchoServer:
         self.server: asyncio.Server | None = None
         self.port = 0
         self._writers: set[asyncio.StreamWriter] = set()
+        #: loop time of the first bytes received, per connection in arrival order
+        self.first_bytes_at: list[float] = []
 
     async def start(self) -> None:
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -36,8 +39,12 @@ class EchoServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
+        first = True
         try:
             while data := await reader.read(65536):
+                if first:
+                    self.first_bytes_at.append(asyncio.get_running_loop().time())
+                    first = False
                 writer.write(data)
                 await writer.drain()
         except OSError:
@@ -102,6 +109,30 @@ async def test_pass_with_profile_still_forwards(echo: EchoServer) -> None:
     # Tiny scale: the delay is real but a few milliseconds at most.
     async with LatencyProxy("127.0.0.1", echo.port, profile=LatencyProfile.flip158(0.001)) as proxy:
         assert await _echo_roundtrip(proxy.port, b"abc") == b"abc"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("delay_response", [False, True])
+async def test_where_the_delay_goes(echo: EchoServer, delay_response: bool) -> None:
+    # By default the request waits in the proxy; with delay_response it is forwarded at once
+    # (the upstream's work overlaps the delay) and only the answer waits. Either way the client
+    # sees nothing before the delay has passed (asyncio timers never fire early).
+    delay = 0.5
+    profile = LatencyProfile([(0.0, delay * 1000), (1.0, delay * 1000)])
+    loop = asyncio.get_running_loop()
+    async with LatencyProxy("127.0.0.1", echo.port, profile=profile, delay_response=delay_response) as proxy:
+        start = loop.time()
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        try:
+            writer.write(b"ping")
+            await writer.drain()
+            assert await asyncio.wait_for(reader.readexactly(4), timeout=5) == b"ping"
+            answered = loop.time()
+        finally:
+            await _close(writer)
+    assert answered - start >= delay
+    forwarded_after = echo.first_bytes_at[0] - start
+    assert (forwarded_after < delay) if delay_response else (forwarded_after >= delay)
 
 
 @pytest.mark.asyncio
@@ -217,8 +248,9 @@ def test_quantile_out_of_range_raises() -> None:
 
 
 @pytest.mark.asyncio
-async def test_run_in_subprocess(echo: EchoServer) -> None:
-    proc, port = await asyncio.to_thread(run_in_subprocess, echo.port, scale=0.001, seed=3)
+@pytest.mark.parametrize("options", [{"scale": 0.001}, {"constant_ms": 2.0, "delay_response": True}])
+async def test_run_in_subprocess(echo: EchoServer, options: dict[str, Any]) -> None:
+    proc, port = await asyncio.to_thread(run_in_subprocess, echo.port, seed=3, **options)
     try:
         assert await _echo_roundtrip(port, b"via child") == b"via child"
     finally:
