@@ -834,3 +834,15 @@ def test_default_policy_on_the_flip158_profile_in_the_monte_carlo_model() -> Non
     with_overhead, _ = p999_ratio(HedgingPolicy(), profile, [0.008], 20_000, seeds=2)
     assert free < with_overhead
     assert p999_ratio(HedgingPolicy.disabled(), profile, [], 1_000, seeds=1) == (1.0, 0.0)
+
+
+def test_the_model_spreads_benchmark_sized_runs_by_sampling_alone() -> None:
+    """``run_spread`` draws the two arms independently, as the benchmark's two modes are: with
+    no hedging in either arm the ratios still scatter around 1 (the benchmark's noise floor),
+    while ``p999_ratio`` (the same draws in both arms) gives exactly 1."""
+    from benchmarks.hedging_model import run_spread
+    from tests.latency_proxy import LatencyProfile
+
+    ratios = run_spread(HedgingPolicy.disabled(), LatencyProfile.flip158(0.1), [], 2_000, runs=20)
+    assert len(ratios) == 20 and ratios == sorted(ratios)
+    assert ratios[0] < 1.0 < ratios[-1]
