@@ -21,7 +21,8 @@ Figures: p50/p99/p99.9 of upload latency per mode, ``p999_ratio`` = hedged / pla
 ``extra_request_pct`` = PUT attempts beyond one per upload, in percent (the loser deletions are
 reported separately: they are cleanup off the latency path). The p99.9 of 10,000 samples is the
 10th-largest latency of a heavy tail, and the two modes draw different samples: one run's ratio
-is a noisy figure (the model below puts 10,000-upload runs between about 0.39 and 0.53, p10-p90).
+is a noisy figure (the model below put 10,000-upload runs between 0.40 and 0.54, p10-p90, around
+a median of 0.50 on 2026-11-24: the spread is wider below the median than above it).
 
 The same run then measures what an attempt costs besides the profile's draw (uploads through a
 second proxy that holds every answer for the profile's minimum, 22.95 ms, minus that) and feeds
@@ -50,9 +51,9 @@ from tests.s3_server import ACCESS_KEY, REGION, SECRET_KEY, create_bucket, start
 
 BUCKET = "hedging-bench"
 # One upload at a time, as one TaskManager's flushes mostly are. Every upload's client work
-# (~4 ms of botocore CPU per PUT here) runs on one event loop, so at 2 concurrent uploads each
-# attempt also waits for the other's: measured through a zero-latency proxy, overhead p50 7.9 ms
-# at 1 vs 13.1 ms at 2, a cost that a hedged upload pays twice.
+# (~3-4 ms of botocore CPU per PUT here) runs on one event loop, so at 2 concurrent uploads each
+# attempt also waits for the other's: measured through a zero-latency proxy (before the proxy held
+# answers), overhead p50 7.9 ms at 1 vs 13.1 ms at 2, a cost that a hedged upload pays twice.
 CONCURRENCY = 1
 BLOCK = 500
 WARMUP = 300
@@ -109,6 +110,7 @@ async def _bench(endpoint: str, uploads: int, warmup: int) -> tuple[_Mode, _Mode
     hedged = _Mode("hedged", endpoint, HedgingPolicy())
     for mode in (plain, hedged):
         await mode.run(warmup, record=False)
+        await mode.executor.drain()
     # As a tuned long-running service does (gc.freeze, Python >= 3.7): botocore's models and the
     # clients are ~100k long-lived objects that each full collection of the cyclic GC walks,
     # measured at up to 100 ms here, a stall of every upload in flight that hits hedges too.
@@ -120,6 +122,8 @@ async def _bench(endpoint: str, uploads: int, warmup: int) -> tuple[_Mode, _Mode
         block = min(BLOCK, uploads - done)
         for mode in (plain, hedged):
             await mode.run(block, record=True)
+            # The losers' deletions of a hedged block must not run into the next plain block.
+            await mode.executor.drain()
         done += block
         progress(f"hedging: {done}/{uploads} uploads per mode")
     for mode in (plain, hedged):

@@ -2,13 +2,13 @@
 the harness's.
 
 Why: the ``hedging`` benchmark's latencies are the profile's draw *plus* what every attempt pays
-on this machine (client CPU, the proxy, moto), and a hedged upload pays that overhead twice (the
-hedge delay is measured on full latencies, then the hedge itself pays it again). Whether a ratio
-above the target is the policy's fault or the overhead's is a question this model answers: it
-runs the production ``HedgeDelay`` and ``HedgeBudget`` (the same state, percentiles and budget
+on this machine (client CPU, the proxy's forwarding), and a hedged upload pays that overhead twice
+(the hedge delay is measured on full latencies, then the hedge itself pays it again). Whether a
+ratio above the target is the policy's fault or the overhead's is a question this model answers:
+it runs the production ``HedgeDelay`` and ``HedgeBudget`` (the same state, percentiles and budget
 as ``UploadExecutor``) on independent draws of ``profile + overhead``, where the overhead is
-sampled from latencies measured in the same run through a zero-latency proxy. With zero
-overhead it gives the policy's own bound.
+sampled in the same run (latencies through a proxy holding every answer for a constant time,
+minus that time). With zero overhead it gives the policy's own bound.
 
 Common random numbers: primaries and hedges draw from separate generators, and the plain arm
 uses the same seed as the hedged one, so both arms see the same primary latencies and the ratio

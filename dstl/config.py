@@ -42,7 +42,7 @@ class HedgingPolicy:
     (``benchmarks hedging``, 10k uploads): 0.531 with one hedge at p95, 0.513 with (0.965, 0.99)
     at 2 concurrent uploads; 0.505 at 1 concurrent (per-attempt overhead p50 6.9 ms); 0.484 and
     0.486 once the test store's processing overlapped the sampled latency (overhead p50 3.3-3.8
-    ms, where the model gives 0.50; one run of 10k uploads strays by about +-0.06 from that).
+    ms, where the model gives 0.50; modelled runs of 10k uploads spread 0.40-0.54, p10-p90).
     """
 
     enabled: bool = True

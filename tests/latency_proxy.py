@@ -32,6 +32,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +44,8 @@ _CHUNK = 64 * 1024
 class Behavior(enum.Enum):
     """What the proxy does with one accepted connection."""
 
-    #: Sleep the sampled delay, then forward both directions to the upstream server.
+    #: Forward both directions to the upstream server after the sampled delay (by default the
+    #: request waits; with ``delay_response`` the answer does).
     PASS = "pass"
     #: Accept and read, but never forward or answer: models a request that hangs (client timeout path).
     STALL = "stall"
@@ -131,12 +133,16 @@ class LatencyProxy:
     byte of the client's data is forwarded, so the whole exchange is shifted by the delay.
 
     With ``delay_response`` the request is forwarded at once and the delay is the least time from
-    accepting the connection to the first byte of the answer: the upstream's own processing then
-    overlaps the delay instead of adding to it. That is the faithful model of a *measured* store
-    latency such as FLIP-158's, which already includes the store's processing; in front of moto,
-    which spends ~3 ms of Python per PUT here (plus the proxy's upstream connect), the default mode
-    adds that to every draw. A request whose client gives up still reaches the upstream, as a slow
-    PUT to a real store may complete after its client stopped waiting.
+    accepting the connection to the first byte of the answer, or to its EOF if the upstream closes
+    without one: the upstream's own processing then overlaps the delay instead of adding to it.
+    That is the faithful model of a *measured* store latency such as FLIP-158's, which already
+    includes the store's processing; in front of moto, which spends ~3 ms of Python per PUT here
+    (plus the proxy's upstream connect), the default mode adds that to every draw. A request that
+    was sent whole before its client gave up still reaches the upstream, as a slow PUT to a real
+    store may complete after its client stopped waiting. Not held: an upstream that cannot be
+    reached or resets (the client is reset at once), and nothing after the first bytes, so an
+    interim answer such as ``100 Continue`` would release the hold (our S3 client sends no
+    ``Expect``).
     """
 
     def __init__(
@@ -231,7 +237,10 @@ class LatencyProxy:
         elif behavior is Behavior.RESET:
             self.resets += 1
         self._writers.add(writer)
-        task = asyncio.get_running_loop().create_task(self._handle(reader, writer, behavior, delay))
+        # The hold of delay_response counts from the accept, on the monotonic clock: uvloop's loop
+        # time and timers have a resolution of 1 ms, which would let a hold end early.
+        answer_not_before = time.monotonic() + delay if self.delay_response else None
+        task = asyncio.get_running_loop().create_task(self._handle(reader, writer, behavior, delay, answer_not_before))
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
 
@@ -243,7 +252,12 @@ class LatencyProxy:
             )
 
     async def _handle(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, behavior: Behavior, delay: float
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        behavior: Behavior,
+        delay: float,
+        answer_not_before: float | None,
     ) -> None:
         try:
             async with self._accepted_changed:
@@ -253,16 +267,19 @@ class LatencyProxy:
             elif behavior is Behavior.STALL:
                 await _drain_until_eof(reader)
             else:
-                await self._pass(reader, writer, delay)
+                await self._pass(reader, writer, delay, answer_not_before)
         finally:
             self._writers.discard(writer)
             await _close(writer)
 
-    async def _pass(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
-        answer_not_before = None
-        if self.delay_response:
-            answer_not_before = asyncio.get_running_loop().time() + delay
-        elif delay > 0.0:
+    async def _pass(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        delay: float,
+        answer_not_before: float | None,
+    ) -> None:
+        if answer_not_before is None and delay > 0.0:
             await asyncio.sleep(delay)
         try:
             up_reader, up_writer = await asyncio.open_connection(self.upstream_host, self.upstream_port)
@@ -299,11 +316,13 @@ async def _pump(
     not_before: float | None = None,
 ) -> None:
     """Copy ``src`` to ``dst`` until EOF, then half-close ``dst`` so the peer sees the EOF too;
-    nothing (not even the EOF) reaches ``dst`` before the loop time ``not_before``."""
+    nothing (not even the EOF) reaches ``dst`` before ``time.monotonic()`` reaches ``not_before``."""
     while True:
         data = await src.read(_CHUNK)
         if not_before is not None:
-            await asyncio.sleep(not_before - asyncio.get_running_loop().time())
+            # A loop: a timer may fire up to its loop's resolution early (1 ms on uvloop).
+            while (remaining := not_before - time.monotonic()) > 0.0:
+                await asyncio.sleep(remaining)
             not_before = None
         if not data:
             break

@@ -136,6 +136,31 @@ async def test_where_the_delay_goes(echo: EchoServer, delay_response: bool) -> N
 
 
 @pytest.mark.asyncio
+async def test_delay_response_holds_the_eof_of_an_upstream_that_answers_nothing() -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _close(writer)
+
+    upstream = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    delay = 0.3
+    profile = LatencyProfile([(0.0, delay * 1000), (1.0, delay * 1000)])
+    loop = asyncio.get_running_loop()
+    try:
+        port = upstream.sockets[0].getsockname()[1]
+        async with LatencyProxy("127.0.0.1", port, profile=profile, delay_response=True) as proxy:
+            start = loop.time()
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            try:
+                writer.write(b"anyone?")
+                assert await asyncio.wait_for(reader.read(), timeout=5) == b""
+                assert loop.time() - start >= delay
+            finally:
+                await _close(writer)
+    finally:
+        upstream.close()
+        await upstream.wait_closed()
+
+
+@pytest.mark.asyncio
 async def test_scripted_stall_then_pass(echo: EchoServer) -> None:
     proxy = LatencyProxy("127.0.0.1", echo.port)
     proxy.scripted.extend([Behavior.STALL, Behavior.PASS])
