@@ -40,9 +40,9 @@ class HedgingPolicy:
     attempt pays 8 ms more (a hedged upload pays it twice); lower first percentiles run out of
     budget, and a grid of other pairs was within the model's noise of this one. Measured
     (``benchmarks hedging``, 10k uploads): 0.531 with one hedge at p95, 0.513 with (0.965, 0.99)
-    at 2 concurrent uploads; 0.505 at 1 concurrent (per-attempt overhead p50 6.9 ms); 0.484 and
-    0.486 once the test store's processing overlapped the sampled latency (overhead p50 3.3-3.8
-    ms, where the model gives 0.50; modelled runs of 10k uploads spread 0.40-0.54, p10-p90).
+    at 2 concurrent uploads; 0.505 at 1 concurrent (per-attempt overhead p50 6.9 ms); 0.443-0.486
+    in four runs once the test store's processing overlapped the sampled latency (overhead p50
+    2.9-3.8 ms, where the model gives 0.50; modelled runs of 10k uploads spread 0.40-0.55, p10-p90).
     """
 
     enabled: bool = True
