@@ -107,6 +107,11 @@ class LatencyProfile:
         return self.quantile(rng.random())
 
     @classmethod
+    def constant(cls, ms: float) -> LatencyProfile:
+        """Every draw ``ms`` milliseconds (what an attempt costs besides the draw is then the rest)."""
+        return cls([(0.0, ms), (1.0, ms)])
+
+    @classmethod
     def flip158(cls, scale: float = 0.1) -> LatencyProfile:
         """S3 latency for 5 MB objects as measured in FLIP-158 (Flink generalized incremental checkpoints).
 
@@ -410,7 +415,7 @@ async def _serve(args: argparse.Namespace) -> None:
         args.upstream_host,
         args.upstream_port,
         profile=(
-            LatencyProfile([(0.0, args.constant_ms), (1.0, args.constant_ms)])
+            LatencyProfile.constant(args.constant_ms)
             if args.constant_ms is not None
             else LatencyProfile.flip158(args.scale)
         ),

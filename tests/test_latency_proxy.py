@@ -118,7 +118,7 @@ async def test_where_the_delay_goes(echo: EchoServer, delay_response: bool) -> N
     # (the upstream's work overlaps the delay) and only the answer waits. Either way the client
     # sees nothing before the delay has passed (asyncio timers never fire early).
     delay = 0.5
-    profile = LatencyProfile([(0.0, delay * 1000), (1.0, delay * 1000)])
+    profile = LatencyProfile.constant(delay * 1000)
     loop = asyncio.get_running_loop()
     async with LatencyProxy("127.0.0.1", echo.port, profile=profile, delay_response=delay_response) as proxy:
         start = loop.time()
@@ -142,7 +142,7 @@ async def test_delay_response_holds_the_eof_of_an_upstream_that_answers_nothing(
 
     upstream = await asyncio.start_server(hang_up, "127.0.0.1", 0)
     delay = 0.3
-    profile = LatencyProfile([(0.0, delay * 1000), (1.0, delay * 1000)])
+    profile = LatencyProfile.constant(delay * 1000)
     loop = asyncio.get_running_loop()
     try:
         port = upstream.sockets[0].getsockname()[1]
