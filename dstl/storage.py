@@ -389,11 +389,24 @@ class StateChangelogStorage:
         try:
             self.run(self._scheduler.drain(), timeout)
             self.run(self._uploader.close(), timeout)
+            self.run(self._settle(), timeout)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout)
             if not self._thread.is_alive():
                 self._loop.close()
+
+    @staticmethod
+    async def _settle() -> None:
+        """Wait for tasks nobody awaits any more, so none is destroyed pending with the loop.
+
+        A reader that stops early (a corrupt segment, a ``break``) cancels its read-ahead
+        fetches, but a cancelled local read still lets its thread finish; a caller of ``run``
+        whose timeout passed leaves its task running too.
+        """
+        current = asyncio.current_task()
+        while pending := [task for task in asyncio.all_tasks() if task is not current]:
+            await asyncio.wait(pending)
 
     def __enter__(self) -> StateChangelogStorage:
         return self

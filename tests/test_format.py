@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
+import threading
 import zlib
 from array import array
 from pathlib import Path
@@ -14,7 +15,14 @@ import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dstl import ChangelogHandle, CorruptChangelogError, KeyGroupRange, StateChangelogStorage
+from dstl import (
+    ChangelogConfig,
+    ChangelogHandle,
+    CorruptChangelogError,
+    KeyGroupRange,
+    SegmentRef,
+    StateChangelogStorage,
+)
 from dstl.format import (
     FILE_HEADER,
     FORMAT_VERSION,
@@ -29,6 +37,7 @@ from dstl.format import (
     read_footer,
     verify_file,
 )
+from dstl.uploaders import FsspecUploader
 
 PATH = "dstl/ab/some-file"
 
@@ -387,6 +396,47 @@ def test_missing_file_is_reported_as_missing(local_storage: StateChangelogStorag
     with pytest.raises(CorruptChangelogError, match="file is missing") as exc_info:
         list(local_storage.read(handle))
     assert exc_info.value.path in handle.files
+
+
+class _HeldReads(FsspecUploader):
+    """Local reads of one segment block in their thread until the uploader is closed."""
+
+    def __init__(self, base_path: Path, held: SegmentRef) -> None:
+        super().__init__(str(base_path))
+        self.held = held
+        self.release = threading.Event()
+        self.finished: list[tuple[str, int]] = []
+
+    def _get_sync(self, full: str, offset: int, length: int | None) -> bytes:
+        if full.endswith(self.held.path) and offset == self.held.offset:
+            self.release.wait(30)
+        return super()._get_sync(full, offset, length)
+
+    async def get(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        try:
+            return await super().get(path, offset, length)
+        finally:
+            self.finished.append((path, offset))
+
+    async def close(self) -> None:
+        self.release.set()
+
+
+def test_close_waits_for_reads_a_failed_reader_left_behind(tmp_path: Path) -> None:
+    """A reader stopped by a corrupt segment cancels its read-ahead, but a cancelled local read
+    lets its thread finish: ``close`` waits for it instead of destroying it pending with the loop."""
+    config = ChangelogConfig.local(tmp_path / "dfs")
+    with StateChangelogStorage(config, owns_files=False) as writing:
+        handle, _ = persisted(writing)
+    first, second = handle.segments
+    uploader = _HeldReads(tmp_path / "dfs", held=second)
+    storage = StateChangelogStorage(config, uploader=uploader, owns_files=False)
+    corrupt = dataclasses.replace(handle, segments=(dataclasses.replace(first, offset=first.offset + 1), second))
+    with pytest.raises(CorruptChangelogError):
+        list(storage.read(corrupt))
+    assert (second.path, second.offset) not in uploader.finished
+    storage.close()
+    assert (second.path, second.offset) in uploader.finished
 
 
 @pytest.mark.parametrize("bad_path", ["../x", "../../etc/passwd", "/etc/passwd", "dstl/../../x", "file:///etc/passwd"])
