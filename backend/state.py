@@ -274,18 +274,18 @@ class _ValueTable(StateTable):
         return flush
 
     def _write(self, txn: Any, batches: list[tuple[list[bytes], list[bytes | None]]]) -> None:
+        """Sorted batch writes; ``putmulti`` reads pairs straight from ``zip`` (which reuses one
+        tuple when the consumer drops it), so a spill of ~250k entries builds no list of pairs."""
         db = self.db
-        puts: list[tuple[bytes, Any]] = []
+        cursor = txn.cursor(db=db)
         for cks, stored in batches:
             if None in stored:
                 for ck, data in zip(cks, stored, strict=True):
                     if data is None:
                         txn.delete(ck, db=db)
-                puts += [(ck, data) for ck, data in zip(cks, stored, strict=True) if data is not None]
+                cursor.putmulti([(ck, data) for ck, data in zip(cks, stored, strict=True) if data is not None])
             else:
-                puts += zip(cks, stored, strict=True)
-        if puts:
-            txn.cursor(db=db).putmulti(puts)
+                cursor.putmulti(zip(cks, stored, strict=True))
 
 
 class _ListEntry:
