@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import threading
 import uuid
 from collections import Counter, deque
@@ -42,9 +43,13 @@ from dstl.uploaders import Uploader, check_relative, make_uploader, new_file_nam
 from dstl.writer import ChangelogWriter
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 
 #: segments fetched ahead of the one being decoded when reading a handle
 READ_AHEAD = 4
+#: how often, and how far apart, ``close`` cancels leftover tasks before abandoning them
+CANCEL_ROUNDS = 3
+CANCEL_WAIT_S = 0.5
 #: how often the loop thread checks writers for pre-emptive persists and backpressure; at
 #: 10M appends/s of 32 bytes this lets an active changeset overshoot its threshold by ~1.6 MB
 MONITOR_INTERVAL_S = 0.005
@@ -388,8 +393,8 @@ class StateChangelogStorage:
         self._monitor.cancel()
         try:
             self.run(self._scheduler.drain(), timeout)
+            self.run(self._settle(timeout))  # before the uploader's close: no task uses a closed client
             self.run(self._uploader.close(), timeout)
-            self.run(self._settle(), timeout)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout)
@@ -397,16 +402,30 @@ class StateChangelogStorage:
                 self._loop.close()
 
     @staticmethod
-    async def _settle() -> None:
-        """Wait for tasks nobody awaits any more, so none is destroyed pending with the loop.
+    async def _settle(timeout: float | None) -> None:
+        """Let tasks nobody awaits any more end, so none is destroyed pending with the loop.
 
         A reader that stops early (a corrupt segment, a ``break``) cancels its read-ahead
-        fetches, but a cancelled local read still lets its thread finish; a caller of ``run``
-        whose timeout passed leaves its task running too.
+        fetches, but a cancelled local read still waits for its thread; a caller of ``run``
+        whose timeout passed leaves its task running. They get ``timeout`` to finish, then are
+        cancelled, up to ``CANCEL_ROUNDS`` times ``CANCEL_WAIT_S`` apart: the first cancel of a
+        local read or write waits for its thread (so a cancelled put never lands behind its
+        caller's back), the second abandons that wait (the thread may finish after close).
+        ``close`` never raises for these tasks; it logs them.
         """
         current = asyncio.current_task()
-        while pending := [task for task in asyncio.all_tasks() if task is not current]:
-            await asyncio.wait(pending)
+        pending = {task for task in asyncio.all_tasks() if task is not current}
+        if pending:
+            _, pending = await asyncio.wait(pending, timeout=timeout)
+        if pending:
+            _log.warning("closing: cancelling %d task(s) still running after %s s", len(pending), timeout)
+        for _ in range(CANCEL_ROUNDS):
+            if not pending:
+                return
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=CANCEL_WAIT_S)
+        _log.warning("closing: %d task(s) ignored cancellation and are abandoned", len(pending))
 
     def __enter__(self) -> StateChangelogStorage:
         return self

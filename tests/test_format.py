@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import struct
@@ -399,44 +400,47 @@ def test_missing_file_is_reported_as_missing(local_storage: StateChangelogStorag
 
 
 class _HeldReads(FsspecUploader):
-    """Local reads of one segment block in their thread until the uploader is closed."""
+    """Local reads of one segment block in their thread until the test releases them."""
 
     def __init__(self, base_path: Path, held: SegmentRef) -> None:
         super().__init__(str(base_path))
         self.held = held
         self.release = threading.Event()
-        self.finished: list[tuple[str, int]] = []
 
     def _get_sync(self, full: str, offset: int, length: int | None) -> bytes:
         if full.endswith(self.held.path) and offset == self.held.offset:
-            self.release.wait(30)
+            self.release.wait(60)
         return super()._get_sync(full, offset, length)
 
-    async def get(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
-        try:
-            return await super().get(path, offset, length)
-        finally:
-            self.finished.append((path, offset))
 
-    async def close(self) -> None:
-        self.release.set()
-
-
-def test_close_waits_for_reads_a_failed_reader_left_behind(tmp_path: Path) -> None:
-    """A reader stopped by a corrupt segment cancels its read-ahead, but a cancelled local read
-    lets its thread finish: ``close`` waits for it instead of destroying it pending with the loop."""
+@pytest.mark.parametrize("abandoned_by", ["a reader that met a corrupt segment", "a caller whose timeout passed"])
+def test_close_leaves_no_task_pending_behind_abandoned_reads(
+    tmp_path: Path, abandoned_by: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read nobody awaits any more (a cancelled read-ahead fetch, whose local read still waits
+    for its thread; a ``run`` that timed out) gets close's timeout to finish, is then cancelled,
+    and close returns: no task is left to be destroyed pending with the loop."""
     config = ChangelogConfig.local(tmp_path / "dfs")
     with StateChangelogStorage(config, owns_files=False) as writing:
         handle, _ = persisted(writing)
     first, second = handle.segments
     uploader = _HeldReads(tmp_path / "dfs", held=second)
     storage = StateChangelogStorage(config, uploader=uploader, owns_files=False)
-    corrupt = dataclasses.replace(handle, segments=(dataclasses.replace(first, offset=first.offset + 1), second))
-    with pytest.raises(CorruptChangelogError):
-        list(storage.read(corrupt))
-    assert (second.path, second.offset) not in uploader.finished
-    storage.close()
-    assert (second.path, second.offset) in uploader.finished
+    try:
+        if abandoned_by.startswith("a reader"):
+            shifted = dataclasses.replace(first, offset=first.offset + 1)
+            corrupt = dataclasses.replace(handle, segments=(shifted, second))
+            with pytest.raises(CorruptChangelogError):
+                list(storage.read(corrupt))
+        else:
+            with pytest.raises(TimeoutError):
+                storage.read_range(second.path, second.offset, second.length, timeout=0.05)
+        storage.close(timeout=0.2)
+        assert not asyncio.all_tasks(storage._loop)
+        assert "cancelling 1 task(s) still running after 0.2 s" in caplog.text
+    finally:
+        uploader.release.set()
+        storage.close()
 
 
 @pytest.mark.parametrize("bad_path", ["../x", "../../etc/passwd", "/etc/passwd", "dstl/../../x", "file:///etc/passwd"])
