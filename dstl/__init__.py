@@ -12,6 +12,7 @@ from dstl.types import (
     KeyGroupRange,
     SegmentRef,
     SequenceNumber,
+    StorageClosedError,
     UploadFailedError,
     WriterClosedError,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "SegmentRef",
     "SequenceNumber",
     "StateChangelogStorage",
+    "StorageClosedError",
     "UploadFailedError",
     "WriterClosedError",
 ]

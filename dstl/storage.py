@@ -37,6 +37,7 @@ from dstl.types import (
     CorruptChangelogError,
     KeyGroupRange,
     SegmentRef,
+    StorageClosedError,
     WriterClosedError,
 )
 from dstl.uploaders import Uploader, check_relative, make_uploader, new_file_name
@@ -77,6 +78,9 @@ class StateChangelogStorage:
         self._in_flight = 0
         self._in_flight_cond = threading.Condition()
         self._closed = False
+        #: set once ``close`` has drained the uploads; from then on nothing new may be scheduled
+        self._stopping = False
+        self._stop_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dstl-uploader", daemon=True)
         self._thread.start()
@@ -97,12 +101,28 @@ class StateChangelogStorage:
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a coroutine on the storage's loop and wait for it (not from the loop thread)."""
+        return self._submit(coro).result(timeout)
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the loop, unless the loop is stopping: work scheduled then would
+        never run. Checked under ``_stop_lock``, so whatever got in is settled by ``close``."""
         if threading.current_thread() is self._thread:
+            coro.close()
             raise RuntimeError("StateChangelogStorage.run called from its own loop thread")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        with self._stop_lock:
+            if self._stopping:
+                coro.close()
+                raise StorageClosedError("the changelog storage is closed")
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def _call(self, fn: Callable[..., object], *args: Any) -> None:
-        self._loop.call_soon_threadsafe(fn, *args)
+        if threading.current_thread() is self._thread:
+            self._loop.call_soon(fn, *args)
+            return
+        with self._stop_lock:
+            if self._stopping:
+                raise StorageClosedError("the changelog storage is closed")
+            self._loop.call_soon_threadsafe(fn, *args)
 
     # -- writers --------------------------------------------------------------------------
 
@@ -311,7 +331,7 @@ class StateChangelogStorage:
                 while todo and len(fetching) < READ_AHEAD:
                     seg = todo.popleft()
                     coro = self._fetch(seg)
-                    fetching.append((seg, asyncio.run_coroutine_threadsafe(coro, self._loop)))
+                    fetching.append((seg, self._submit(coro)))
                 seg, fut = fetching.popleft()
                 blob = fut.result()
                 kgs, payloads = decode_segment(
@@ -384,17 +404,26 @@ class StateChangelogStorage:
         self.run(self._scheduler.drain(), timeout)
 
     def close(self, timeout: float | None = 60.0) -> None:
-        """Close every writer, finish uploads and deletions, close the uploader, stop the loop."""
-        if self._closed:
-            return
-        self._closed = True
+        """Close every writer, finish uploads and deletions, close the uploader, stop the loop.
+
+        Calls from other threads keep working until the uploads are drained; from then on they
+        raise ``StorageClosedError``, and what they had started is waited for (``_settle``)."""
+        with self._stop_lock:
+            if self._closed:
+                return
+            self._closed = True
         for writer in list(self._writers.values()):
             writer.close()
         self._monitor.cancel()
         try:
             self.run(self._scheduler.drain(), timeout)
-            self.run(self._settle(timeout))  # before the uploader's close: no task uses a closed client
-            self.run(self._uploader.close(), timeout)
+        finally:
+            with self._stop_lock:
+                self._stopping = True
+        try:
+            # before the uploader's close: no task uses a closed client
+            asyncio.run_coroutine_threadsafe(self._settle(timeout), self._loop).result()
+            asyncio.run_coroutine_threadsafe(self._uploader.close(), self._loop).result(timeout)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout)

@@ -107,6 +107,14 @@ class WriterClosedError(ChangelogError):
     """The writer (or its storage) was closed; nothing more can be appended or persisted."""
 
 
+class StorageClosedError(WriterClosedError):
+    """The storage is closed, or far enough into closing that nothing new may start on its loop.
+
+    Raised instead of scheduling work on a loop that is about to stop, where it would never run
+    and its caller would wait forever (e.g. a Spark progress listener racing a driver's shutdown).
+    """
+
+
 @dataclass(frozen=True, slots=True)
 class SegmentRef:
     """Where one changeset of one writer lives: a byte range of a changelog file.

@@ -58,4 +58,8 @@ def spark() -> Iterator[object]:
     }
     session = local_session("dstl-tests", "local[2,4]", **conf)
     yield session
+    from backend.spark import driver
+
+    driver.detach(session)  # no progress callback into this process while it shuts down
+    driver.forget_all()
     session.stop()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import struct
 import threading
+import time
 import zlib
 from array import array
 from pathlib import Path
@@ -23,6 +26,7 @@ from dstl import (
     KeyGroupRange,
     SegmentRef,
     StateChangelogStorage,
+    StorageClosedError,
 )
 from dstl.format import (
     FILE_HEADER,
@@ -406,11 +410,22 @@ class _HeldReads(FsspecUploader):
         super().__init__(str(base_path))
         self.held = held
         self.release = threading.Event()
+        self.started = threading.Event()
 
     def _get_sync(self, full: str, offset: int, length: int | None) -> bytes:
         if full.endswith(self.held.path) and offset == self.held.offset:
+            self.started.set()
             self.release.wait(60)
         return super()._get_sync(full, offset, length)
+
+
+def held_storage(tmp_path: Path) -> tuple[StateChangelogStorage, _HeldReads, ChangelogHandle]:
+    """A storage over a persisted handle of two segments, the second one's read held."""
+    config = ChangelogConfig.local(tmp_path / "dfs")
+    with StateChangelogStorage(config, owns_files=False) as writing:
+        handle, _ = persisted(writing)
+    uploader = _HeldReads(tmp_path / "dfs", held=handle.segments[1])
+    return StateChangelogStorage(config, uploader=uploader, owns_files=False), uploader, handle
 
 
 @pytest.mark.parametrize("abandoned_by", ["a reader that met a corrupt segment", "a caller whose timeout passed"])
@@ -420,12 +435,8 @@ def test_close_leaves_no_task_pending_behind_abandoned_reads(
     """A read nobody awaits any more (a cancelled read-ahead fetch, whose local read still waits
     for its thread; a ``run`` that timed out) gets close's timeout to finish, is then cancelled,
     and close returns: no task is left to be destroyed pending with the loop."""
-    config = ChangelogConfig.local(tmp_path / "dfs")
-    with StateChangelogStorage(config, owns_files=False) as writing:
-        handle, _ = persisted(writing)
+    storage, uploader, handle = held_storage(tmp_path)
     first, second = handle.segments
-    uploader = _HeldReads(tmp_path / "dfs", held=second)
-    storage = StateChangelogStorage(config, uploader=uploader, owns_files=False)
     try:
         if abandoned_by.startswith("a reader"):
             shifted = dataclasses.replace(first, offset=first.offset + 1)
@@ -441,6 +452,31 @@ def test_close_leaves_no_task_pending_behind_abandoned_reads(
     finally:
         uploader.release.set()
         storage.close()
+
+
+def test_calls_during_and_after_close_raise_storage_closed_instead_of_hanging(tmp_path: Path) -> None:
+    """Once close has drained the uploads, a new call raises StorageClosedError (scheduled on a
+    loop about to stop it would never run: a Spark progress listener hung on that), while what
+    was started before is still waited for."""
+    storage, uploader, handle = held_storage(tmp_path)
+    held = handle.segments[1]
+    expected = (tmp_path / "dfs" / held.path).read_bytes()[held.offset : held.offset + held.length]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        started = pool.submit(storage.read_range, held.path, held.offset, held.length)
+        assert uploader.started.wait(10)
+        closing = pool.submit(storage.close, 30)
+        deadline = time.monotonic() + 30  # a guard against a hang, not a speed check
+        with pytest.raises(StorageClosedError):
+            while time.monotonic() < deadline:
+                with contextlib.suppress(FileNotFoundError):
+                    storage.get_file("not-there")
+        uploader.release.set()
+        assert started.result(30) == expected
+        closing.result(30)
+    with pytest.raises(StorageClosedError):
+        storage.get_file("not-there")
+    with pytest.raises(StorageClosedError):
+        storage.list_all()
 
 
 @pytest.mark.parametrize("bad_path", ["../x", "../../etc/passwd", "/etc/passwd", "dstl/../../x", "file:///etc/passwd"])

@@ -28,7 +28,7 @@ from typing import Any
 from backend.checkpoints import CheckpointCoordinator, CheckpointError, SnapshotMetadata
 from backend.handles import KeyedStateHandle
 from backend.spark.tasks import OperatorConfig
-from dstl import StateChangelogStorage
+from dstl import StateChangelogStorage, StorageClosedError
 
 _log = logging.getLogger(__name__)
 _PENDING = re.compile(r"^pending/(\d+)/([^/]+)/(\d+)\.json$")
@@ -160,6 +160,8 @@ def complete_committed(batch: int, query_id: str | None) -> None:
     for coordinator in list(_COORDINATORS.values()):
         try:
             coordinator.complete_batch(batch, query_id)
+        except StorageClosedError:
+            continue  # closed while this progress event was on its way (forget_all, shutdown)
         except Exception as exc:  # a listener must not die: log it, keep it for the user
             _log.error("checkpoint of batch %s in %s failed: %s", batch, coordinator.storage.config.base_path, exc)
             coordinator.errors.append(f"batch {batch}: {exc}")
