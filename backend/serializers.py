@@ -483,6 +483,8 @@ _unpack_int = _TAGGED_U64.unpack
 pack_int_key = _TAGGED_U64.pack
 INT_KEY_TAG = _INT
 INT_KEY_OFFSET = _OFFSET
+#: the length of every ``pack_int_key`` result
+INT_KEY_BYTES = _TAGGED_U64.size
 
 
 def serialize_key(key: Key) -> bytes:
