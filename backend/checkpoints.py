@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend.handles import KeyedStateHandle, StateRestoreError
-from dstl import ChangelogError, StateChangelogStorage
+from dstl import ChangelogError, StateChangelogStorage, StorageClosedError
 from dstl.uploaders import check_relative
 
 METADATA_VERSION = 1
@@ -388,6 +388,8 @@ class CheckpointCoordinator:
         up if the write had not landed after all)."""
         try:
             self.storage.put_file(path, data)
+        except StorageClosedError:
+            raise  # refused before it started: certainly not written
         except Exception as exc:
             try:
                 self.storage.delete_file(path)

@@ -23,7 +23,7 @@ from dstl.config import ChangelogConfig
 from dstl.format import ChangeSet, encode_file
 from dstl.hedging import UploadExecutor
 from dstl.metrics import ChangelogMetrics
-from dstl.types import SegmentRef
+from dstl.types import SegmentRef, UploadFailedError
 
 
 @dataclass(eq=False)
@@ -123,11 +123,15 @@ class BatchingScheduler:
             self._metrics.upload_sizes.observe(len(data))
             self._metrics.changesets_per_file.observe(len(batch))
             outcome = await self._executor.upload(data)
-        except Exception as exc:
+        except BaseException as exc:  # cancelled too (a close that timed out): nobody may wait forever
             self._on_failed(batch)
+            error = exc if isinstance(exc, Exception) else UploadFailedError("the upload was cancelled: storage closed")
             for entry in batch:
                 assert entry.future is not None
-                entry.future.set_exception(exc)
+                if not entry.future.done():
+                    entry.future.set_exception(error)
+            if error is not exc:
+                raise
         else:
             for entry, seg in zip(batch, segments, strict=True):
                 entry.ref = SegmentRef(

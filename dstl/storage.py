@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
 import threading
 import uuid
 from collections import Counter, deque
@@ -116,13 +117,26 @@ class StateChangelogStorage:
             return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def _call(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop; once the loop is stopping, raise StorageClosedError."""
+        if not self._call_unless_stopping(fn, *args):
+            raise StorageClosedError("the changelog storage is closed")
+
+    def _call_or_drop(self, fn: Callable[..., object], *args: Any) -> None:
+        """``_call`` for housekeeping that may be skipped once the loop is stopping (a deletion
+        of an unowned file: the orphan cleanup finds it), so that a writer closing while the
+        storage closes never fails halfway through its bookkeeping."""
+        if not self._call_unless_stopping(fn, *args):
+            _log.debug("storage closed: skipped %s%s", getattr(fn, "__name__", fn), args)
+
+    def _call_unless_stopping(self, fn: Callable[..., object], *args: Any) -> bool:
         if threading.current_thread() is self._thread:
             self._loop.call_soon(fn, *args)
-            return
+            return True
         with self._stop_lock:
             if self._stopping:
-                raise StorageClosedError("the changelog storage is closed")
+                return False
             self._loop.call_soon_threadsafe(fn, *args)
+            return True
 
     # -- writers --------------------------------------------------------------------------
 
@@ -209,6 +223,9 @@ class StateChangelogStorage:
         async def complete() -> None:
             try:
                 refs: list[SegmentRef] = list(await asyncio.gather(*futures))  # type: ignore[arg-type]
+            except asyncio.CancelledError:  # by a close that timed out: the caller must not wait forever
+                result.set_exception(StorageClosedError("the changelog storage closed before this persist finished"))
+                raise
             except Exception as exc:
                 result.set_exception(exc)
                 return
@@ -260,7 +277,7 @@ class StateChangelogStorage:
         if state.refs <= 0:
             del self._files[path]
             if not state.confirmed and self.owns_files:
-                self._call(self._delete_soon, path)
+                self._call_or_drop(self._delete_soon, path)
 
     def _delete_soon(self, path: str) -> None:
         async def delete() -> None:
@@ -305,7 +322,7 @@ class StateChangelogStorage:
                 for _ in range(self._holds[handle]):
                     self._drop_hold(handle)
         self._writers.pop(writer.log_id, None)
-        self._call(self._scheduler.unregister, writer.log_id)
+        self._call_or_drop(self._scheduler.unregister, writer.log_id)
 
     def tracked_files(self) -> dict[str, tuple[int, bool]]:
         """Files this storage still tracks: path -> (references, confirmed). For tests and tools."""
@@ -416,36 +433,40 @@ class StateChangelogStorage:
             writer.close()
         self._monitor.cancel()
         try:
-            self.run(self._scheduler.drain(), timeout)
-        finally:
-            with self._stop_lock:
-                self._stopping = True
-        try:
-            # before the uploader's close: no task uses a closed client
-            asyncio.run_coroutine_threadsafe(self._settle(timeout), self._loop).result()
-            asyncio.run_coroutine_threadsafe(self._uploader.close(), self._loop).result(timeout)
+            try:
+                self.run(self._scheduler.drain(), timeout)
+            finally:
+                with self._stop_lock:
+                    self._stopping = True
+                try:
+                    asyncio.run_coroutine_threadsafe(self._settle(timeout), self._loop).result()
+                finally:
+                    # after the settle: no task uses a closed client
+                    asyncio.run_coroutine_threadsafe(self._uploader.close(), self._loop).result(timeout)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout)
             if not self._thread.is_alive():
                 self._loop.close()
 
-    @staticmethod
-    async def _settle(timeout: float | None) -> None:
-        """Let tasks nobody awaits any more end, so none is destroyed pending with the loop.
+    async def _settle(self, timeout: float | None) -> None:
+        """Let every other task on the loop end, so none is destroyed pending with the loop.
 
-        A reader that stops early (a corrupt segment, a ``break``) cancels its read-ahead
-        fetches, but a cancelled local read still waits for its thread; a caller of ``run``
-        whose timeout passed leaves its task running. They get ``timeout`` to finish, then are
-        cancelled, up to ``CANCEL_ROUNDS`` times ``CANCEL_WAIT_S`` apart: the first cancel of a
-        local read or write waits for its thread (so a cancelled put never lands behind its
-        caller's back), the second abandons that wait (the thread may finish after close).
-        ``close`` never raises for these tasks; it logs them.
+        Besides uploads (drained already, unless the drain timed out): reads a reader abandoned
+        (it stopped early and cancelled its read-ahead fetches, but a cancelled local read still
+        waits for its thread), ``run`` calls whose caller timed out, and whatever those start
+        (deletions, hedges). Anything queued before new calls were refused is flushed too. They
+        get ``timeout`` in all to finish, then are cancelled, up to ``CANCEL_ROUNDS`` times
+        ``CANCEL_WAIT_S`` apart: the first cancel of a local read or write waits for its thread
+        (so a cancelled put never lands behind its caller's back), the second abandons that wait
+        (the thread may finish after close). ``close`` never raises for these tasks; it logs them.
         """
+        loop = asyncio.get_running_loop()
+        deadline = math.inf if timeout is None else loop.time() + timeout
         current = asyncio.current_task()
-        pending = {task for task in asyncio.all_tasks() if task is not current}
-        if pending:
-            _, pending = await asyncio.wait(pending, timeout=timeout)
+        self._scheduler.flush()
+        while (pending := {t for t in asyncio.all_tasks() if t is not current}) and loop.time() < deadline:
+            await asyncio.wait(pending, timeout=None if deadline == math.inf else deadline - loop.time())
         if pending:
             _log.warning("closing: cancelling %d task(s) still running after %s s", len(pending), timeout)
         for _ in range(CANCEL_ROUNDS):
@@ -453,7 +474,8 @@ class StateChangelogStorage:
                 return
             for task in pending:
                 task.cancel()
-            _, pending = await asyncio.wait(pending, timeout=CANCEL_WAIT_S)
+            await asyncio.wait(pending, timeout=CANCEL_WAIT_S)
+            pending = {t for t in asyncio.all_tasks() if t is not current}
         _log.warning("closing: %d task(s) ignored cancellation and are abandoned", len(pending))
 
     def __enter__(self) -> StateChangelogStorage:

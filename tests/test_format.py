@@ -462,15 +462,17 @@ def test_calls_during_and_after_close_raise_storage_closed_instead_of_hanging(tm
     held = handle.segments[1]
     expected = (tmp_path / "dfs" / held.path).read_bytes()[held.offset : held.offset + held.length]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        started = pool.submit(storage.read_range, held.path, held.offset, held.length)
-        assert uploader.started.wait(10)
-        closing = pool.submit(storage.close, 30)
-        deadline = time.monotonic() + 30  # a guard against a hang, not a speed check
-        with pytest.raises(StorageClosedError):
-            while time.monotonic() < deadline:
-                with contextlib.suppress(FileNotFoundError):
-                    storage.get_file("not-there")
-        uploader.release.set()
+        try:
+            started = pool.submit(storage.read_range, held.path, held.offset, held.length)
+            assert uploader.started.wait(10)
+            closing = pool.submit(storage.close, 30)
+            deadline = time.monotonic() + 30  # a guard against a hang, not a speed check
+            with pytest.raises(StorageClosedError):
+                while time.monotonic() < deadline:
+                    with contextlib.suppress(FileNotFoundError):
+                        storage.get_file("not-there")
+        finally:
+            uploader.release.set()
         assert started.result(30) == expected
         closing.result(30)
     with pytest.raises(StorageClosedError):

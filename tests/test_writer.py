@@ -17,6 +17,7 @@ from dstl import (
     KeyGroupRange,
     SequenceNumber,
     StateChangelogStorage,
+    StorageClosedError,
     WriterClosedError,
 )
 from tests.fake_uploader import MemoryUploader, barrier, fake_storage
@@ -351,6 +352,23 @@ def test_storage_close_deletes_unconfirmed_files_and_keeps_confirmed(tmp_path: P
     storage.close()
     assert files_on_disk(tmp_path) == set(confirmed.files)
     assert storage.tracked_files() == {}
+
+
+def test_close_whose_uploads_time_out_still_stops_its_loop() -> None:
+    """An upload that never finishes makes close raise its timeout, yet the upload is cancelled,
+    the loop stopped and closed, and later calls fail at once instead of waiting on it."""
+    uploader = MemoryUploader(gated=True)
+    storage = fake_storage(uploader, persist_delay_s=0)
+    writer = storage.create_writer("op", RANGE)
+    writer.append(1, b"x")
+    pending = writer.persist_durably(0)
+    assert uploader.put_started.wait(WAIT)
+    with pytest.raises(TimeoutError):
+        storage.close(timeout=0.2)
+    assert storage._loop.is_closed()
+    assert pending.exception(WAIT) is not None  # failed, not left waiting forever
+    with pytest.raises(StorageClosedError):
+        storage.flush()
 
 
 def test_truncating_a_pending_persist_fails_it_instead_of_hanging() -> None:
