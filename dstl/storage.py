@@ -433,21 +433,23 @@ class StateChangelogStorage:
             writer.close()
         self._monitor.cancel()
         try:
-            try:
-                self.run(self._scheduler.drain(), timeout)
-            finally:
-                with self._stop_lock:
-                    self._stopping = True
-                try:
-                    asyncio.run_coroutine_threadsafe(self._settle(timeout), self._loop).result()
-                finally:
-                    # after the settle: no task uses a closed client
-                    asyncio.run_coroutine_threadsafe(self._uploader.close(), self._loop).result(timeout)
+            self.run(self._scheduler.drain(), timeout)
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout)
-            if not self._thread.is_alive():
-                self._loop.close()
+            with self._stop_lock:
+                self._stopping = True
+            try:
+                asyncio.run_coroutine_threadsafe(self._wind_down(timeout), self._loop).result()
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout)
+                if not self._thread.is_alive():
+                    self._loop.close()
+
+    async def _wind_down(self, timeout: float | None) -> None:
+        try:
+            await self._settle(timeout)
+        finally:  # after the settle: no task uses a closed client
+            await asyncio.wait_for(self._uploader.close(), timeout)
 
     async def _settle(self, timeout: float | None) -> None:
         """Let every other task on the loop end, so none is destroyed pending with the loop.
