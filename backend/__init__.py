@@ -1,10 +1,10 @@
 """Keyed state on LMDB that logs every change to the DSTL.
 
-One ``ChangelogKeyedStateBackend`` per operator subtask; see ``backend.keyed_backend`` for the
+One ``ChangelogKeyedStateBackend`` per operator subtask; see ``backend.state.keyed_backend`` for the
 design (write-back cache, net change records, restore at any parallelism).
 """
 
-from backend.descriptors import (
+from backend.core.descriptors import (
     AggregateFunction,
     AggregatingStateDescriptor,
     ListStateDescriptor,
@@ -13,21 +13,21 @@ from backend.descriptors import (
     StateTtl,
     ValueStateDescriptor,
 )
-from backend.handles import KeyedStateHandle, StateRestoreError
-from backend.keyed_backend import ChangelogKeyedStateBackend, key_group_ranges
-from backend.keygroups import DEFAULT_MAX_PARALLELISM, assign_key_group, key_group_range_for_subtask
-from backend.serializers import (
+from backend.core.errors import SerializationError, StateRestoreError
+from backend.core.handles import KeyedStateHandle
+from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, assign_key_group, key_group_range_for_subtask
+from backend.core.serializers import (
     BytesSerializer,
     Float64Serializer,
     Int64Serializer,
     JsonSerializer,
     KeySerializer,
     RowSerializer,
-    SerializationError,
     StrSerializer,
     TupleSerializer,
 )
-from backend.state import AggregatingState, ListState, MapState, ReducingState, ValueState
+from backend.state.keyed_backend import ChangelogKeyedStateBackend, key_group_ranges
+from backend.state.primitives import AggregatingState, ListState, MapState, ReducingState, ValueState
 
 __all__ = [
     "DEFAULT_MAX_PARALLELISM",

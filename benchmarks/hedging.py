@@ -1,7 +1,7 @@
 """``hedging``: tail latency of uploads with and without request hedging, on a heavy-tailed store.
 
 Setup, all real parts over loopback HTTP: moto's S3 server (a subprocess) behind the latency
-proxy of ``tests.latency_proxy`` (another subprocess), which draws a latency for every connection
+proxy of ``benchmarks.support.latency_proxy`` (another subprocess), which draws a latency for every connection
 from FLIP-158's measured S3 latency profile (p50 459, p90 740, p95 833, p99 1039, p99.9 3202 ms)
 scaled by 1/10. The client uses one connection per request (``force_close``), so every attempt,
 hedges included, draws its own latency independently. The proxy forwards each request at once and
@@ -42,12 +42,12 @@ from pathlib import Path
 
 from benchmarks import hedging_model
 from benchmarks.common import BenchResult, percentile, progress
+from benchmarks.support.latency_proxy import LatencyProfile, run_in_subprocess
+from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, create_bucket, start_s3_server
 from dstl.config import ChangelogConfig, HedgingPolicy, S3Options
 from dstl.hedging import UploadExecutor
 from dstl.metrics import ChangelogMetrics
 from dstl.uploaders import S3Uploader, new_file_name
-from tests.latency_proxy import LatencyProfile, run_in_subprocess
-from tests.s3_server import ACCESS_KEY, REGION, SECRET_KEY, create_bucket, start_s3_server
 
 BUCKET = "hedging-bench"
 # One upload at a time, as one TaskManager's flushes mostly are. Every upload's client work

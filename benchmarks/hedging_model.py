@@ -27,9 +27,9 @@ import random
 from collections.abc import Sequence
 
 from benchmarks.common import percentile
+from benchmarks.support.latency_proxy import LatencyProfile
 from dstl.config import ChangelogConfig, HedgingPolicy
 from dstl.hedging import HedgeBudget, HedgeDelay
-from tests.latency_proxy import LatencyProfile
 
 WARMUP = 300
 DEFAULT_MAX_ATTEMPTS = ChangelogConfig(base_path="-").max_attempts

@@ -27,11 +27,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from backend import records as rec
-from backend.descriptors import ValueStateDescriptor
-from backend.handles import KeyedStateHandle
-from backend.keyed_backend import ChangelogKeyedStateBackend
-from backend.serializers import Int64Serializer
+from backend.core import records as rec
+from backend.core.descriptors import ValueStateDescriptor
+from backend.core.handles import KeyedStateHandle
+from backend.core.serializers import Int64Serializer
+from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from benchmarks.common import BenchResult, progress
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
 from materializer.periodic import PeriodicMaterializer, restore

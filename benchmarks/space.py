@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backend.cleanup import delete_unreferenced, referenced_files
-from backend.descriptors import ValueStateDescriptor
-from backend.handles import KeyedStateHandle
-from backend.keyed_backend import ChangelogKeyedStateBackend
-from backend.serializers import Int64Serializer
+from backend.checkpointing.cleanup import delete_unreferenced, referenced_files
+from backend.core.descriptors import ValueStateDescriptor
+from backend.core.handles import KeyedStateHandle
+from backend.core.serializers import Int64Serializer
+from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from benchmarks.common import BenchResult, progress
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
 from materializer.chunks import encode_chunk

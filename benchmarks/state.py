@@ -26,9 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from backend.descriptors import ValueStateDescriptor
-from backend.keyed_backend import ChangelogKeyedStateBackend
-from backend.serializers import Int64Serializer
+from backend.core.descriptors import ValueStateDescriptor
+from backend.core.serializers import Int64Serializer
+from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from benchmarks.common import BenchResult, progress
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
 

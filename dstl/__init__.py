@@ -4,18 +4,15 @@ Knows bytes, key groups and sequence numbers; knows nothing of state types or Sp
 """
 
 from dstl.config import ChangelogConfig, HedgingPolicy, S3Options
-from dstl.storage import StateChangelogStorage
-from dstl.types import (
+from dstl.errors import (
     ChangelogError,
-    ChangelogHandle,
     CorruptChangelogError,
-    KeyGroupRange,
-    SegmentRef,
-    SequenceNumber,
     StorageClosedError,
     UploadFailedError,
     WriterClosedError,
 )
+from dstl.storage import StateChangelogStorage
+from dstl.types import ChangelogHandle, KeyGroupRange, SegmentRef, SequenceNumber
 from dstl.writer import ChangelogWriter
 
 __all__ = [

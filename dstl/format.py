@@ -43,7 +43,7 @@ from typing import Any
 
 import zstandard
 
-from dstl.types import CorruptChangelogError
+from dstl.errors import CorruptChangelogError
 
 FORMAT_VERSION = 1
 FILE_MAGIC = b"DSTL"

@@ -37,8 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dstl.config import ChangelogConfig, HedgingPolicy
+from dstl.errors import UploadFailedError
 from dstl.metrics import ChangelogMetrics
-from dstl.types import UploadFailedError
 from dstl.uploaders import Uploader
 
 

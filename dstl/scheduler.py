@@ -20,10 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dstl.config import ChangelogConfig
+from dstl.errors import UploadFailedError
 from dstl.format import ChangeSet, encode_file
 from dstl.hedging import UploadExecutor
 from dstl.metrics import ChangelogMetrics
-from dstl.types import SegmentRef, UploadFailedError
+from dstl.types import SegmentRef
 
 
 @dataclass(eq=False)

@@ -27,20 +27,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from dstl.config import ChangelogConfig
+from dstl.errors import ChangelogError, CorruptChangelogError, StorageClosedError, WriterClosedError
 from dstl.format import decode_segment, iter_records
 from dstl.hedging import UploadExecutor
 from dstl.metrics import ChangelogMetrics
 from dstl.scheduler import BatchingScheduler, UploadEntry
-from dstl.types import (
-    MAX_KEY_GROUP,
-    ChangelogError,
-    ChangelogHandle,
-    CorruptChangelogError,
-    KeyGroupRange,
-    SegmentRef,
-    StorageClosedError,
-    WriterClosedError,
-)
+from dstl.types import MAX_KEY_GROUP, ChangelogHandle, KeyGroupRange, SegmentRef
 from dstl.uploaders import Uploader, check_relative, make_uploader, new_file_name
 from dstl.writer import ChangelogWriter
 

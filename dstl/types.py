@@ -1,4 +1,4 @@
-"""Value types shared by every part of the log: sequence numbers, key-group ranges, handles, errors.
+"""Value types shared by every part of the log: sequence numbers, key-group ranges, handles.
 
 Sequence numbers (SQNs) number the *changesets* of one writer, not single records. A changeset is
 what a writer appended between two roll-overs (``last_appended_sqn`` / ``persist_durably`` roll
@@ -22,6 +22,8 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from dstl.errors import CorruptChangelogError
 
 
 class SequenceNumber(int):
@@ -81,38 +83,6 @@ class KeyGroupRange:
         if not (isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)):
             raise ValueError(f"not a key group range: {value!r}")
         return cls(value[0], value[1])
-
-
-class ChangelogError(Exception):
-    """Base class of the errors this package raises on purpose."""
-
-
-class CorruptChangelogError(ChangelogError):
-    """A changelog file or handle failed a check: bad magic, unknown version, checksum, truncation.
-
-    The message always names the file (or handle) so that an operator can find and inspect it.
-    """
-
-    def __init__(self, path: str, problem: str) -> None:
-        super().__init__(f"corrupt changelog file {path}: {problem}")
-        self.path = path
-        self.problem = problem
-
-
-class UploadFailedError(ChangelogError):
-    """Every attempt to upload a changelog file failed; the persist future fails with this."""
-
-
-class WriterClosedError(ChangelogError):
-    """The writer (or its storage) was closed; nothing more can be appended or persisted."""
-
-
-class StorageClosedError(WriterClosedError):
-    """The storage is closed, or far enough into closing that nothing new may start on its loop.
-
-    Raised instead of scheduling work on a loop that is about to stop, where it would never run
-    and its caller would wait forever (e.g. a Spark progress listener racing a driver's shutdown).
-    """
 
 
 @dataclass(frozen=True, slots=True)

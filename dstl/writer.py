@@ -30,9 +30,10 @@ import threading
 from array import array
 from typing import TYPE_CHECKING, Any
 
+from dstl.errors import WriterClosedError
 from dstl.format import ChangeSet
 from dstl.scheduler import UploadEntry
-from dstl.types import ChangelogHandle, KeyGroupRange, SequenceNumber, WriterClosedError
+from dstl.types import ChangelogHandle, KeyGroupRange, SequenceNumber
 
 if TYPE_CHECKING:
     from dstl.storage import StateChangelogStorage

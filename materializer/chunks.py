@@ -65,8 +65,9 @@ from typing import Any
 
 import zstandard
 
+from dstl.errors import CorruptDataError
 from dstl.format import array_from_le, le_bytes
-from dstl.types import ChangelogError, KeyGroupRange
+from dstl.types import KeyGroupRange
 
 CHUNK_FORMAT_VERSION = 1
 CHUNK_MAGIC = b"DMAT"
@@ -85,16 +86,10 @@ _first = itemgetter(0)
 _second = itemgetter(1)
 
 
-class CorruptChunkError(ChangelogError):
-    """A materialized chunk failed a check: magic, version, flags, checksum, truncation, lengths.
+class CorruptChunkError(CorruptDataError):
+    """A materialized chunk failed a check: magic, version, flags, checksum, truncation, lengths."""
 
-    The message always names the file so that an operator can find and inspect it.
-    """
-
-    def __init__(self, path: str, problem: str) -> None:
-        super().__init__(f"corrupt materialized chunk {path}: {problem}")
-        self.path = path
-        self.problem = problem
+    what = "materialized chunk"
 
 
 @dataclass(frozen=True, slots=True)

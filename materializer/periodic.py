@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from backend.handles import KeyedStateHandle
-from backend.keyed_backend import ChangelogKeyedStateBackend, MaterializationPoint
+from backend.core.handles import KeyedStateHandle
+from backend.state.keyed_backend import ChangelogKeyedStateBackend, MaterializationPoint
 from dstl import ChangelogError, KeyGroupRange, StateChangelogStorage
 from materializer.chunks import chunk_sections, encode_chunk
 

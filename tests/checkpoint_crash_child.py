@@ -32,9 +32,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from backend.descriptors import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
-from backend.job import LocalJob, OperatorSpec
-from backend.serializers import Int64Serializer, StrSerializer
+from backend.checkpointing.job import LocalJob, OperatorSpec
+from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
+from backend.core.serializers import Int64Serializer, StrSerializer
 from dstl import ChangelogConfig
 from dstl.uploaders import FsspecUploader
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backend.descriptors import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
-from backend.keyed_backend import ChangelogKeyedStateBackend
-from backend.serializers import Int64Serializer, StrSerializer
+from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
+from backend.core.serializers import Int64Serializer, StrSerializer
+from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
 from materializer.periodic import PeriodicMaterializer
 

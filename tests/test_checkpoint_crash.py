@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.checkpoints import METADATA_NAME, SnapshotMetadata, metadata_path
-from backend.handles import StateRestoreError
-from backend.job import LocalJob
+from backend.checkpointing.coordinator import METADATA_NAME, SnapshotMetadata, metadata_path
+from backend.checkpointing.job import LocalJob
+from backend.core.errors import StateRestoreError
 from tests.checkpoint_crash_child import (
     CHECKPOINT_EVERY,
     JOB_ID,

@@ -17,18 +17,18 @@ from typing import Any
 
 import pytest
 
-from backend.checkpoints import (
+from backend.checkpointing.coordinator import (
     CheckpointCoordinator,
-    CheckpointError,
     CheckpointRetention,
     SharedStateRegistry,
     SnapshotMetadata,
     metadata_path,
 )
-from backend.descriptors import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
-from backend.handles import KeyedStateHandle
-from backend.job import LocalJob, OperatorSpec
-from backend.serializers import Int64Serializer, StrSerializer
+from backend.checkpointing.job import LocalJob, OperatorSpec
+from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
+from backend.core.errors import CheckpointError
+from backend.core.handles import KeyedStateHandle
+from backend.core.serializers import Int64Serializer, StrSerializer
 from dstl import ChangelogConfig, StateChangelogStorage
 
 TOTAL = ValueStateDescriptor("total", Int64Serializer())
@@ -274,7 +274,7 @@ def test_paths_outside_the_job_directory_are_rejected(tmp_path: Path, path: str)
     text = meta.dumps().decode().replace('"shared/x"', json.dumps(path))
     body = json.loads(text)
     body.pop("crc32")
-    from backend.checkpoints import _crc
+    from backend.checkpointing.coordinator import _crc
 
     body["crc32"] = _crc(body)
     chk = tmp_path / "job2" / "chk-1"

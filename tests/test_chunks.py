@@ -14,8 +14,9 @@ import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dstl.errors import ChangelogError
 from dstl.format import encode_file
-from dstl.types import MAX_KEY_GROUP, ChangelogError, KeyGroupRange
+from dstl.types import MAX_KEY_GROUP, KeyGroupRange
 from materializer.chunks import (
     CHUNK_FORMAT_VERSION,
     CHUNK_HEADER,

@@ -30,11 +30,11 @@ from backend import (
     StrSerializer,
     ValueStateDescriptor,
 )
-from backend.checkpoints import SnapshotMetadata
-from backend.cli import main
-from backend.job import LocalJob, OperatorSpec
-from backend.serializers import PickleSerializer
-from backend.state_rows import jsonable
+from backend.checkpointing.coordinator import SnapshotMetadata
+from backend.checkpointing.job import LocalJob, OperatorSpec
+from backend.core.serializers import PickleSerializer
+from backend.tools.cli import main
+from backend.tools.state_rows import jsonable
 
 NEVER = 1e9
 TOTAL = ValueStateDescriptor("total", Int64Serializer())
@@ -602,7 +602,7 @@ def test_help_says_what_each_command_does(run: Run, argv: list[str], phrase: str
 def test_installed_entry_point(job_dir: Path, tmp_path: Path) -> None:
     script = Path(sys.executable).parent / "dstl"
     found = str(script) if script.exists() else shutil.which("dstl")
-    command = [found] if found else [sys.executable, "-m", "backend.cli"]
+    command = [found] if found else [sys.executable, "-m", "backend.tools.cli"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     ok = subprocess.run([*command, "checkpoints", "verify", str(job_dir / "chk-2")],
                         capture_output=True, text=True, env=env, timeout=300, check=False)  # fmt: skip

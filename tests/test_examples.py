@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from backend.cli import main as cli_main
-from backend.demo import batch_result, events
-from backend.demo import run as backend_demo
-from backend.example import main as backend_example
+from backend.tools.cli import main as cli_main
+from backend.tools.demo import batch_result, events
+from backend.tools.demo import run as backend_demo
+from backend.tools.example import main as backend_example
 from dstl.demo import run as log_demo
 
 

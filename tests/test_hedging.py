@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from dstl.config import ChangelogConfig, HedgingPolicy
+from dstl.errors import UploadFailedError
 from dstl.hedging import HedgeBudget, HedgeDelay, UploadExecutor, UploadOutcome
 from dstl.metrics import ChangelogMetrics
-from dstl.types import UploadFailedError
 from tests.virtual_time import VirtualTimeDeadlock, VirtualTimeLoop, elapse, run_virtual, virtual_now
 
 Step = tuple[str, float] | tuple[str]
@@ -824,7 +824,7 @@ def test_default_policy_on_the_flip158_profile_in_the_monte_carlo_model() -> Non
     than one hedge at p95 (what the issue's bound assumes); a per-attempt overhead, paid twice
     by a hedged upload, costs ratio (what the hedging benchmark's harness adds)."""
     from benchmarks.hedging_model import p999_ratio
-    from tests.latency_proxy import LatencyProfile
+    from benchmarks.support.latency_proxy import LatencyProfile
 
     profile = LatencyProfile.flip158(0.1)
     free, extra = p999_ratio(HedgingPolicy(), profile, [], 20_000, seeds=2)
@@ -841,7 +841,7 @@ def test_the_model_spreads_benchmark_sized_runs_by_sampling_alone() -> None:
     no hedging in either arm the ratios still scatter around 1 (the benchmark's noise floor),
     while ``p999_ratio`` (the same draws in both arms) gives exactly 1."""
     from benchmarks.hedging_model import run_spread
-    from tests.latency_proxy import LatencyProfile
+    from benchmarks.support.latency_proxy import LatencyProfile
 
     ratios = run_spread(HedgingPolicy.disabled(), LatencyProfile.flip158(0.1), [], 2_000, runs=20)
     assert len(ratios) == 20 and ratios == sorted(ratios)

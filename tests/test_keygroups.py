@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from backend.keygroups import (
+from backend.core.keygroups import (
     DEFAULT_MAX_PARALLELISM,
     UPPER_BOUND_MAX_PARALLELISM,
     assign_key_group,
@@ -16,7 +16,7 @@ from backend.keygroups import (
     murmur3_32,
     subtask_for_key_group,
 )
-from backend.serializers import serialize_key
+from backend.core.serializers import serialize_key
 from dstl.types import KeyGroupRange
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from tests.latency_proxy import Behavior, LatencyProfile, LatencyProxy, run_in_subprocess
+from benchmarks.support.latency_proxy import Behavior, LatencyProfile, LatencyProxy, run_in_subprocess
 
 
 class EchoServer:

@@ -29,12 +29,13 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from backend.cleanup import delete_unreferenced
-from backend.descriptors import ValueStateDescriptor
-from backend.handles import KeyedStateHandle, StateRestoreError
-from backend.keyed_backend import ChangelogKeyedStateBackend, key_group_ranges
-from backend.keygroups import assign_key_group, subtask_for_key_group
-from backend.serializers import Int64Serializer, serialize_key
+from backend.checkpointing.cleanup import delete_unreferenced
+from backend.core.descriptors import ValueStateDescriptor
+from backend.core.errors import StateRestoreError
+from backend.core.handles import KeyedStateHandle
+from backend.core.keygroups import assign_key_group, subtask_for_key_group
+from backend.core.serializers import Int64Serializer, serialize_key
+from backend.state.keyed_backend import ChangelogKeyedStateBackend, key_group_ranges
 from dstl import ChangelogConfig, ChangelogWriter, KeyGroupRange, StateChangelogStorage
 from materializer.periodic import MaterializationError, PeriodicMaterializer, restore
 from tests.materializer_crash_child import (

@@ -1,4 +1,4 @@
-"""Byte layouts of change records and list values (backend.records)."""
+"""Byte layouts of change records and list values (backend.core.records)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from backend import records as rec
-from backend.serializers import SerializationError
+from backend.core import records as rec
+from backend.core.errors import SerializationError
 
 elements = st.lists(st.binary(max_size=20), max_size=20)
 

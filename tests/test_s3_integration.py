@@ -1,7 +1,7 @@
 """The DSTL against a real S3 HTTP endpoint (moto's server mode), directly and through a fault proxy.
 
 One moto server runs for the whole module; each test gets its own bucket. The fault tests put
-``tests.latency_proxy.LatencyProxy`` between aiobotocore and moto. The proxy runs on its own event
+``benchmarks.support.latency_proxy.LatencyProxy`` between aiobotocore and moto. The proxy runs on its own event
 loop in a background thread (the storage's loop thread is the HTTP client), and the client uses
 ``force_close`` so that each upload attempt is exactly one proxied TCP connection: scripting the
 proxy's behaviour per connection scripts the fate of each attempt.
@@ -21,6 +21,16 @@ import aiohttp
 import botocore.session
 import pytest
 
+from benchmarks.support.latency_proxy import Behavior, LatencyProxy
+from benchmarks.support.s3_server import (
+    ACCESS_KEY,
+    REGION,
+    SECRET_KEY,
+    S3Server,
+    create_bucket,
+    list_keys,
+    start_s3_server,
+)
 from dstl import (
     ChangelogConfig,
     ChangelogHandle,
@@ -32,8 +42,6 @@ from dstl import (
     UploadFailedError,
 )
 from dstl.uploaders import USER_AGENT
-from tests.latency_proxy import Behavior, LatencyProxy
-from tests.s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, create_bucket, list_keys, start_s3_server
 
 pytestmark = pytest.mark.s3
 

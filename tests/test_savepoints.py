@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.checkpoints import CheckpointError
-from backend.job import LocalJob, OperatorSpec
-from backend.savepoints import RestoreMode
+from backend.checkpointing.job import LocalJob, OperatorSpec
+from backend.checkpointing.savepoints import RestoreMode
+from backend.core.errors import CheckpointError
 from tests.test_checkpoints import Workload, assert_exact, files_on_dfs, materialize, read_state
 
 NEVER = 1e9

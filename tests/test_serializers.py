@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from backend.serializers import (
+from backend.core.errors import SerializationError, SerializerMismatchError
+from backend.core.serializers import (
     MAX_KEY_DEPTH,
     BoolSerializer,
     BytesSerializer,
@@ -24,9 +25,7 @@ from backend.serializers import (
     OptionalSerializer,
     PickleSerializer,
     RowSerializer,
-    SerializationError,
     Serializer,
-    SerializerMismatchError,
     StrSerializer,
     TupleSerializer,
     check_serializer_id,

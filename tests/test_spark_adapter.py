@@ -37,10 +37,9 @@ from pyspark.sql.types import (  # noqa: E402
     TimestampType,
 )
 
-from backend.handles import KeyedStateHandle  # noqa: E402
-from backend.keyed_backend import ChangelogKeyedStateBackend  # noqa: E402
-from backend.keygroups import assign_key_group  # noqa: E402
-from backend.serializers import serialize_key  # noqa: E402
+from backend.core.handles import KeyedStateHandle  # noqa: E402
+from backend.core.keygroups import assign_key_group  # noqa: E402
+from backend.core.serializers import serialize_key  # noqa: E402
 from backend.spark.handle import (  # noqa: E402
     StateOperationError,
     UnsupportedSchemaError,
@@ -52,6 +51,7 @@ from backend.spark.runner import (  # noqa: E402
     run_apply_in_pandas_with_state,
     run_transform_with_state,
 )
+from backend.state.keyed_backend import ChangelogKeyedStateBackend  # noqa: E402
 from dstl import KeyGroupRange, StateChangelogStorage  # noqa: E402
 
 FULL = KeyGroupRange(0, 127)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.s3_server import ACCESS_KEY, REGION, SECRET_KEY, create_bucket, list_keys, s3_server
+from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, create_bucket, list_keys, s3_server
 
 pytestmark = pytest.mark.spark
 pytest.importorskip("pyspark")

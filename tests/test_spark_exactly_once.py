@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from backend.descriptors import ValueStateDescriptor
-from backend.serializers import Int64Serializer
+from backend.core.descriptors import ValueStateDescriptor
+from backend.core.serializers import Int64Serializer
 
 pytestmark = pytest.mark.spark
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from backend.checkpoints import CheckpointError
-from backend.descriptors import ListStateDescriptor
-from backend.serializers import Int64Serializer
+from backend.core.descriptors import ListStateDescriptor
+from backend.core.errors import CheckpointError
+from backend.core.serializers import Int64Serializer
 from backend.spark import tasks
 from backend.spark.driver import DriverCoordinator
 from backend.spark.tasks import OperatorConfig, run_subtask

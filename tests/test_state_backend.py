@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from backend.descriptors import (
+from backend.core.descriptors import (
     AggregatingStateDescriptor,
     ListStateDescriptor,
     MapStateDescriptor,
@@ -27,20 +27,20 @@ from backend.descriptors import (
     StateTtl,
     ValueStateDescriptor,
 )
-from backend.handles import KeyedStateHandle, StateRestoreError
-from backend.keyed_backend import ChangelogKeyedStateBackend, key_group_ranges
-from backend.keygroups import assign_key_group, subtask_for_key_group
-from backend.serializers import (
+from backend.core.errors import SerializationError, StateRestoreError
+from backend.core.handles import KeyedStateHandle
+from backend.core.keygroups import assign_key_group, subtask_for_key_group
+from backend.core.serializers import (
     BytesSerializer,
     Int64Serializer,
     JsonSerializer,
     PickleSerializer,
-    SerializationError,
     StrSerializer,
     TupleSerializer,
     serialize_key,
 )
-from backend.timers import EVENT_TIME, PROCESSING_TIME
+from backend.state.keyed_backend import ChangelogKeyedStateBackend, key_group_ranges
+from backend.state.timers import EVENT_TIME, PROCESSING_TIME
 from dstl import ChangelogConfig, CorruptChangelogError, KeyGroupRange, StateChangelogStorage
 from dstl.format import FILE_HEADER, SEGMENT_HEADER
 
@@ -994,7 +994,7 @@ def test_set_current_key_encodes_every_key_as_the_canonical_serializer_does(env:
     """set_current_key inlines serialize_key's int case: the table key and key group must be
     those of the canonical encoding for every key, at the 64-bit edges and beyond them too
     (checkpoints and rescaling rely on them)."""
-    from backend import records as rec
+    from backend.core import records as rec
 
     b = env.backend()
     for key in [k for keys in KEYS_BY_TYPE.values() for k in keys] + [2**63, -(2**63) - 1, 2**64, True, 7]:

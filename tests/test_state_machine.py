@@ -25,18 +25,18 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from backend.descriptors import (
+from backend.core.descriptors import (
     ListStateDescriptor,
     MapStateDescriptor,
     ReducingStateDescriptor,
     StateTtl,
     ValueStateDescriptor,
 )
-from backend.handles import KeyedStateHandle
-from backend.keyed_backend import ChangelogKeyedStateBackend, key_group_ranges
-from backend.keygroups import assign_key_group, subtask_for_key_group
-from backend.serializers import Int64Serializer, StrSerializer, serialize_key
-from backend.timers import EVENT_TIME, PROCESSING_TIME
+from backend.core.handles import KeyedStateHandle
+from backend.core.keygroups import assign_key_group, subtask_for_key_group
+from backend.core.serializers import Int64Serializer, StrSerializer, serialize_key
+from backend.state.keyed_backend import ChangelogKeyedStateBackend, key_group_ranges
+from backend.state.timers import EVENT_TIME, PROCESSING_TIME
 from dstl import ChangelogConfig, StateChangelogStorage
 from tests.state_models import apply_list_op
 

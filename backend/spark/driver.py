@@ -25,8 +25,9 @@ import threading
 from collections import Counter
 from typing import Any
 
-from backend.checkpoints import CheckpointCoordinator, CheckpointError, SnapshotMetadata
-from backend.handles import KeyedStateHandle
+from backend.checkpointing.coordinator import CheckpointCoordinator, SnapshotMetadata
+from backend.core.errors import CheckpointError
+from backend.core.handles import KeyedStateHandle
 from backend.spark.tasks import OperatorConfig
 from dstl import StateChangelogStorage, StorageClosedError
 

@@ -37,9 +37,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from backend import records as rec
-from backend.descriptors import ListStateDescriptor, MapStateDescriptor, StateTtl, ValueStateDescriptor
-from backend.serializers import (
+from backend.core import records as rec
+from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, StateTtl, ValueStateDescriptor
+from backend.core.errors import ChangelogError, ConfigurationError
+from backend.core.serializers import (
     BoolSerializer,
     BytesSerializer,
     Float64Serializer,
@@ -50,10 +51,10 @@ from backend.serializers import (
     Serializer,
     StrSerializer,
 )
-from backend.timers import EVENT_TIME, PROCESSING_TIME
+from backend.state.timers import EVENT_TIME, PROCESSING_TIME
 
 if TYPE_CHECKING:
-    from backend.keyed_backend import ChangelogKeyedStateBackend
+    from backend.state.keyed_backend import ChangelogKeyedStateBackend
 
 __all__ = [
     "CLOSED",
@@ -86,12 +87,12 @@ _PHASE_NAMES = {CREATED: "CREATED", INITIALIZED: "INITIALIZED", DATA_PROCESSED: 
                 TIMER_PROCESSED: "TIMER_PROCESSED", CLOSED: "CLOSED"}  # fmt: skip
 
 
-class StateOperationError(RuntimeError):
+class StateOperationError(ChangelogError, RuntimeError):
     """A handle operation that the current phase or time mode does not allow (Spark: a JVM error
     surfacing as PySparkRuntimeError)."""
 
 
-class UnsupportedSchemaError(ValueError):
+class UnsupportedSchemaError(ConfigurationError):
     """A Spark schema (or DDL string) this adapter cannot store; names the field."""
 
 

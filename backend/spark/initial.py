@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from backend.checkpoints import CheckpointError
+from backend.core.errors import CheckpointError
 from backend.spark.tasks import OperatorConfig, storage_for
 
 _KEY_GROUP = "__dstl_key_group"

@@ -25,7 +25,7 @@ from typing import Any
 
 import mmh3
 
-from backend.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
+from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
 from backend.spark.driver import coordinator_for
 from backend.spark.tasks import OperatorConfig, run_subtask
 from dstl import ChangelogConfig

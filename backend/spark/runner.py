@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from backend.descriptors import ValueStateDescriptor
-from backend.serializers import Int64Serializer, OptionalSerializer, TupleSerializer
+from backend.core.descriptors import ValueStateDescriptor
+from backend.core.serializers import Int64Serializer, OptionalSerializer, TupleSerializer
 from backend.spark.handle import (
     CLOSED,
     DATA_PROCESSED,
@@ -44,7 +44,7 @@ from backend.spark.handle import (
 )
 
 if TYPE_CHECKING:
-    from backend.keyed_backend import ChangelogKeyedStateBackend
+    from backend.state.keyed_backend import ChangelogKeyedStateBackend
 
 __all__ = [
     "GROUP_STATE_NAME",

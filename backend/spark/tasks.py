@@ -39,10 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.checkpoints import CheckpointError, SnapshotMetadata, metadata_path
-from backend.handles import KeyedStateHandle, StateRestoreError
-from backend.keyed_backend import ChangelogKeyedStateBackend
-from backend.keygroups import key_group_range_for_subtask
+from backend.checkpointing.coordinator import SnapshotMetadata, metadata_path
+from backend.core.errors import CheckpointError, StateRestoreError
+from backend.core.handles import KeyedStateHandle
+from backend.core.keygroups import key_group_range_for_subtask
+from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
 from materializer.periodic import PeriodicMaterializer, restore
 

@@ -1,6 +1,6 @@
 """The README's standalone example: keyed events in a loop, checkpoints, a crash, a restore.
 
-python -m backend.example
+python -m backend.tools.example
 """
 
 from __future__ import annotations

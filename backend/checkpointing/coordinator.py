@@ -40,18 +40,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend.handles import KeyedStateHandle, StateRestoreError
-from dstl import ChangelogError, StateChangelogStorage, StorageClosedError
+from backend.core.errors import CheckpointError, StateRestoreError
+from backend.core.handles import KeyedStateHandle
+from dstl import StateChangelogStorage, StorageClosedError
 from dstl.uploaders import check_relative
 
 METADATA_VERSION = 1
 METADATA_FORMAT = "dstl-snapshot"
 METADATA_NAME = "_metadata"
 _CHK_DIR = re.compile(r"^chk-(\d+)$")
-
-
-class CheckpointError(ChangelogError):
-    """A checkpoint cannot be completed, read or restored (the message names the file or path)."""
 
 
 class CheckpointRetention(enum.Enum):
@@ -86,7 +83,7 @@ class SnapshotMetadata:
 
     ``operators`` maps an operator uid to its part: for native snapshots
     ``{"max_parallelism": m, "subtasks": [KeyedStateHandle JSON, ...]}``; canonical savepoints
-    (``backend.savepoints``) store ``{"max_parallelism", "states", "files": [...]}`` instead.
+    (``backend.checkpointing.savepoints``) store ``{"max_parallelism", "states", "files": [...]}`` instead.
     """
 
     checkpoint_id: int
@@ -243,7 +240,7 @@ StepHook = Callable[[str], None]
 class CheckpointCoordinator:
     """Triggers, collects, completes and subsumes the checkpoints of one job directory.
 
-    Standalone use (``backend.job.LocalJob``) and the Spark driver both drive it: ``trigger`` a
+    Standalone use (``backend.checkpointing.job.LocalJob``) and the Spark driver both drive it: ``trigger`` a
     checkpoint id, ``acknowledge`` every subtask's handle, ``complete`` (or ``abort``). Call
     ``recover`` once before the first trigger.
     """

@@ -13,12 +13,12 @@ import heapq
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from backend import records as rec
-from backend.records import Op
-from backend.state import require_key
+from backend.core import records as rec
+from backend.core.records import Op
+from backend.state.primitives import require_key
 
 if TYPE_CHECKING:
-    from backend.keyed_backend import ChangelogKeyedStateBackend
+    from backend.state.keyed_backend import ChangelogKeyedStateBackend
 
 PROCESSING_TIME = 0
 EVENT_TIME = 1

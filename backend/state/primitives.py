@@ -21,18 +21,19 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from backend import records as rec
-from backend.descriptors import (
+from backend.core import records as rec
+from backend.core.descriptors import (
     AggregatingStateDescriptor,
     ListStateDescriptor,
     MapStateDescriptor,
     ReducingStateDescriptor,
     StateDescriptor,
 )
-from backend.records import Op
+from backend.core.errors import NoCurrentKeyError
+from backend.core.records import Op
 
 if TYPE_CHECKING:
-    from backend.keyed_backend import ChangelogKeyedStateBackend
+    from backend.state.keyed_backend import ChangelogKeyedStateBackend
 
 V = TypeVar("V")
 K = TypeVar("K")
@@ -52,13 +53,6 @@ class _Tombstone:
 
 TOMBSTONE: Any = _Tombstone()
 _MISS: Any = object()
-
-
-class NoCurrentKeyError(RuntimeError):
-    """Keyed state was used before ``set_current_key``."""
-
-    def __init__(self) -> None:
-        super().__init__("keyed state used without a current key: call set_current_key(key) first")
 
 
 class _NoKey(dict[bytes, Any]):

@@ -9,7 +9,7 @@ registry is rebuilt from ``chk-*/_metadata``, orphan files are deleted, state is
 latest checkpoint and compared with a batch computation of the input up to that checkpoint; then
 it processes the rest of the input and compares again. Ends with PASS or FAIL.
 
-    python -m backend.demo [--dir DIR] [--events N] [--checkpoint-every N]
+    python -m backend.tools.demo [--dir DIR] [--events N] [--checkpoint-every N]
 
 The checkpoint directory stays for the command line: ``dstl checkpoints list DIR/demo-job``.
 """
@@ -26,9 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from backend.descriptors import MapStateDescriptor, ValueStateDescriptor
-from backend.job import LocalJob, OperatorSpec
-from backend.serializers import Int64Serializer, StrSerializer
+from backend.checkpointing.job import LocalJob, OperatorSpec
+from backend.core.descriptors import MapStateDescriptor, ValueStateDescriptor
+from backend.core.serializers import Int64Serializer, StrSerializer
 
 JOB = "demo-job"
 UID = "user-totals"
@@ -111,7 +111,7 @@ def run(root: Path, n: int, every: int) -> bool:
     print(f"DFS (embedded default, a local directory): {root / 'dfs'}")
     print(f"input: {n} events of 2000 users; operator {UID!r} at parallelism 4; checkpoint every {every} events\n")
     child = subprocess.run(
-        [sys.executable, "-m", "backend.demo", "--phase", "child", "--dir", str(root), "--events", str(n),
+        [sys.executable, "-m", "backend.tools.demo", "--phase", "child", "--dir", str(root), "--events", str(n),
          "--checkpoint-every", str(every)],
         check=False,
     )  # fmt: skip
@@ -145,7 +145,7 @@ def run(root: Path, n: int, every: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m backend.demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m backend.tools.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--dir", type=Path, help="working directory (default: a new temporary directory, kept)")
     parser.add_argument("--events", type=int, default=40_000)
     parser.add_argument("--checkpoint-every", type=int, default=4_000)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from backend.serializers import Serializer
+from backend.core.serializers import Serializer
 
 V = TypeVar("V")
 K = TypeVar("K")

@@ -2,7 +2,7 @@
 
 The hot path (``set_current_key``, state reads and writes) touches only Python dicts and, on a
 cache miss, one LMDB ``get``; the log sees one net record per changed key and state per flush
-(see ``backend.state``). A checkpoint is ``flush`` + ``persist_durably`` of the log since the last
+(see ``backend.state.primitives``). A checkpoint is ``flush`` + ``persist_durably`` of the log since the last
 materialization: it costs what changed since the last checkpoint, not what is stored.
 
 Restore replays handles of any old parallelism: for every changelog handle of every snapshot,
@@ -26,24 +26,24 @@ from typing import Any, NoReturn
 import lmdb
 import mmh3
 
-from backend import records as rec
-from backend.descriptors import StateDescriptor
-from backend.handles import KeyedStateHandle, LogEntry, StateRestoreError, intersect
-from backend.keygroups import DEFAULT_MAX_PARALLELISM, assign_key_group, check_max_parallelism
-from backend.records import Op
-from backend.serializers import (
+from backend.core import records as rec
+from backend.core.descriptors import StateDescriptor
+from backend.core.errors import SerializationError, StateRestoreError
+from backend.core.handles import KeyedStateHandle, LogEntry, intersect
+from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, assign_key_group, check_max_parallelism
+from backend.core.records import Op
+from backend.core.serializers import (
     INT_KEY_BYTES,
     INT_KEY_OFFSET,
     INT_KEY_TAG,
     KeySerializer,
-    SerializationError,
     Serializer,
     pack_int_key,
     serialize_key,
 )
-from backend.state import StateTable, _ValueTable, table_for, wrapper_for
-from backend.tables import LmdbTables
-from backend.timers import EVENT_TIME, PROCESSING_TIME, TIMERS_DB, TIMERS_SID, TimerService
+from backend.state.primitives import StateTable, _ValueTable, table_for, wrapper_for
+from backend.state.tables import LmdbTables
+from backend.state.timers import EVENT_TIME, PROCESSING_TIME, TIMERS_DB, TIMERS_SID, TimerService
 from dstl import ChangelogError, ChangelogHandle, KeyGroupRange, StateChangelogStorage
 from dstl.types import SequenceNumber
 
@@ -700,6 +700,6 @@ def _apply(txn: Any, db: Any, kind: str, op: Op, ck: bytes, rest: bytes) -> int:
 
 
 def key_group_ranges(max_parallelism: int, parallelism: int) -> Sequence[KeyGroupRange]:
-    from backend.keygroups import key_group_range_for_subtask
+    from backend.core.keygroups import key_group_range_for_subtask
 
     return [key_group_range_for_subtask(max_parallelism, parallelism, i) for i in range(parallelism)]

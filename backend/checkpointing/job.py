@@ -29,17 +29,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from backend.checkpoints import (
+from backend.checkpointing.coordinator import (
     CheckpointCoordinator,
-    CheckpointError,
     CheckpointRetention,
     SnapshotMetadata,
     StepHook,
     read_snapshot,
 )
-from backend.keyed_backend import DEFAULT_CACHE_LIMIT, ChangelogKeyedStateBackend
-from backend.keygroups import DEFAULT_MAX_PARALLELISM, key_group_range_for_subtask
-from backend.savepoints import (
+from backend.checkpointing.savepoints import (
     Progress,
     RestoreMode,
     check_operators,
@@ -51,6 +48,9 @@ from backend.savepoints import (
     write_canonical_savepoint,
     write_native_savepoint,
 )
+from backend.core.errors import CheckpointError
+from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, key_group_range_for_subtask
+from backend.state.keyed_backend import DEFAULT_CACHE_LIMIT, ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, StateChangelogStorage
 from dstl.uploaders import Uploader
 from materializer.periodic import PeriodicMaterializer, restore

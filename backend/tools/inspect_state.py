@@ -2,7 +2,7 @@
 
 A *snapshot* is a completed checkpoint (``<job>/chk-<n>/_metadata``, paths relative to the job
 directory) or a savepoint (``<dir>/_metadata``, paths relative to ``<dir>``); see
-``backend.checkpoints``. Nothing here writes to a snapshot: state is restored into scratch
+``backend.checkpointing.coordinator``. Nothing here writes to a snapshot: state is restored into scratch
 backends (LMDB in a temporary directory, no changelog) and read from there. Nothing read from a
 snapshot is unpickled: values of a ``pickle/1`` state (or of a serializer this build does not
 know) are dumped as hex.
@@ -21,18 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.checkpoints import METADATA_NAME, SnapshotMetadata
-from backend.handles import KeyedStateHandle
-from backend.job import snapshot_location
-from backend.keyed_backend import ChangelogKeyedStateBackend
-from backend.savepoints import handles_of
-from dstl import ChangelogConfig, StateChangelogStorage
+from backend.checkpointing.coordinator import METADATA_NAME, SnapshotMetadata
+from backend.checkpointing.job import snapshot_location
+from backend.checkpointing.savepoints import handles_of
+from backend.core.handles import KeyedStateHandle
+from backend.state.keyed_backend import ChangelogKeyedStateBackend
+from dstl import ChangelogConfig, ChangelogError, StateChangelogStorage
 from materializer.periodic import restore
 
 _CHK = re.compile(r"^chk-(\d+)$")
 
 
-class CliError(Exception):
+class CliError(ChangelogError):
     """An error the command line reports as ``dstl: error: <message>`` with exit code ``code``."""
 
     def __init__(self, message: str, code: int = 1) -> None:

@@ -31,7 +31,7 @@ from array import array
 from collections.abc import Iterator
 from enum import IntEnum
 
-from backend.serializers import SerializationError
+from backend.core.errors import SerializationError
 
 _U16 = struct.Struct(">H")
 _HEAD = struct.Struct(">BI")

@@ -10,7 +10,7 @@ The client is expected to use one TCP connection per request (aiohttp ``force_cl
 connection" means "per request attempt": a retried request is a new connection, gets a freshly sampled
 delay and the next scripted behaviour. That is what makes retry/timeout logic testable deterministically.
 
-Only the standard library is needed, so the proxy can also run as ``python -m tests.latency_proxy`` in a
+Only the standard library is needed, so the proxy can also run as ``python -m benchmarks.support.latency_proxy`` in a
 separate process (see :func:`run_in_subprocess`), keeping its event loop off the client's GIL; there it
 runs on uvloop when that is installed.
 """
@@ -387,7 +387,7 @@ def run_in_subprocess(
     cmd = [
         sys.executable,
         "-m",
-        "tests.latency_proxy",
+        "benchmarks.support.latency_proxy",
         "--upstream-port",
         str(upstream_port),
         "--scale",
@@ -437,7 +437,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``python -m tests.latency_proxy``: a PASS proxy (FLIP-158 profile by default)."""
+    """Entry point of ``python -m benchmarks.support.latency_proxy``: a PASS proxy (FLIP-158 profile by default)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--upstream-port", type=int, required=True)
     parser.add_argument("--upstream-host", default="127.0.0.1")

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend.inspect_state import Snapshot
+from backend.tools.inspect_state import Snapshot
 from dstl import CorruptChangelogError, KeyGroupRange, SegmentRef
 from dstl.format import decode_segment, read_footer, verify_file
 from materializer.chunks import CorruptChunkError, decode_chunk

@@ -48,7 +48,7 @@ class S3Server:
 def start_s3_server() -> S3Server:
     env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
     process = subprocess.Popen(
-        [sys.executable, "-m", "tests.s3_server"],
+        [sys.executable, "-m", "benchmarks.support.s3_server"],
         cwd=ROOT,
         env=env,
         stdin=subprocess.PIPE,

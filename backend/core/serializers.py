@@ -32,6 +32,8 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, Protocol, SupportsIndex, TypeAlias, TypeVar, cast
 
+from backend.core.errors import SerializationError, SerializerMismatchError
+
 __all__ = [
     "MAX_KEY_DEPTH",
     "BoolSerializer",
@@ -44,9 +46,7 @@ __all__ = [
     "OptionalSerializer",
     "PickleSerializer",
     "RowSerializer",
-    "SerializationError",
     "Serializer",
-    "SerializerMismatchError",
     "StrSerializer",
     "TupleSerializer",
     "check_serializer_id",
@@ -56,34 +56,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-
-class SerializationError(ValueError):
-    """A value could not be serialized, or bytes could not be deserialized.
-
-    ``SerializationError(serializer_id, problem)`` names the serializer (every serializer here
-    does); ``SerializationError(message)`` is for formats that are not serializers, such as
-    change records, and has ``serializer_id`` None.
-    """
-
-    def __init__(self, serializer_id: str, problem: str | None = None) -> None:
-        if problem is None:
-            super().__init__(serializer_id)
-            self.serializer_id: str | None = None
-            self.problem = serializer_id
-        else:
-            super().__init__(f"serializer {serializer_id}: {problem}")
-            self.serializer_id = serializer_id
-            self.problem = problem
-
-
-class SerializerMismatchError(SerializationError):
-    """State was written with one serializer (``recorded_id``) and is being read with another."""
-
-    def __init__(self, recorded_id: str, actual_id: str, what: str = "state") -> None:
-        super().__init__(actual_id, f"{what} was written with serializer {recorded_id!r}, cannot read it with this one")
-        self.recorded_id = recorded_id
-        self.actual_id = actual_id
 
 
 class Serializer(Protocol[T]):
@@ -142,7 +114,7 @@ class Int64Serializer(_Base):
 
     def serialize_many(self, values: list[int]) -> list[bytes]:
         """``[serialize(v) for v in values]`` as a C-level map: a checkpoint serializes every
-        changed value of a state at once (see ``backend.state``)."""
+        changed value of a state at once (see ``backend.state.primitives``)."""
         try:
             return list(map(_I64.pack, values))
         except struct.error:

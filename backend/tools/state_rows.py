@@ -2,7 +2,7 @@
 
 One row per entry, like Spark's state data source: ``operator, state, kind, key_group, key,
 user_key, value, ttl_expiry_ms``. Keys are decoded with the canonical key encoding
-(``backend.serializers.KeySerializer``), values with the serializer ids the snapshot recorded
+(``backend.core.serializers.KeySerializer``), values with the serializer ids the snapshot recorded
 (``serializer_for_id``, which refuses pickle). What must not or cannot be decoded (``pickle/1``,
 a serializer this build does not know, malformed bytes) is dumped as ``{"$raw": hex}``; nothing
 is ever unpickled. Timers are rows of the state ``_timers`` (user key: the time domain, value:
@@ -18,11 +18,12 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
-from backend import records as rec
-from backend.inspect_state import CliError
-from backend.keyed_backend import ChangelogKeyedStateBackend
-from backend.serializers import KeySerializer, SerializationError, Serializer, serializer_for_id
-from backend.timers import EVENT_TIME, TIMERS_DB
+from backend.core import records as rec
+from backend.core.errors import SerializationError
+from backend.core.serializers import KeySerializer, Serializer, serializer_for_id
+from backend.state.keyed_backend import ChangelogKeyedStateBackend
+from backend.state.timers import EVENT_TIME, TIMERS_DB
+from backend.tools.inspect_state import CliError
 
 #: the name under which timers are reported
 TIMERS_STATE = "_timers"

@@ -16,13 +16,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.core.errors import StateRestoreError
 from dstl import ChangelogHandle, CorruptChangelogError, KeyGroupRange
 
 HANDLE_VERSION = 1
-
-
-class StateRestoreError(ValueError):
-    """A snapshot cannot be restored here: corrupt or foreign handle, or incompatible state."""
 
 
 @dataclass(frozen=True)

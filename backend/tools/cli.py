@@ -26,9 +26,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from backend.checkpoints import METADATA_NAME
-from backend.handles import StateRestoreError
-from backend.inspect_state import (
+from backend.checkpointing.coordinator import METADATA_NAME
+from backend.checkpointing.savepoints import dispose_savepoint, write_canonical_savepoint, write_native_savepoint
+from backend.core.errors import SerializationError, StateRestoreError
+from backend.tools.inspect_state import (
     CliError,
     check_savepoint_target,
     is_local,
@@ -41,10 +42,8 @@ from backend.inspect_state import (
     restore_subtask,
     summarize,
 )
-from backend.savepoints import dispose_savepoint, write_canonical_savepoint, write_native_savepoint
-from backend.serializers import SerializationError
-from backend.state_rows import TIMERS_STATE, jsonl_writer, parquet_writer, readers, state_rows
-from backend.verify_snapshot import verify
+from backend.tools.state_rows import TIMERS_STATE, jsonl_writer, parquet_writer, readers, state_rows
+from backend.tools.verify import verify
 from dstl import ChangelogError
 
 PROG = "dstl"

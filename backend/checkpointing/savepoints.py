@@ -1,6 +1,6 @@
 """Savepoints (native and canonical), restore modes, and restoring a job's operators by uid.
 
-A savepoint is a directory with a ``_metadata`` (``backend.checkpoints.SnapshotMetadata``, kind
+A savepoint is a directory with a ``_metadata`` (``backend.checkpointing.coordinator.SnapshotMetadata``, kind
 ``savepoint``) and the files it names, every path relative to the directory: move the directory
 and it still restores.
 
@@ -36,9 +36,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from backend.checkpoints import METADATA_NAME, CheckpointError, SnapshotMetadata, read_snapshot
-from backend.handles import KeyedStateHandle
-from backend.keyed_backend import ChangelogKeyedStateBackend
+from backend.checkpointing.coordinator import METADATA_NAME, SnapshotMetadata, read_snapshot
+from backend.core.errors import CheckpointError
+from backend.core.handles import KeyedStateHandle
+from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
 from materializer.chunks import encode_chunk
 from materializer.periodic import read_sections

@@ -1,0 +1,65 @@
+"""The errors of keyed state, its snapshots and checkpoints: all under ``dstl.errors.ChangelogError``.
+
+One module for the whole backend so that every layer above (state, materializer, checkpointing,
+tools, Spark) raises and catches the same classes. Where an error was a ``ValueError`` or a
+``RuntimeError`` before it joined the hierarchy, it still is one, so existing handlers keep working.
+"""
+
+from __future__ import annotations
+
+from dstl.errors import ChangelogError, ConfigurationError, CorruptDataError
+
+
+class SerializationError(ChangelogError, ValueError):
+    """A value could not be serialized, or bytes could not be deserialized.
+
+    ``SerializationError(serializer_id, problem)`` names the serializer (every serializer here
+    does); ``SerializationError(message)`` is for formats that are not serializers, such as
+    change records, and has ``serializer_id`` None.
+    """
+
+    def __init__(self, serializer_id: str, problem: str | None = None) -> None:
+        if problem is None:
+            super().__init__(serializer_id)
+            self.serializer_id: str | None = None
+            self.problem = serializer_id
+        else:
+            super().__init__(f"serializer {serializer_id}: {problem}")
+            self.serializer_id = serializer_id
+            self.problem = problem
+
+
+class SerializerMismatchError(SerializationError):
+    """State was written with one serializer (``recorded_id``) and is being read with another."""
+
+    def __init__(self, recorded_id: str, actual_id: str, what: str = "state") -> None:
+        super().__init__(actual_id, f"{what} was written with serializer {recorded_id!r}, cannot read it with this one")
+        self.recorded_id = recorded_id
+        self.actual_id = actual_id
+
+
+class NoCurrentKeyError(ChangelogError, RuntimeError):
+    """Keyed state was used before ``set_current_key``."""
+
+    def __init__(self) -> None:
+        super().__init__("keyed state used without a current key: call set_current_key(key) first")
+
+
+class StateRestoreError(ChangelogError, ValueError):
+    """A snapshot cannot be restored here: corrupt or foreign handle, or incompatible state."""
+
+
+class CheckpointError(ChangelogError):
+    """A checkpoint cannot be completed, read or restored (the message names the file or path)."""
+
+
+__all__ = [
+    "ChangelogError",
+    "CheckpointError",
+    "ConfigurationError",
+    "CorruptDataError",
+    "NoCurrentKeyError",
+    "SerializationError",
+    "SerializerMismatchError",
+    "StateRestoreError",
+]

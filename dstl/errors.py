@@ -1,0 +1,70 @@
+"""The one exception hierarchy of the project: every error we raise on purpose is a ``ChangelogError``.
+
+Why one root: a caller (the CLI, a Spark task, a job's driver) can tell "the state backend refused
+or failed, and says why" from a bug with one ``except``. The few branches say what went wrong,
+not where: corrupt data, the DFS (storage), a closed writer, a bad configuration. Packages above
+``dstl`` add their subclasses in their own errors module (``backend.core.errors``), all under this
+root. Every message names the file, object or option involved, so that an operator can find it.
+"""
+
+from __future__ import annotations
+
+
+class ChangelogError(Exception):
+    """Root of every error this project raises on purpose (log, state, checkpoints, tools)."""
+
+
+class CorruptDataError(ChangelogError):
+    """Stored bytes failed a check: bad magic, unknown version, checksum, truncation, lengths.
+
+    ``path`` names the file (or handle) so that an operator can find and inspect it.
+    """
+
+    what = "file"
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"corrupt {self.what} {path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class CorruptChangelogError(CorruptDataError):
+    """A changelog file or handle failed a check."""
+
+    what = "changelog file"
+
+
+class ConfigurationError(ChangelogError, ValueError):
+    """An option or argument is out of its range or inconsistent with another; names the option."""
+
+
+class StorageError(ChangelogError):
+    """A DFS operation failed for good (after its retries); names the operation and the object."""
+
+
+class UploadFailedError(StorageError):
+    """Every attempt to upload a changelog file failed; the persist future fails with this."""
+
+
+class WriterClosedError(ChangelogError):
+    """The writer (or its storage) was closed; nothing more can be appended or persisted."""
+
+
+class StorageClosedError(WriterClosedError):
+    """The storage is closed, or far enough into closing that nothing new may start on its loop.
+
+    Raised instead of scheduling work on a loop that is about to stop, where it would never run
+    and its caller would wait forever (e.g. a Spark progress listener racing a driver's shutdown).
+    """
+
+
+__all__ = [
+    "ChangelogError",
+    "ConfigurationError",
+    "CorruptChangelogError",
+    "CorruptDataError",
+    "StorageClosedError",
+    "StorageError",
+    "UploadFailedError",
+    "WriterClosedError",
+]
