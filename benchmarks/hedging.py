@@ -47,7 +47,8 @@ from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, create_
 from dstl.config import ChangelogConfig, HedgingPolicy, S3Options
 from dstl.hedging import UploadExecutor
 from dstl.metrics import ChangelogMetrics
-from dstl.uploaders import S3Uploader, new_file_name
+from dstl.paths import new_file_name
+from dstl.uploaders import S3Uploader
 
 BUCKET = "hedging-bench"
 # One upload at a time, as one TaskManager's flushes mostly are. Every upload's client work
@@ -69,7 +70,7 @@ def _config(endpoint: str, hedging: HedgingPolicy) -> ChangelogConfig:
         base_path=f"s3://{BUCKET}/bench",
         hedging=hedging,
         # The per-attempt timeout must not act as a second hedge: 10x the profile's p99.9.
-        upload_timeout_s=3.2,
+        upload_timeout_ms=3200,
         s3=S3Options(
             endpoint_url=endpoint,
             region=REGION,
@@ -100,7 +101,7 @@ class _Mode:
                 remaining -= 1
                 outcome = await self.executor.upload(payload)
                 if record:
-                    self.latencies_ms.append(outcome.latency_s * 1000)
+                    self.latencies_ms.append(outcome.latency_ms)
 
         await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
 
@@ -138,8 +139,12 @@ async def _bench(endpoint: str, uploads: int, warmup: int) -> tuple[_Mode, _Mode
     return plain, hedged, extra
 
 
-def _plot(plain: list[float], hedged: list[float], path: Path) -> None:
-    import matplotlib
+def _plot(plain: list[float], hedged: list[float], path: Path) -> bool:
+    """Write the tail plot; False when matplotlib (the ``bench`` extra) is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -162,6 +167,7 @@ def _plot(plain: list[float], hedged: list[float], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 async def _overhead(endpoint: str, uploads: int) -> list[float]:
@@ -225,7 +231,7 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
         metrics[f"model_run_ratio_{label}"] = round(percentile(spread, q), 3)
     metrics["model_runs_at_most_half_pct"] = round(100 * sum(r <= 0.5 for r in spread) / len(spread))
     plot = out_dir / "hedging_cdf.png"
-    _plot(plain.latencies_ms, hedged.latencies_ms, plot)
+    plotted = _plot(plain.latencies_ms, hedged.latencies_ms, plot)
     table = [
         ("uploads per mode", f"{uploads} (+{warmup} warm-up), {CONCURRENCY} concurrent"),
         ("profile p50/p99/p99.9 (ms)", "/".join(f"{profile.quantile(q) * 1000:.1f}" for q in (0.5, 0.99, 0.999))),
@@ -259,7 +265,7 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
         name="hedging",
         metrics=metrics,
         table=table,
-        plots=[str(plot)],
+        plots=[str(plot)] if plotted else [],
         # The overhead samples let the model be re-run on this run's machine state.
         details={"extra_request_pct_plain": extra["extra_request_pct_plain"], "overhead_ms": overhead_ms},
     )

@@ -37,7 +37,7 @@ def _materialize(mat: PeriodicMaterializer) -> dict[str, Any]:
     return {
         "full_bytes": m.last_full_size,
         "uploaded_bytes": m.last_incremental_size,
-        "seconds": round(m.last_duration_s, 4),
+        "seconds": round(m.last_duration_ms / 1000, 4),
         "chunks_uploaded_total": m.chunks_uploaded,
         "chunks_reused_total": m.chunks_reused,
     }

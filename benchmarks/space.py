@@ -1,7 +1,7 @@
 """``space``: DFS space amplification with periodic materialization and 2 retained checkpoints.
 
 Two runs, each on its own local-directory DFS, a backend with ``num_retained=2`` and a
-``PeriodicMaterializer`` whose clock is the checkpoint counter (``interval_s=MATERIALIZE_EVERY``,
+``PeriodicMaterializer`` whose clock is the checkpoint counter (``interval_ms=MATERIALIZE_EVERY``,
 no size trigger; the first materialization is jittered as usual, with a seeded rng):
 
 a. ``value``: a fixed set of int keys (500k; quick 100k) holding counters; each checkpoint
@@ -98,7 +98,7 @@ class _Run:
         self.now = 0.0
         self.mat = PeriodicMaterializer(
             self.backend,
-            interval_s=MATERIALIZE_EVERY,
+            interval_ms=MATERIALIZE_EVERY,
             size_trigger_bytes=None,
             clock=lambda: self.now,
             rng=random.Random(3),

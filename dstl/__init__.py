@@ -3,16 +3,20 @@
 Knows bytes, key groups and sequence numbers; knows nothing of state types or Spark.
 """
 
+from dstl.api import StateChangelogWriter, WriterStorage
 from dstl.config import ChangelogConfig, HedgingPolicy, S3Options
 from dstl.errors import (
     ChangelogError,
+    ConfigurationError,
     CorruptChangelogError,
     StorageClosedError,
+    StorageError,
     UploadFailedError,
     WriterClosedError,
 )
 from dstl.storage import StateChangelogStorage
 from dstl.types import ChangelogHandle, KeyGroupRange, SegmentRef, SequenceNumber
+from dstl.uploaders import Uploader, make_uploader
 from dstl.writer import ChangelogWriter
 
 __all__ = [
@@ -20,6 +24,7 @@ __all__ = [
     "ChangelogError",
     "ChangelogHandle",
     "ChangelogWriter",
+    "ConfigurationError",
     "CorruptChangelogError",
     "HedgingPolicy",
     "KeyGroupRange",
@@ -27,7 +32,12 @@ __all__ = [
     "SegmentRef",
     "SequenceNumber",
     "StateChangelogStorage",
+    "StateChangelogWriter",
     "StorageClosedError",
+    "StorageError",
     "UploadFailedError",
+    "Uploader",
     "WriterClosedError",
+    "WriterStorage",
+    "make_uploader",
 ]

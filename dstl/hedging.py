@@ -11,7 +11,7 @@ of a hedge can be deleted without touching the winner's object):
 3. A hedge timer fires while an attempt runs: if attempts remain and the budget has a token,
    start one more attempt (the running ones keep running; the first to finish wins).
 4. An attempt fails (error, or its per-attempt timeout): when nothing else is running and
-   attempts remain, start another one after ``retry_delay * 2**(failures-1)``. When no attempt
+   attempts remain, start another one after ``retry_delay_ms * 2**(failures-1)``. When no attempt
    remains, the upload fails at once with ``UploadFailedError`` and every object tried is deleted
    in the background (``drain`` waits for that); a
    timed-out *last* attempt fails the upload too (Flink's FLINK-26396 did not).
@@ -23,8 +23,8 @@ Latency samples for the hedge delay come from primary attempts only: a primary c
 a hedge won contributes its elapsed time, a lower bound that lies above the first hedge's delay,
 so the first percentile is not biased towards the fast hedges that won. The second percentile
 is: such bounds (about the first delay plus a hedge's latency) often lie below the true p99, so
-the second hedge starts a little earlier than its percentile says (simulated: ~p98.5 for p99);
-the budget still caps how many hedges there are.
+the second hedge starts a little earlier than its percentile says; the budget still caps how
+many hedges there are.
 """
 
 from __future__ import annotations
@@ -39,14 +39,21 @@ from dataclasses import dataclass
 from dstl.config import ChangelogConfig, HedgingPolicy
 from dstl.errors import UploadFailedError
 from dstl.metrics import ChangelogMetrics
-from dstl.uploaders import Uploader
+from dstl.uploaders.base import Uploader
 
 
 class HedgeDelay:
-    """The ``percentile`` of a sliding window of latencies, clamped to the policy's bounds."""
+    """The ``percentile`` of a sliding window of latencies, clamped to the policy's bounds.
+
+    It works in seconds, the unit of the loop's clock it is fed from and armed on: the policy's
+    millisecond bounds are converted once here.
+    """
 
     def __init__(self, policy: HedgingPolicy) -> None:
         self._policy = policy
+        self._initial = policy.initial_delay_ms / 1000
+        self._min = policy.min_delay_ms / 1000
+        self._max = policy.max_delay_ms / 1000
         self._window: deque[float] = deque()
         self._sorted: list[float] = []
 
@@ -60,8 +67,8 @@ class HedgeDelay:
     def current(self) -> float:
         """The first hedge's delay."""
         p = self._policy
-        value = p.initial_delay_s if len(self._sorted) < p.min_samples else self._at(p.percentile)
-        return min(p.max_delay_s, max(p.min_delay_s, value))
+        value = self._initial if len(self._sorted) < p.min_samples else self._at(p.percentile)
+        return min(self._max, max(self._min, value))
 
     def delays(self) -> list[float]:
         """The delays of the hedges to arm for a new upload, ascending."""
@@ -69,9 +76,9 @@ class HedgeDelay:
         p = self._policy
         if p.second_percentile is None or len(self._sorted) < p.min_samples:
             return [first]
-        second = min(p.max_delay_s, max(p.min_delay_s, self._at(p.second_percentile)))
+        second = min(self._max, max(self._min, self._at(p.second_percentile)))
         # A second hedge right behind the first is one hedge more for the same wait.
-        return [first, second] if second >= first + p.min_delay_s else [first]
+        return [first, second] if second >= first + self._min else [first]
 
     def _at(self, percentile: float) -> float:
         return self._sorted[min(len(self._sorted) - 1, int(percentile * len(self._sorted)))]
@@ -104,7 +111,7 @@ class UploadOutcome:
     attempts: int
     hedged: bool
     hedge_won: bool
-    latency_s: float
+    latency_ms: float
 
 
 class UploadExecutor:
@@ -123,10 +130,13 @@ class UploadExecutor:
         self._new_name = name_factory
         self.hedge_delay = HedgeDelay(config.hedging)
         self.budget = HedgeBudget(config.hedging)
+        # asyncio takes seconds: the config's milliseconds are converted once, not per attempt
+        self._attempt_timeout = config.upload_timeout_ms / 1000
+        self._retry_delay = config.retry_delay_ms / 1000
         self._cleanups: set[asyncio.Task[None]] = set()
 
     async def _attempt(self, path: str, data: bytes) -> None:
-        async with asyncio.timeout(self._config.upload_timeout_s):
+        async with asyncio.timeout(self._attempt_timeout):
             await self._uploader.put(path, data)
 
     async def upload(self, data: bytes) -> UploadOutcome:
@@ -188,12 +198,15 @@ class UploadExecutor:
                     launch()
                     metrics.retries += 1
                 if not running and retry_at is None and len(tried) < cfg.max_attempts:
-                    retry_at = now + cfg.retry_delay_s * 2 ** (len(errors) - 1)
+                    retry_at = now + self._retry_delay * 2 ** (len(errors) - 1)
             metrics.upload_failures += 1
             metrics.attempts_per_upload.observe(len(tried))
             self._cleanup_later([], tried)  # off the failure path; drain() waits for it
             causes = "; ".join(f"attempt {i}: {_describe(e)}" for i, e in sorted(errors, key=lambda ie: ie[0]))
-            raise UploadFailedError(f"upload of {len(data)} bytes failed after {len(tried)} attempts ({causes})")
+            raise UploadFailedError(
+                f"upload of a changelog file ({len(data)} bytes) failed after {len(tried)} attempts ({causes}); "
+                f"objects tried, deleted in the background: {', '.join(tried)}"
+            )
         except asyncio.CancelledError:
             for task in running:
                 task.cancel()
@@ -225,9 +238,10 @@ class UploadExecutor:
         hedge_won = winner in hedge_tasks
         metrics = self._metrics
         metrics.hedges_won += hedge_won
-        metrics.upload_latencies_s.observe(latency)
+        latency_ms = latency * 1000
+        metrics.upload_latencies_ms.observe(latency_ms)
         metrics.attempts_per_upload.observe(len(tried))
-        return UploadOutcome(path=path, attempts=len(tried), hedged=hedged, hedge_won=hedge_won, latency_s=latency)
+        return UploadOutcome(path=path, attempts=len(tried), hedged=hedged, hedge_won=hedge_won, latency_ms=latency_ms)
 
     def _cleanup_later(self, tasks: list[asyncio.Task[None]], paths: list[str]) -> None:
         async def cleanup() -> None:
@@ -246,7 +260,7 @@ class UploadExecutor:
         for path in paths:
             # Best effort: an object we fail to delete is unreferenced and removed by orphan cleanup.
             with contextlib.suppress(Exception):
-                async with asyncio.timeout(max(self._config.upload_timeout_s, 5.0)):
+                async with asyncio.timeout(max(self._attempt_timeout, 5.0)):
                     await self._uploader.delete(path)
                 self._metrics.deleted_orphans += 1
 

@@ -29,8 +29,9 @@ from dstl.types import SegmentRef
 
 @dataclass(eq=False)
 class UploadEntry:
-    """One closed changeset and its upload state. ``scheduled``/``ref``/``truncated`` are guarded
-    by the owning writer's lock; ``future`` is created and resolved on the loop thread."""
+    """One closed changeset and its upload state. ``scheduled`` and ``truncated`` are guarded by
+    the storage's lock (``StateChangelogStorage.lock``); ``ref`` is set on the loop thread before
+    the file is registered under that lock; ``future`` is created and resolved on the loop thread."""
 
     changeset: ChangeSet | None
     sqn: int
@@ -52,6 +53,7 @@ class BatchingScheduler:
         release_in_flight: Callable[[int], None],
     ) -> None:
         self._config = config
+        self._persist_delay = config.persist_delay_ms / 1000  # call_later takes seconds
         self._executor = executor
         self._metrics = metrics
         self._on_uploaded = on_uploaded
@@ -92,7 +94,7 @@ class BatchingScheduler:
             self._waiting.add(log_id)
         self._metrics.upload_queue_size = len(self._pending)
         if not self._maybe_flush_now() and self._pending and self._timer is None:
-            self._timer = loop.call_later(self._config.persist_delay_s, self.flush)
+            self._timer = loop.call_later(self._persist_delay, self.flush)
 
     def _maybe_flush_now(self) -> bool:
         full = self._pending_bytes >= self._config.persist_size_threshold
@@ -126,7 +128,13 @@ class BatchingScheduler:
             outcome = await self._executor.upload(data)
         except BaseException as exc:  # cancelled too (a close that timed out): nobody may wait forever
             self._on_failed(batch)
-            error = exc if isinstance(exc, Exception) else UploadFailedError("the upload was cancelled: storage closed")
+            error = (
+                exc
+                if isinstance(exc, Exception)
+                else UploadFailedError(
+                    f"upload of a changelog file ({len(batch)} changesets, {size} bytes) cancelled: the storage closed"
+                )
+            )
             for entry in batch:
                 assert entry.future is not None
                 if not entry.future.done():

@@ -28,17 +28,19 @@ import concurrent.futures
 import sys
 import threading
 from array import array
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from dstl.api import WriterStorage
 from dstl.errors import WriterClosedError
 from dstl.format import ChangeSet
 from dstl.scheduler import UploadEntry
 from dstl.types import ChangelogHandle, KeyGroupRange, SequenceNumber
 
-if TYPE_CHECKING:
-    from dstl.storage import StateChangelogStorage
+__all__ = ["ChangelogWriter"]
 
 _GIL_ENABLED = getattr(sys, "_is_gil_enabled", lambda: True)()
+#: a ``truncate_entries`` bound above every SQN a writer can reach
+_EVERY_SQN = 1 << 62
 
 
 class _BackpressureGate:
@@ -56,7 +58,9 @@ class _BackpressureGate:
 
 
 class ChangelogWriter:
-    def __init__(self, storage: StateChangelogStorage, log_id: str, key_group_range: KeyGroupRange) -> None:
+    """The ``dstl.api.StateChangelogWriter`` of one operator subtask, on a ``WriterStorage``."""
+
+    def __init__(self, storage: WriterStorage, log_id: str, key_group_range: KeyGroupRange) -> None:
         self.log_id = log_id
         self.key_group_range = key_group_range
         self._storage = storage
@@ -206,7 +210,7 @@ class ChangelogWriter:
                 f"truncate(before={before}) beyond the active changeset {self._active_sqn} of writer {self.log_id}"
             )
         self._truncated_before = max(self._truncated_before, before)
-        self._storage.truncate_entries(self, before)
+        self._storage.truncate_entries(self.entries, before)
 
     def confirm(self, handle: ChangelogHandle) -> None:
         """The checkpoint holding ``handle`` completed: its files now belong to that checkpoint
@@ -225,4 +229,5 @@ class ChangelogWriter:
         with self._cut_lock:
             del self._active[:]
         self._records = self._active
+        self._storage.truncate_entries(self.entries, _EVERY_SQN)
         self._storage.close_writer(self)

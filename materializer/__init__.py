@@ -5,7 +5,8 @@ reference materialized chunks (``materializer.chunks`` is their file format).
 """
 
 from materializer.chunks import CorruptChunkError
-from materializer.periodic import MaterializationError, MaterializationMetrics, PeriodicMaterializer, restore
+from materializer.metrics import MaterializationMetrics
+from materializer.periodic import MaterializationError, PeriodicMaterializer, restore
 
 __all__ = [
     "CorruptChunkError",

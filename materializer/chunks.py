@@ -28,8 +28,7 @@ two *big*-endian bytes, so byte order is key-group order). Why one chunk per key
 
 Why columnar and one zstd frame per section: the lengths are two ``u32`` columns, built and parsed
 with C-level ``array`` calls and cut with ``map(BytesIO.read, lengths)``, instead of packing or
-unpacking each entry in Python (1M entries of 13-byte keys and 8-byte values encode or decode in
-about 0.3 s); keys of one range share their key-group prefix and mostly their
+unpacking each entry in Python; keys of one range share their key-group prefix and mostly their
 serializer prefixes, so keys next to keys (and values next to values) compress much better than
 interleaved records. One frame per state lets a reader skip states and sections outside its range.
 
@@ -65,6 +64,8 @@ from typing import Any
 
 import zstandard
 
+from backend.core.tablekeys import KEY_GROUP_PREFIX_BYTES, key_group_prefix
+from backend.core.tablekeys import key_group_of as _key_group
 from dstl.errors import CorruptDataError
 from dstl.format import array_from_le, le_bytes
 from dstl.types import KeyGroupRange
@@ -78,8 +79,6 @@ CHUNK_TRAILER = struct.Struct("<IIH4s")
 _U32 = struct.Struct("<I")
 _MAX_U32 = (1 << 32) - 1
 
-#: Every table key starts with its key group as this many big-endian bytes.
-KEY_GROUP_PREFIX_BYTES = 2
 
 _BIG_ENDIAN_HOST = sys.byteorder == "big"
 _first = itemgetter(0)
@@ -144,10 +143,6 @@ class Chunk:
 
 
 # --------------------------------------------------------------------------------------------- encode
-
-
-def _key_group(key: bytes) -> int:
-    return int.from_bytes(key[:KEY_GROUP_PREFIX_BYTES], "big")
 
 
 def _first_unsorted(keys: Sequence[bytes]) -> int:
@@ -474,8 +469,8 @@ def _iter_entries(
         def prefix(i: int, key_ends: list[int] = key_ends, raw: bytes = raw) -> bytes:
             return raw[key_ends[i] : key_ends[i] + KEY_GROUP_PREFIX_BYTES]
 
-        lo = bisect_left(range(count), want.start.to_bytes(KEY_GROUP_PREFIX_BYTES, "big"), key=prefix)
-        hi = bisect_left(range(count), (want.end + 1).to_bytes(KEY_GROUP_PREFIX_BYTES, "big"), key=prefix)
+        lo = bisect_left(range(count), key_group_prefix(want.start), key=prefix)
+        hi = bisect_left(range(count), key_group_prefix(want.end + 1), key=prefix)
         a, b = max(lo - 1, 0), min(hi + 1, count)  # one neighbour each side: the order across the cut
         keys = _split(raw, key_ends[a], cols.key_lens[a:b])
         _check_keys(path, section, keys, first=a == 0, last=b == count)

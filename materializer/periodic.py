@@ -6,7 +6,7 @@ not wait for the clock to bound recovery time and space.
 
 How (FLIP-158's steps, with Flink's rules):
 - Trigger: the operator calls ``poll()`` (cheap) at convenient points, e.g. after each checkpoint
-  or batch. A materialization starts when the interval has passed (the first one jittered, so
+  or batch. A materialization starts when ``interval_ms`` has passed (the first one jittered, so
   that subtasks do not all upload at once) or the log since the last one exceeds
   ``size_trigger_bytes``; at most one runs at a time; none starts if nothing changed.
 - Consistency: the synchronous part runs on the operator's thread (``begin_materialization``):
@@ -18,6 +18,10 @@ How (FLIP-158's steps, with Flink's rules):
 - Failure: the partial chunks of a failed materialization are deleted, its key groups stay dirty
   for the next attempt, and more than ``max_failures_allowed`` consecutive failures raise
   ``MaterializationError`` from ``poll()`` (Flink fails the job the same way).
+
+Times are milliseconds, as everywhere in this project: ``interval_ms``, a ``clock`` returning
+milliseconds, ``metrics.last_duration_ms``. ``metrics.registry`` holds the same figures as
+Prometheus metrics (``materializer.metrics``).
 """
 
 from __future__ import annotations
@@ -31,27 +35,23 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from backend.core.handles import KeyedStateHandle
+from backend.core.tablekeys import key_group_prefix
 from backend.state.keyed_backend import ChangelogKeyedStateBackend, MaterializationPoint
 from dstl import ChangelogError, KeyGroupRange, StateChangelogStorage
 from materializer.chunks import chunk_sections, encode_chunk
+from materializer.metrics import MaterializationMetrics
+
+
+def monotonic_ms() -> float:
+    """The default clock: ``time.monotonic`` in milliseconds."""
+    return time.monotonic_ns() / 1e6
 
 
 class MaterializationError(ChangelogError):
     """Materialization failed more often in a row than allowed."""
-
-
-@dataclass
-class MaterializationMetrics:
-    started: int = 0
-    completed: int = 0
-    failed: int = 0
-    skipped_unchanged: int = 0
-    last_duration_s: float = 0.0
-    last_full_size: int = 0  # bytes of every chunk the materialization references
-    last_incremental_size: int = 0  # bytes it uploaded
-    chunks_uploaded: int = 0
-    chunks_reused: int = 0
 
 
 @dataclass
@@ -68,21 +68,24 @@ class PeriodicMaterializer:
         self,
         backend: ChangelogKeyedStateBackend,
         *,
-        interval_s: float = 600.0,
+        interval_ms: int = 600_000,
         size_trigger_bytes: int | None = 64 << 20,
         chunk_key_groups: int = 1,
         max_failures_allowed: int = 3,
         compression_level: int = 1,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = monotonic_ms,
         rng: random.Random | None = None,
         upload: Callable[[str, bytes], None] | None = None,
+        registry: CollectorRegistry | None = None,
     ) -> None:
+        """``clock`` returns milliseconds (any origin); ``registry`` receives this materializer's
+        Prometheus metrics (default: a registry of its own, ``metrics.registry``)."""
         if backend.storage is None or backend.writer is None:
             raise ValueError("materialization needs a backend with a changelog storage")
-        if interval_s <= 0 or chunk_key_groups < 1 or max_failures_allowed < 0:
-            raise ValueError("interval_s and chunk_key_groups must be positive, max_failures_allowed >= 0")
+        if interval_ms <= 0 or chunk_key_groups < 1 or max_failures_allowed < 0:
+            raise ValueError("interval_ms and chunk_key_groups must be positive, max_failures_allowed >= 0")
         self.backend = backend
-        self.interval_s = interval_s
+        self.interval_ms = interval_ms
         self.size_trigger_bytes = size_trigger_bytes
         self.chunk_key_groups = chunk_key_groups
         self.max_failures_allowed = max_failures_allowed
@@ -91,13 +94,15 @@ class PeriodicMaterializer:
         self._upload = upload or backend.storage.put_file
         self._delete = backend.storage.delete_file
         jitter = (rng or random.Random()).uniform(0.5, 1.0)  # jittered first run
-        self._due = clock() + interval_s * jitter
+        self._due = clock() + interval_ms * jitter
         self._running: concurrent.futures.Future[_Outcome] | None = None
         self._point: MaterializationPoint | None = None
-        self._started_at = 0.0
+        self._started_ns = 0
         self._failures = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="materializer")
-        self.metrics = MaterializationMetrics()
+        owned = backend.key_group_range
+        labels = {"operator": backend.operator_id, "key_groups": f"{owned.start}-{owned.end}"}
+        self.metrics = MaterializationMetrics(registry, labels)
 
     # -- the operator's side --------------------------------------------------------------
 
@@ -117,14 +122,14 @@ class PeriodicMaterializer:
         """Start a materialization now (unless one runs or nothing changed)."""
         if self._running is not None:
             return False
-        self._due = self._clock() + self.interval_s
+        self._due = self._clock() + self.interval_ms
         point = self.backend.begin_materialization()
         if point is None:
-            self.metrics.skipped_unchanged += 1
+            self.metrics.on_skipped()
             return False
-        self.metrics.started += 1
+        self.metrics.on_started()
         self._point = point
-        self._started_at = time.perf_counter()
+        self._started_ns = time.perf_counter_ns()
         self._running = self._pool.submit(self._materialize, point)
         return True
 
@@ -143,7 +148,7 @@ class PeriodicMaterializer:
             outcome = fut.result()
         except Exception as exc:
             self.backend.abort_materialization(point)
-            self.metrics.failed += 1
+            self.metrics.on_failed()
             self._failures += 1
             if self._failures > self.max_failures_allowed:
                 raise MaterializationError(
@@ -153,12 +158,8 @@ class PeriodicMaterializer:
             return
         self._failures = 0
         self.backend.complete_materialization(point, outcome.chunks)
-        m = self.metrics
-        m.completed += 1
-        m.last_duration_s = time.perf_counter() - self._started_at
-        m.last_full_size, m.last_incremental_size = outcome.full, outcome.uploaded
-        m.chunks_uploaded += outcome.written
-        m.chunks_reused += outcome.reused
+        duration_ms = (time.perf_counter_ns() - self._started_ns) / 1e6
+        self.metrics.on_completed(duration_ms, outcome.full, outcome.uploaded, outcome.written, outcome.reused)
 
     def close(self) -> None:
         self.wait()
@@ -222,8 +223,8 @@ class PeriodicMaterializer:
 
 def read_sections(txn: Any, databases: Mapping[str, Any], rng: KeyGroupRange) -> dict[str, list[tuple[bytes, bytes]]]:
     """Every table entry of key groups ``rng`` as ``txn`` sees them, per table, in key order."""
-    start = rng.start.to_bytes(2, "big")
-    end = (rng.end + 1).to_bytes(2, "big") if rng.end < 0xFFFF else b"\xff\xff\xff"
+    start = key_group_prefix(rng.start)
+    end = key_group_prefix(rng.end + 1)  # a KeyGroupRange ends at MAX_KEY_GROUP, so end + 1 still fits
     sections: dict[str, list[tuple[bytes, bytes]]] = {}
     for name, db in databases.items():
         cursor = txn.cursor(db=db)

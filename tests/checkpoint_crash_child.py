@@ -32,7 +32,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from backend.checkpointing.job import LocalJob, OperatorSpec
+from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
 from backend.core.serializers import Int64Serializer, StrSerializer
 from dstl import ChangelogConfig
@@ -202,17 +202,12 @@ def open_job(root: Path, local: Path, parallelism: int = PARALLELISM, num_retain
     config = ChangelogConfig(
         base_path=str(root / JOB_ID), preemptive_persist_threshold=PREEMPTIVE_BYTES, prefix_count=8
     )
-    job = LocalJob(
-        root,
-        JOB_ID,
-        operators(parallelism),
-        local,
-        config=config,
+    options = JobOptions(
+        changelog=config,
         num_retained=num_retained,
-        size_trigger_bytes=6_000,
-        chunk_key_groups=2,
-        **kwargs,
+        materialization=MaterializationOptions(size_trigger_bytes=6_000, chunk_key_groups=2),
     )
+    job = LocalJob(root, JOB_ID, operators(parallelism), local, options, **kwargs)
     for subtask in job.all_subtasks():  # LocalJob has no cache_limit: spill (and log) between checkpoints
         b = subtask.backend
         b.cache_limit = b.flush_threshold = CACHE_LIMIT

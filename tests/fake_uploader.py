@@ -65,7 +65,7 @@ class MemoryUploader:
 def fake_storage(uploader: MemoryUploader, **overrides: Any) -> StateChangelogStorage:
     """A storage over ``uploader``; hedging off and a long attempt timeout so a closed gate never
     turns into retries, unless ``overrides`` say otherwise."""
-    options: dict[str, Any] = {"hedging": HedgingPolicy.disabled(), "upload_timeout_s": 60.0}
+    options: dict[str, Any] = {"hedging": HedgingPolicy.disabled(), "upload_timeout_ms": 60_000}
     options.update(overrides)
     return StateChangelogStorage(ChangelogConfig(base_path="memory://unused", **options), uploader=uploader)
 

@@ -115,12 +115,12 @@ class CrashingUpload:
 
 def main(argv: list[str]) -> None:
     directory, handle_path, marker = Path(argv[0]), Path(argv[1]), Path(argv[2])
-    storage = StateChangelogStorage(ChangelogConfig.local(directory / "dfs", persist_delay_s=0.0))
+    storage = StateChangelogStorage(ChangelogConfig.local(directory / "dfs", persist_delay_ms=0))
     backend = ChangelogKeyedStateBackend(
         OPERATOR, KeyGroupRange(0, MAX_P - 1), directory / "local", storage=storage, max_parallelism=MAX_P
     )
     upload = CrashingUpload(storage, marker)
-    materializer = PeriodicMaterializer(backend, interval_s=1e9, size_trigger_bytes=None, upload=upload)
+    materializer = PeriodicMaterializer(backend, interval_ms=10**12, size_trigger_bytes=None, upload=upload)
 
     apply_to_backend(backend, batch_a())
     if not materializer.trigger():

@@ -2,7 +2,7 @@
 
 The storage deletes the log files it owns once nothing uses them; files a *confirmed* checkpoint
 owns (log files and materialized chunks) are the business of whoever retains checkpoints. Jobs
-have ``backend.checkpointing.coordinator.CheckpointCoordinator.recover`` for that (registry + whole job
+have ``backend.checkpointing.store.CompletedCheckpointStore.recover`` for that (registry + whole job
 directory); this helper applies the same rule to bare backends that keep their own handles: keep
 exactly what the retained handles reference, under the storage's ``dstl/`` and ``shared/``.
 

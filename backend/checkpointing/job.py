@@ -16,6 +16,9 @@ Start-up order matters and is the reason this class exists:
    checkpoint.
 
 Local LMDB directories are recreated on start: state always comes from the DFS.
+
+Its settings are one frozen ``JobOptions`` (the materializers' in ``MaterializationOptions``), so a
+caller names only what differs from the defaults and a new option changes no signature.
 """
 
 from __future__ import annotations
@@ -24,36 +27,42 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from backend.checkpointing.coordinator import (
-    CheckpointCoordinator,
-    CheckpointRetention,
-    SnapshotMetadata,
-    StepHook,
-    read_snapshot,
-)
-from backend.checkpointing.savepoints import (
+from prometheus_client.registry import Collector
+
+from backend.checkpointing.coordinator import CheckpointCoordinator, CheckpointRetention
+from backend.checkpointing.metadata import (
+    METADATA_NAME,
     Progress,
+    SnapshotMetadata,
+    no_progress,
+    read_snapshot,
+    snapshot_location,
+)
+from backend.checkpointing.metrics import MetricsServer
+from backend.checkpointing.savepoints import (
     RestoreMode,
     check_operators,
     copy_files,
     dispose_savepoint,
     handles_of,
-    no_progress,
     open_directory,
     write_canonical_savepoint,
     write_native_savepoint,
 )
+from backend.checkpointing.store import StepHook
 from backend.core.errors import CheckpointError
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, key_group_range_for_subtask
 from backend.state.keyed_backend import DEFAULT_CACHE_LIMIT, ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, StateChangelogStorage
 from dstl.uploaders import Uploader
 from materializer.periodic import PeriodicMaterializer, restore
+
+__all__ = ["JobOptions", "LocalJob", "MaterializationOptions", "OperatorSpec", "PendingSnapshot", "Subtask"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
@@ -71,6 +80,47 @@ class OperatorSpec:
             raise ValueError(f"operator {self.uid}: parallelism must be in 1..{self.max_parallelism}")
 
 
+@dataclass(frozen=True)
+class MaterializationOptions:
+    """When each subtask's ``PeriodicMaterializer`` snapshots its tables (Flink's
+    ``state.backend.changelog.periodic-materialize.interval`` and friends)."""
+
+    #: time between materializations, milliseconds (the first one jittered to 50-100% of it)
+    interval_ms: int = 600_000
+    #: also materialize once the log since the last materialization holds this many bytes (None: never)
+    size_trigger_bytes: int | None = 64 << 20
+    #: key groups per chunk (aligned to multiples of it, so subtasks of any parallelism share chunks)
+    chunk_key_groups: int = 1
+    #: consecutive failed materializations tolerated before ``poll()`` raises ``MaterializationError``
+    max_failures_allowed: int = 3
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """How a ``LocalJob`` checkpoints, restores and materializes; every field has a default."""
+
+    #: the changelog storage's settings (DFS, batching, hedging); its base path becomes the job directory
+    changelog: ChangelogConfig | None = None
+    #: completed checkpoints kept (Flink's ``state.checkpoints.num-retained``)
+    num_retained: int = 1
+    #: what a cancelled job does with its checkpoints
+    retention: CheckpointRetention = CheckpointRetention.RETAIN_ON_CANCELLATION
+    #: a savepoint or another job's checkpoint to start from (ignored once the job has checkpoints)
+    restore_from: str | None = None
+    #: Flink's ``execution.savepoint-restore-mode`` for ``restore_from``
+    restore_mode: RestoreMode = RestoreMode.NO_CLAIM
+    #: drop the state of operators the snapshot has and the job has not, instead of refusing it
+    allow_non_restored_state: bool = False
+    #: entries of each backend's write cache
+    cache_limit: int = DEFAULT_CACHE_LIMIT
+    materialization: MaterializationOptions = field(default_factory=MaterializationOptions)
+    #: serve the storage's and the materializers' Prometheus metrics over HTTP on this port
+    #: (0: any free port, see ``LocalJob.metrics_server.port``); None: do not serve
+    metrics_port: int | None = None
+    #: the address the metrics server binds
+    metrics_addr: str = "0.0.0.0"
+
+
 @dataclass
 class Subtask:
     uid: str
@@ -85,39 +135,22 @@ class PendingSnapshot:
     futures: list[tuple[Subtask, Any]]
 
 
-def snapshot_location(url: str) -> tuple[str, str]:
-    """(directory the snapshot's paths are relative to, path of its ``_metadata`` in it) for a
-    savepoint directory, a ``chk-<n>`` directory, or either's ``_metadata`` file."""
-    url = url.rstrip("/")
-    if "://" not in url:
-        url = os.path.abspath(url)
-    if url.endswith("/_metadata"):
-        url = url[: -len("/_metadata")]
-    parent, _, last = url.rpartition("/")
-    if re.fullmatch(r"chk-\d+", last) and parent:
-        return parent, f"{last}/_metadata"
-    return url, "_metadata"
-
-
 class LocalJob:
+    """The operators of one job in this process; ``options`` say how it checkpoints and restores.
+
+    ``progress`` hears of the restore, copy and dump steps (``backend.checkpointing.metadata.Progress``);
+    ``uploader`` replaces the storage's DFS client; ``on_step`` is the checkpoint protocol's test hook.
+    """
+
     def __init__(
         self,
         root: str | os.PathLike[str],
         job_id: str,
         operators: Sequence[OperatorSpec],
         local_dir: str | os.PathLike[str],
+        options: JobOptions | None = None,
         *,
-        config: ChangelogConfig | None = None,
         uploader: Uploader | None = None,
-        num_retained: int = 1,
-        retention: CheckpointRetention = CheckpointRetention.RETAIN_ON_CANCELLATION,
-        restore_from: str | None = None,
-        restore_mode: RestoreMode = RestoreMode.NO_CLAIM,
-        allow_non_restored_state: bool = False,
-        cache_limit: int = DEFAULT_CACHE_LIMIT,
-        materialization_interval_s: float = 600.0,
-        size_trigger_bytes: int | None = 64 << 20,
-        chunk_key_groups: int = 1,
         progress: Progress = no_progress,
         on_step: StepHook | None = None,
     ) -> None:
@@ -125,35 +158,44 @@ class LocalJob:
             raise ValueError(f"job id {job_id!r} must be letters, digits, '_', '-' or '.'")
         if len({op.uid for op in operators}) != len(operators):
             raise ValueError("operator uids must be unique")
+        self.options = options = options or JobOptions()
         self.job_id = job_id
         self.job_dir = f"{os.fspath(root).rstrip('/')}/{job_id}"
         self.operators = list(operators)
-        self._config = replace(config or ChangelogConfig(base_path=self.job_dir), base_path=self.job_dir)
+        self._config = replace(options.changelog or ChangelogConfig(base_path=self.job_dir), base_path=self.job_dir)
         self.storage = StateChangelogStorage(self._config, uploader=uploader)
         self.coordinator = CheckpointCoordinator(
-            self.storage, job_id=job_id, num_retained=num_retained, retention=retention, on_step=on_step
+            self.storage,
+            job_id=job_id,
+            num_retained=options.num_retained,
+            retention=options.retention,
+            on_step=on_step,
         )
         self._progress = progress
-        self._materializer_options: dict[str, Any] = dict(
-            interval_s=materialization_interval_s, size_trigger_bytes=size_trigger_bytes,
-            chunk_key_groups=chunk_key_groups,
-        )  # fmt: skip
         self._local_dir = Path(local_dir)
-        self._cache_limit = cache_limit
         self.subtasks: dict[str, list[Subtask]] = {}
         self.restored_from: SnapshotMetadata | None = None
+        self.metrics_server: MetricsServer | None = None
         try:
             latest = self.coordinator.recover()
             if latest is not None:
-                check_operators(latest, [op.uid for op in self.operators], allow_non_restored_state)
+                check_operators(latest, [op.uid for op in self.operators], options.allow_non_restored_state)
                 self._start(latest, self.storage, own=True)
-            elif restore_from is not None:
-                self._restore_external(restore_from, restore_mode, allow_non_restored_state)
+            elif options.restore_from is not None:
+                self._restore_external(options.restore_from, options.restore_mode, options.allow_non_restored_state)
             else:
                 self._start(None, None, own=True)
+            if options.metrics_port is not None:
+                self.metrics_server = MetricsServer(self.metric_sources, options.metrics_port, options.metrics_addr)
         except BaseException:
             self.close()
             raise
+
+    def metric_sources(self) -> Iterable[Collector]:
+        """The Prometheus registries of the storage and of every subtask's materializer."""
+        yield self.storage.metrics.registry
+        for subtask in self.all_subtasks():
+            yield subtask.materializer.metrics.registry
 
     # -- start-up -------------------------------------------------------------------------
 
@@ -182,7 +224,7 @@ class LocalJob:
     def _dispose_claimed(self, base: str, where: str) -> None:
         source = open_directory(base, self._config)
         try:
-            if where == "_metadata":
+            if where == METADATA_NAME:
                 dispose_savepoint(source)
             else:  # a checkpoint of another job: its metadata and the files it names
                 meta = read_snapshot(source, where)
@@ -203,17 +245,25 @@ class LocalJob:
                 shutil.rmtree(local, ignore_errors=True)
                 backend = ChangelogKeyedStateBackend(
                     op.uid, rng, local, storage=self.storage, max_parallelism=op.max_parallelism,
-                    cache_limit=self._cache_limit,
+                    cache_limit=self.options.cache_limit,
                     num_retained=self.coordinator.num_retained,
                 )  # fmt: skip
-                subtasks.append(
-                    Subtask(op.uid, index, backend, PeriodicMaterializer(backend, **self._materializer_options))
-                )
+                subtasks.append(Subtask(op.uid, index, backend, self._materializer(backend)))
                 if handles:
                     restore(backend, handles, source=source)
                     if not own or meta is None or meta.format == "canonical":
                         backend.disown_restored()
                 self._progress("restore", index + 1, op.parallelism)
+
+    def _materializer(self, backend: ChangelogKeyedStateBackend) -> PeriodicMaterializer:
+        m = self.options.materialization
+        return PeriodicMaterializer(
+            backend,
+            interval_ms=m.interval_ms,
+            size_trigger_bytes=m.size_trigger_bytes,
+            chunk_key_groups=m.chunk_key_groups,
+            max_failures_allowed=m.max_failures_allowed,
+        )
 
     # -- processing -----------------------------------------------------------------------
 
@@ -323,6 +373,9 @@ class LocalJob:
         self._stop(cancelled=False)
 
     def _stop(self, cancelled: bool) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
         for subtask in self.all_subtasks():
             subtask.materializer.close()
             subtask.backend.close()

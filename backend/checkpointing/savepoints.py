@@ -1,6 +1,6 @@
 """Savepoints (native and canonical), restore modes, and restoring a job's operators by uid.
 
-A savepoint is a directory with a ``_metadata`` (``backend.checkpointing.coordinator.SnapshotMetadata``, kind
+A savepoint is a directory with a ``_metadata`` (``backend.checkpointing.metadata.SnapshotMetadata``, kind
 ``savepoint``) and the files it names, every path relative to the directory: move the directory
 and it still restores.
 
@@ -32,19 +32,17 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from backend.checkpointing.coordinator import METADATA_NAME, SnapshotMetadata, read_snapshot
+from backend.checkpointing.metadata import METADATA_NAME, Progress, SnapshotMetadata, no_progress, read_snapshot
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
 from materializer.chunks import encode_chunk
 from materializer.periodic import read_sections
-
-Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 
 class RestoreMode(enum.Enum):
@@ -57,11 +55,6 @@ def open_directory(url: str, config: ChangelogConfig | None = None) -> StateChan
     """A storage whose base path is ``url`` (a job, checkpoint or savepoint directory)."""
     base = replace(config, base_path=url) if config is not None else ChangelogConfig(base_path=url)
     return StateChangelogStorage(base)
-
-
-def no_progress(what: str, done: int, total: int) -> None:
-    """The default ``Progress``: report nothing."""
-    return None
 
 
 def copy_files(

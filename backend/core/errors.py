@@ -45,6 +45,18 @@ class NoCurrentKeyError(ChangelogError, RuntimeError):
         super().__init__("keyed state used without a current key: call set_current_key(key) first")
 
 
+class NoneElementError(ChangelogError, ValueError):
+    """``None`` was added to a list state: a list element cannot be addressed, so ``None`` cannot
+    mean "remove" there as it does for value and map state (``update(None)`` empties the list)."""
+
+    def __init__(self, state: str) -> None:
+        super().__init__(
+            f"list state {state!r} cannot hold None: None is never stored, and a list element cannot be "
+            "removed by writing None (use clear() or update(None) to empty the list)"
+        )
+        self.state = state
+
+
 class StateRestoreError(ChangelogError, ValueError):
     """A snapshot cannot be restored here: corrupt or foreign handle, or incompatible state."""
 
@@ -59,6 +71,7 @@ __all__ = [
     "ConfigurationError",
     "CorruptDataError",
     "NoCurrentKeyError",
+    "NoneElementError",
     "SerializationError",
     "SerializerMismatchError",
     "StateRestoreError",

@@ -26,6 +26,8 @@ partition, but disagrees with ``kg * p // max_p`` whenever ``p`` does not divide
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mmh3
 
 from dstl.types import MAX_KEY_GROUP, KeyGroupRange
@@ -42,6 +44,7 @@ __all__ = [
     "assign_key_group",
     "check_max_parallelism",
     "key_group_range_for_subtask",
+    "key_group_ranges",
     "murmur3_32",
     "subtask_for_key_group",
 ]
@@ -101,3 +104,8 @@ def subtask_for_key_group(max_parallelism: int, parallelism: int, key_group: int
     if type(key_group) is not int or not 0 <= key_group < max_parallelism:
         raise ValueError(f"key group must be an int in [0, max_parallelism={max_parallelism}), got {key_group!r}")
     return key_group * parallelism // max_parallelism
+
+
+def key_group_ranges(max_parallelism: int, parallelism: int) -> Sequence[KeyGroupRange]:
+    """The key-group ranges of subtasks ``0 .. parallelism-1``, in order (a partition of all)."""
+    return [key_group_range_for_subtask(max_parallelism, parallelism, i) for i in range(parallelism)]

@@ -1,16 +1,11 @@
-"""Table keys and change records: the two byte layouts of keyed state.
-
-Table key (LMDB): ``key_group:u16be | key_len:u16be | key [| user_key]``. The key group comes first
-so that one key group is one contiguous key range (cheap per-key-group snapshots, scans and
-deletes); the length prefix makes the map entries of one key an exact prefix range. The first
-four bytes of a table key are called its *context key prefix*; ``ckey`` = prefix + key identifies
-(key group, key) and is what the state wrappers cache by.
+"""Change records: the bytes of one logged state change, and the stored forms of TTL values and lists.
 
 Change record (one DSTL payload, tagged with its key group by the writer)::
 
     op:u8 | state_id:u32be | ckey | rest
 
-(``ckey`` delimits itself: its bytes 2-3 are the key's length.)
+(``ckey`` is the table-key head of ``backend.core.tablekeys``; it delimits itself: its bytes 2-3
+are the key's length.)
 
 ``rest`` depends on the op: SET carries the stored value, ADD carries encoded list elements to
 append, PUT carries ``user_key_len:u16be | user_key | value``, REMOVE carries the user key, CLEAR
@@ -32,16 +27,34 @@ from collections.abc import Iterator
 from enum import IntEnum
 
 from backend.core.errors import SerializationError
+from backend.core.tablekeys import CKEY_HEAD, CKEY_HEAD_BYTES
+
+__all__ = [
+    "Op",
+    "concat_lists",
+    "decode_list",
+    "encode_list",
+    "encode_set_batch",
+    "parse_record",
+    "put_rest",
+    "record",
+    "record_prefix",
+    "split_expiry",
+    "split_put",
+    "split_set_batch",
+    "state_id",
+    "with_expiry",
+]
 
 _U16 = struct.Struct(">H")
 _HEAD = struct.Struct(">BI")
 _U32 = struct.Struct(">I")
 _EXPIRY = struct.Struct(">Q")
-_TIMER = struct.Struct(">BQ")
-MAX_KEY_BYTES = 0xFFFF
 
 
 class Op(IntEnum):
+    """The kind of change a record carries (its first byte)."""
+
     SET = 1  # value / whole list / aggregate / whole map entry value
     CLEAR = 2  # the key's state (all map entries of the key)
     ADD = 3  # append list elements
@@ -53,27 +66,12 @@ class Op(IntEnum):
 
 
 def state_id(name: str) -> int:
+    """The id of a state in change records: ``crc32`` of its name, the same in every subtask."""
     return zlib.crc32(name.encode())
 
 
-CKEY_HEAD = struct.Struct(">HH")
-
-
-def ckey(key_group: int, key: bytes) -> bytes:
-    if len(key) > MAX_KEY_BYTES:
-        raise ValueError(f"serialized key of {len(key)} bytes exceeds {MAX_KEY_BYTES}")
-    return CKEY_HEAD.pack(key_group, len(key)) + key
-
-
-def key_group_of(ckey_bytes: bytes) -> int:
-    return (ckey_bytes[0] << 8) | ckey_bytes[1]
-
-
-def key_of(ckey_bytes: bytes) -> bytes:
-    return ckey_bytes[4:]
-
-
 def record(op: Op, sid: int, ck: bytes, rest: bytes = b"") -> bytes:
+    """One change record."""
     return _HEAD.pack(op, sid) + ck + rest
 
 
@@ -83,17 +81,8 @@ def record_prefix(op: Op, sid: int) -> bytes:
 
 
 def put_rest(user_key: bytes, value: bytes) -> bytes:
+    """The body of a PUT record: the user key, length-prefixed, then the stored value."""
     return _U16.pack(len(user_key)) + user_key + value
-
-
-def timer_user_key(domain: int, timestamp: int) -> bytes:
-    """Timers sort by (domain, time) inside a key's prefix."""
-    return _TIMER.pack(domain, timestamp)
-
-
-def parse_timer_user_key(user_key: bytes) -> tuple[int, int]:
-    domain, timestamp = _TIMER.unpack(user_key)
-    return domain, timestamp
 
 
 def encode_set_batch(sid: int, entries: list[bytes]) -> bytes:
@@ -122,7 +111,7 @@ def split_set_batch(rest: bytes) -> list[tuple[bytes, bytes]]:
         body_start = 4 + 8 * count
         if len(lengths) != 2 * count or body_start + sum(lengths) != len(rest):
             raise ValueError("lengths do not add up to the record")
-        if count and min(lengths[0::2]) < 4:
+        if count and min(lengths[0::2]) < CKEY_HEAD_BYTES:
             raise ValueError("key shorter than its key-group and length prefix")
     except (struct.error, ValueError) as exc:
         raise SerializationError("change-record", f"malformed SET_BATCH: {exc}") from None
@@ -137,8 +126,8 @@ def parse_record(data: bytes) -> tuple[Op, int, bytes, bytes]:
         op, sid = _HEAD.unpack_from(data)
         if op == Op.SET_BATCH:
             return Op.SET_BATCH, sid, b"", data[_HEAD.size :]
-        (key_len,) = _U16.unpack_from(data, _HEAD.size + 2)
-        end = _HEAD.size + 4 + key_len
+        _, key_len = CKEY_HEAD.unpack_from(data, _HEAD.size)
+        end = _HEAD.size + CKEY_HEAD_BYTES + key_len
         if end > len(data):
             raise ValueError("key longer than the record")
         return Op(op), sid, data[_HEAD.size : end], data[end:]
@@ -147,6 +136,7 @@ def parse_record(data: bytes) -> tuple[Op, int, bytes, bytes]:
 
 
 def split_put(rest: bytes) -> tuple[bytes, bytes]:
+    """``(user_key, stored value)`` of a PUT record's body."""
     try:
         (ulen,) = _U16.unpack_from(rest)
     except struct.error:
@@ -160,10 +150,12 @@ def split_put(rest: bytes) -> tuple[bytes, bytes]:
 
 
 def with_expiry(expiry_ms: int, value: bytes) -> bytes:
+    """The stored form of a value with TTL: its expiry time first."""
     return _EXPIRY.pack(expiry_ms) + value
 
 
 def split_expiry(stored: bytes) -> tuple[int, bytes]:
+    """``(expiry_ms, value)`` of a stored value with TTL."""
     if len(stored) < 8:
         raise SerializationError("ttl-value", "shorter than its expiry time")
     return _EXPIRY.unpack_from(stored)[0], stored[8:]
@@ -173,6 +165,7 @@ def split_expiry(stored: bytes) -> tuple[int, bytes]:
 
 
 def encode_list(elements: list[bytes]) -> bytes:
+    """The stored form of a list state's value (and the body of an ADD record)."""
     parts = [_U32.pack(len(elements))]
     for e in elements:
         parts.append(_U32.pack(len(e)))
@@ -195,6 +188,7 @@ def concat_lists(blob: bytes | None, added: bytes) -> bytes:
 
 
 def decode_list(blob: bytes) -> list[bytes]:
+    """The elements of an ``encode_list`` blob; malformed framing raises ``SerializationError``."""
     try:
         return list(_iter_list(blob))
     except struct.error:

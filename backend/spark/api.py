@@ -10,7 +10,7 @@ Options (keyword-only, all optional): ``parallelism`` (default: spark.sql.shuffl
 may change between runs: the state is rescaled), ``max_parallelism`` (128; fixed for the life of
 the state), ``local_dir`` (the host's LMDB directories), ``changelog_config``
 (``dstl.ChangelogConfig``: S3 options, hedging, ...), ``num_retained`` (2),
-``materialization_interval_s`` (600) and ``size_trigger_bytes`` (64 MiB).
+``materialization_interval_ms`` (600000) and ``size_trigger_bytes`` (64 MiB).
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from backend.spark.handle import TIME_MODES
 from backend.spark.plan import KEY_GROUP, build, find_watermark
 from backend.spark.tasks import OperatorConfig
 
 _OUTPUT_MODES = {"append", "update"}
-_TIME_MODES = {"none", "processingtime", "eventtime"}
 
 
 def _check_modes(output_mode: str, time_mode: str | None = None) -> None:
     if str(output_mode).lower() not in _OUTPUT_MODES:
         raise ValueError(f"outputMode must be 'Append' or 'Update', got {output_mode!r}")
-    if time_mode is not None and str(time_mode).lower() not in _TIME_MODES:
+    if time_mode is not None and str(time_mode).lower() not in TIME_MODES:
         raise ValueError(f"timeMode must be 'None', 'ProcessingTime' or 'EventTime', got {time_mode!r}")
 
 
@@ -68,7 +68,7 @@ def _transform(
             init_keys = write_initial_state(cfg, initial_state, grouped._df, keys)
 
         def process(backend: Any, frames: list[Any], now_ms: int, batch_id: int, watermark: int | None) -> list[Any]:
-            from backend.spark.runner import run_transform_with_state
+            from backend.spark.transform import run_transform_with_state
 
             if str(time_mode).lower() == "eventtime" and watermark is None:
                 raise ValueError("timeMode='EventTime' needs a watermark: call withWatermark on the input")
@@ -149,7 +149,7 @@ def apply_in_pandas_with_state(
     **options: Any,
 ) -> Any:
     """``GroupedData.applyInPandasWithState`` on this backend (the ``GroupState`` function API)."""
-    from backend.spark.runner import GroupStateTimeout
+    from backend.spark.group_state import GroupStateTimeout
 
     _check_modes(outputMode)
     if timeoutConf == GroupStateTimeout.EventTimeTimeout and find_watermark(grouped._df) is None:
@@ -160,7 +160,7 @@ def apply_in_pandas_with_state(
 
     def make_process(cfg: OperatorConfig, keys: list[str]) -> Callable[..., list[Any]]:
         def process(backend: Any, frames: list[Any], now_ms: int, batch_id: int, watermark: int | None) -> list[Any]:
-            from backend.spark.runner import run_apply_in_pandas_with_state
+            from backend.spark.apply_in_pandas import run_apply_in_pandas_with_state
 
             if timeoutConf == GroupStateTimeout.EventTimeTimeout and watermark is None:
                 raise ValueError("EventTimeTimeout needs a watermark: call withWatermark on the input")

@@ -20,20 +20,18 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 from collections import Counter
 from typing import Any
 
-from backend.checkpointing.coordinator import CheckpointCoordinator, SnapshotMetadata
+from backend.checkpointing.coordinator import CheckpointCoordinator
+from backend.checkpointing.metadata import SnapshotMetadata, parse_metadata_path, parse_pending_path, pending_path
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
 from backend.spark.tasks import OperatorConfig
 from dstl import StateChangelogStorage, StorageClosedError
 
 _log = logging.getLogger(__name__)
-_PENDING = re.compile(r"^pending/(\d+)/([^/]+)/(\d+)\.json$")
-_CHK = re.compile(r"^chk-(\d+)/_metadata$")
 
 
 class DriverCoordinator:
@@ -52,11 +50,11 @@ class DriverCoordinator:
 
     def _recover(self) -> None:
         files = self.storage.list_all("")
-        latest = max((int(m.group(1)) for p in files if (m := _CHK.match(p))), default=-1)
+        latest = max((c for p in files if (c := parse_metadata_path(p)) is not None), default=-1)
         protect: set[str] = set()
         for path in files:
-            match = _PENDING.match(path)
-            if match and int(match.group(1)) > latest:
+            pending = parse_pending_path(path)
+            if pending and pending[0] > latest:
                 protect.add(path)
                 protect |= self._record_handle(path).referenced_files()
         self.coordinator.recover(protect=protect)
@@ -85,7 +83,7 @@ class DriverCoordinator:
             for uid, parallelism in self.operators.items():
                 for subtask in range(parallelism):
                     try:
-                        record = json.loads(self.storage.get_file(f"pending/{batch}/{uid}/{subtask}.json"))
+                        record = json.loads(self.storage.get_file(pending_path(batch, uid, subtask)))
                     except FileNotFoundError:
                         return None  # not this location's batch (yet)
                     if record.get("parallelism") != parallelism:
@@ -120,8 +118,8 @@ class DriverCoordinator:
             # may be reading it right now
             emptied: set[str] = set()
             for path in self.storage.list_all("pending"):
-                match = _PENDING.match(path)
-                if match and int(match.group(1)) < batch:
+                pending = parse_pending_path(path)
+                if pending and pending[0] < batch:
                     self.storage.delete_file(path)
                     emptied.add(path.rsplit("/", 1)[0])
             for directory in sorted(emptied, reverse=True):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
+from backend.checkpointing.metadata import in_checkpoint_dir
 from backend.core.errors import CheckpointError
 from backend.spark.tasks import OperatorConfig, storage_for
 
@@ -33,7 +34,7 @@ def write_initial_state(cfg: OperatorConfig, grouped: Any, input_df: Any, input_
     from backend.spark.plan import grouping_columns
 
     storage = storage_for(cfg)
-    if any(p.startswith("chk-") for p in storage.list_all("")):
+    if any(in_checkpoint_dir(p) for p in storage.list_all("")):
         return None
     keys = grouping_columns(grouped)
     if len(keys) != len(input_keys):

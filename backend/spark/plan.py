@@ -1,7 +1,7 @@
 """The PySpark drop-in: build the streaming DataFrame that runs a stateful processor on this backend.
 
 Spark's own stateful operators keep state in its state store and cannot change the number of state
-partitions of a query. We build the operator from Spark's public parts instead (DESIGN section 7)::
+partitions of a query. We build the operator from Spark's public parts instead (docs/architecture.md)::
 
     input --withColumn(key group = pmod(hash(grouping columns), max_parallelism))   (JVM, Spark SQL hash)
           --withColumn(batch time = current_timestamp())                             (fixed per batch)
@@ -105,7 +105,7 @@ def build(
     local_dir: str | None = None,
     changelog_config: ChangelogConfig | None = None,
     num_retained: int = 2,
-    materialization_interval_s: float = 600.0,
+    materialization_interval_ms: int = 600_000,
     size_trigger_bytes: int | None = 64 << 20,
 ) -> Any:
     """The streaming DataFrame running ``make_process(cfg, key columns)`` per subtask and batch."""
@@ -117,8 +117,8 @@ def build(
     if not operator_uid:
         raise ValueError("operator_uid is required: it maps the state in checkpoints to this operator")
     check_max_parallelism(max_parallelism)
-    if materialization_interval_s <= 0 or (size_trigger_bytes is not None and size_trigger_bytes <= 0):
-        raise ValueError("materialization_interval_s and size_trigger_bytes must be positive")
+    if materialization_interval_ms <= 0 or (size_trigger_bytes is not None and size_trigger_bytes <= 0):
+        raise ValueError("materialization_interval_ms and size_trigger_bytes must be positive")
     if num_retained < 2:
         raise ValueError("num_retained must be >= 2 under Spark (the next batch may restore from the previous)")
     df = grouped._df
@@ -142,7 +142,7 @@ def build(
     cfg = OperatorConfig(
         job_dir=location, uid=operator_uid, parallelism=parallelism, max_parallelism=max_parallelism,
         local_root=local_dir or os.path.join(tempfile.gettempdir(), "dstl-spark-local"),
-        changelog=replace(base, base_path=location), materialization_interval_s=materialization_interval_s,
+        changelog=replace(base, base_path=location), materialization_interval_ms=materialization_interval_ms,
         size_trigger_bytes=size_trigger_bytes, watermark_delay_ms=None if watermark is None else watermark[1],
     )  # fmt: skip
     coordinator_for(spark, cfg, num_retained)

@@ -30,7 +30,6 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 import shutil
 import time
 import uuid
@@ -39,7 +38,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.checkpointing.coordinator import SnapshotMetadata, metadata_path
+from backend.checkpointing.metadata import (
+    SnapshotMetadata,
+    in_checkpoint_dir,
+    metadata_path,
+    parse_metadata_path,
+    pending_dir,
+    pending_path,
+)
 from backend.core.errors import CheckpointError, StateRestoreError
 from backend.core.handles import KeyedStateHandle
 from backend.core.keygroups import key_group_range_for_subtask
@@ -48,7 +54,6 @@ from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
 from materializer.periodic import PeriodicMaterializer, restore
 
 MARKER = "state.json"
-_CHECKPOINT = re.compile(r"^chk-(\d+)/_metadata$")
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,7 @@ class OperatorConfig:
     max_parallelism: int
     local_root: str
     changelog: ChangelogConfig
-    materialization_interval_s: float = 600.0
+    materialization_interval_ms: int = 600_000
     size_trigger_bytes: int | None = 64 << 20
     snapshot_timeout_s: float = 120.0
     #: the input's ``withWatermark`` delay (None: no watermark); the watermark of batch b is the
@@ -74,10 +79,6 @@ class OperatorConfig:
     def local_dir(self, subtask: int) -> Path:
         name = self.job_dir.replace("://", "_").replace("/", "_").strip("_")
         return Path(self.local_root) / name / self.uid / f"{subtask}-of-{self.parallelism}"
-
-
-def pending_path(batch: int, uid: str, subtask: int) -> str:
-    return f"pending/{batch}/{uid}/{subtask}.json"
 
 
 @dataclass
@@ -146,7 +147,7 @@ def _pending_records(storage: StateChangelogStorage, cfg: OperatorConfig, batch:
     earlier attempt at another parallelism may linger (a re-run overwrites only its own indices):
     only the parallelism whose every index is present counts."""
     by_parallelism: dict[int, dict[int, dict[str, Any]]] = {}
-    for path in storage.list_all(f"pending/{batch}/{cfg.uid}"):
+    for path in storage.list_all(pending_dir(batch, cfg.uid)):
         if not path.endswith(".json"):
             continue
         try:
@@ -165,7 +166,7 @@ def state_after(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int)
     yet, the complete set of pending records (looked up twice: the driver may complete the
     checkpoint while we read). Refuses state that does not belong to this query's timeline."""
     if batch < 0:
-        ahead = [p for p in storage.list_all("") if p.startswith("chk-")]
+        ahead = [p for p in storage.list_all("") if in_checkpoint_dir(p)]
         if ahead:
             raise CheckpointError(
                 f"{cfg.job_dir} holds checkpoints ({ahead[0].split('/')[0]}, ...) but the query starts at batch 0: "
@@ -187,13 +188,13 @@ def state_after(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int)
             handles = [KeyedStateHandle.from_json(r["handle"]) for r in records]
             basis = max((int(r.get("stats", {}).get("event_time_basis_ms", 0)) for r in records), default=0)
             return BatchState(handles, basis)
-    if not any(p.endswith(".json") for p in storage.list_all(f"pending/{batch}/{cfg.uid}")):
+    if not any(p.endswith(".json") for p in storage.list_all(pending_dir(batch, cfg.uid))):
         # No task of this batch ran: Spark runs no task for a batch without rows (an empty file, a
         # fully filtered batch), so the state is that of the last batch that ran.
         earlier = _last_batch_with_state(storage, cfg, batch)
         if earlier is not None:
             return state_after(storage, cfg, earlier) if earlier >= 0 else BatchState([], 0)
-    later = sorted(int(p.split("/")[0][4:]) for p in storage.list_all("") if p.endswith("/_metadata"))
+    later = sorted(c for p in storage.list_all("") if (c := parse_metadata_path(p)) is not None)
     hint = f" (it holds checkpoints up to {later[-1]})" if later else ""
     raise CheckpointError(
         f"no state after batch {batch} in {cfg.job_dir}{hint} for operator {cfg.uid!r}: neither "
@@ -206,7 +207,7 @@ def _last_batch_with_state(storage: StateChangelogStorage, cfg: OperatorConfig, 
     """The last batch before ``batch`` that left a checkpoint or pending records (-1: none, the
     query's batches so far had no rows)."""
     batches = {int(p.split("/")[1]) for p in storage.list_all("pending") if p.split("/")[2:3] == [cfg.uid]}
-    batches |= {int(p.split("/")[0][4:]) for p in storage.list_all("") if _CHECKPOINT.match(p)}
+    batches |= {c for p in storage.list_all("") if (c := parse_metadata_path(p)) is not None}
     earlier = [b for b in batches if b < batch]
     return max(earlier) if earlier else -1
 
@@ -238,7 +239,7 @@ def _fresh(cfg: OperatorConfig, storage: StateChangelogStorage, subtask: int, di
         max_parallelism=cfg.max_parallelism, num_retained=2,
     )  # fmt: skip
     materializer = PeriodicMaterializer(
-        backend, interval_s=cfg.materialization_interval_s, size_trigger_bytes=cfg.size_trigger_bytes
+        backend, interval_ms=cfg.materialization_interval_ms, size_trigger_bytes=cfg.size_trigger_bytes
     )
     return _Kept(backend, materializer, -1, uuid.uuid4().hex)
 
@@ -284,7 +285,7 @@ def _adopt(
     )  # fmt: skip
     backend.adopt_local(handle)
     materializer = PeriodicMaterializer(
-        backend, interval_s=cfg.materialization_interval_s, size_trigger_bytes=cfg.size_trigger_bytes
+        backend, interval_ms=cfg.materialization_interval_ms, size_trigger_bytes=cfg.size_trigger_bytes
     )
     return _Kept(backend, materializer, int(marker["version"]), uuid.uuid4().hex)
 

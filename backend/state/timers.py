@@ -1,71 +1,88 @@
 """Processing-time and event-time timers per key, stored and logged like any other state.
 
-A timer is the table key ``ckey | domain:u8 | timestamp:u64be`` in the ``__timers__`` database, so
-timers belong to their key's key group (they rescale with it). In memory, a heap per time domain
-orders them for firing and a per-key set answers ``list_timers`` and de-duplicates; a deleted
-timer is dropped from the set and skipped lazily when it reaches the top of the heap. Changes go
-through the same write-back flush as state (net: add then delete of one timer logs nothing new).
+A timer is the table key ``ckey | domain:u8 | timestamp_ms:u64be`` (``backend.core.tablekeys``) in
+the ``__timers__`` database, so timers belong to their key's key group (they rescale with it). In
+memory, a heap per time domain orders them for firing and a per-key set answers ``list`` and
+de-duplicates; a deleted timer is dropped from the set and skipped lazily when it reaches the top
+of the heap. Changes go through the same write-back flush as state (net: add then delete of one
+timer logs nothing new). Times are milliseconds.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from enum import IntEnum
+from typing import Any
 
 from backend.core import records as rec
 from backend.core.records import Op
-from backend.state.primitives import require_key
+from backend.core.tablekeys import key_group_of, parse_timer_user_key, split_table_key, timer_user_key
+from backend.state.context import StateHost, require_key
 
-if TYPE_CHECKING:
-    from backend.state.keyed_backend import ChangelogKeyedStateBackend
+__all__ = ["EVENT_TIME", "PROCESSING_TIME", "TIMERS_DB", "TIMERS_SID", "TimeDomain", "TimerService"]
 
-PROCESSING_TIME = 0
-EVENT_TIME = 1
+
+class TimeDomain(IntEnum):
+    """The clock a timer fires on (its byte in the timer's table key)."""
+
+    PROCESSING_TIME = 0  # the backend's clock (``advance_processing_time``)
+    EVENT_TIME = 1  # the watermark (``advance_watermark``)
+
+
+#: the members of ``TimeDomain``, importable by themselves
+PROCESSING_TIME = TimeDomain.PROCESSING_TIME
+EVENT_TIME = TimeDomain.EVENT_TIME
+#: the database of the timers (a reserved state name) and its state id in change records
 TIMERS_DB = "__timers__"
 TIMERS_SID = rec.state_id(TIMERS_DB)
 
 
 class TimerService:
-    def __init__(self, backend: ChangelogKeyedStateBackend) -> None:
-        self._backend = backend
-        self.db = backend.tables.database(TIMERS_DB)
+    """The timers of a backend's keys; registering, deleting and listing address the current key."""
+
+    def __init__(self, host: StateHost) -> None:
+        self._host = host
+        self.db = host.tables.database(TIMERS_DB)
         self._by_key: dict[bytes, set[tuple[int, int]]] = {}
         self._heaps: dict[int, list[tuple[int, bytes]]] = {PROCESSING_TIME: [], EVENT_TIME: []}
         self._pending: dict[bytes, bool] = {}  # table key -> registered (True) / deleted (False)
 
-    def _add(self, ck: bytes, domain: int, timestamp: int) -> bool:
+    def _add(self, ck: bytes, domain: int, timestamp_ms: int) -> bool:
         timers = self._by_key.setdefault(ck, set())
-        if (domain, timestamp) in timers:
+        if (domain, timestamp_ms) in timers:
             return False
-        timers.add((domain, timestamp))
-        heapq.heappush(self._heaps[domain], (timestamp, ck))
+        timers.add((domain, timestamp_ms))
+        heapq.heappush(self._heaps[domain], (timestamp_ms, ck))
         return True
 
-    def register(self, domain: int, timestamp: int) -> None:
-        if type(timestamp) is not int or timestamp < 0:
-            raise ValueError(f"timer timestamp must be a non-negative int (ms), got {timestamp!r}")
-        ck = require_key(self._backend.current_ckey)
-        if self._add(ck, domain, timestamp):
-            self._pending[ck + rec.timer_user_key(domain, timestamp)] = True
+    def register(self, domain: int, timestamp_ms: int) -> None:
+        """A timer of the current key at ``timestamp_ms`` (a no-op if it exists)."""
+        if type(timestamp_ms) is not int or timestamp_ms < 0:
+            raise ValueError(f"timer timestamp must be a non-negative int (ms), got {timestamp_ms!r}")
+        ck = require_key(self._host.current_ckey)
+        if self._add(ck, domain, timestamp_ms):
+            self._pending[ck + timer_user_key(domain, timestamp_ms)] = True
 
-    def delete(self, domain: int, timestamp: int) -> None:
-        ck = require_key(self._backend.current_ckey)
+    def delete(self, domain: int, timestamp_ms: int) -> None:
+        """Delete a timer of the current key (a no-op if there is none)."""
+        ck = require_key(self._host.current_ckey)
         timers = self._by_key.get(ck)
-        if timers is None or (domain, timestamp) not in timers:
+        if timers is None or (domain, timestamp_ms) not in timers:
             return
-        self._remove(ck, domain, timestamp)
+        self._remove(ck, domain, timestamp_ms)
 
-    def _remove(self, ck: bytes, domain: int, timestamp: int) -> None:
+    def _remove(self, ck: bytes, domain: int, timestamp_ms: int) -> None:
         timers = self._by_key[ck]
-        timers.discard((domain, timestamp))
+        timers.discard((domain, timestamp_ms))
         if not timers:
             del self._by_key[ck]
-        self._pending[ck + rec.timer_user_key(domain, timestamp)] = False
+        self._pending[ck + timer_user_key(domain, timestamp_ms)] = False
 
-    def list(self, domain: int | None = None) -> list[int]:
-        timers = self._by_key.get(require_key(self._backend.current_ckey), ())
-        return sorted(ts for d, ts in timers if domain is None or d == domain)
+    def timestamps(self, domain: int) -> list[int]:
+        """The timestamps (ms) of the current key's timers in ``domain``, sorted."""
+        timers = self._by_key.get(require_key(self._host.current_ckey), ())
+        return sorted(ts for d, ts in timers if d == domain)
 
     def advance(self, domain: int, time_ms: int, on_timer: Callable[[Any, int], None]) -> int:
         """Fire every timer of ``domain`` with timestamp <= ``time_ms`` in time order, each with its
@@ -73,22 +90,23 @@ class TimerService:
         heap = self._heaps[domain]
         fired = 0
         while heap and heap[0][0] <= time_ms:
-            timestamp, ck = heapq.heappop(heap)
+            timestamp_ms, ck = heapq.heappop(heap)
             timers = self._by_key.get(ck)
-            if timers is None or (domain, timestamp) not in timers:
+            if timers is None or (domain, timestamp_ms) not in timers:
                 continue  # deleted after it was pushed
-            self._remove(ck, domain, timestamp)
-            key = self._backend.set_current_ckey(ck)
-            on_timer(key, timestamp)
+            self._remove(ck, domain, timestamp_ms)
+            key = self._host.set_current_ckey(ck)
+            on_timer(key, timestamp_ms)
             fired += 1
         return fired
 
-    def next_timestamp(self, domain: int) -> int | None:
+    def next_timestamp_ms(self, domain: int) -> int | None:
+        """The earliest timer (ms) of ``domain`` over all keys, or None."""
         heap = self._heaps[domain]
         while heap:
-            timestamp, ck = heap[0]
-            if (domain, timestamp) in self._by_key.get(ck, ()):
-                return timestamp
+            timestamp_ms, ck = heap[0]
+            if (domain, timestamp_ms) in self._by_key.get(ck, ()):
+                return timestamp_ms
             heapq.heappop(heap)
         return None
 
@@ -99,9 +117,9 @@ class TimerService:
         return bool(self._pending)
 
     def flush(self, txn: Any, append: Callable[[int, bytes], None] | None) -> int:
+        """Write the registered and deleted timers to ``txn`` and log them; returns their count."""
         for table_key in sorted(self._pending):
-            klen = (table_key[2] << 8) | table_key[3]
-            ck, ukey = table_key[: 4 + klen], table_key[4 + klen :]
+            ck, ukey = split_table_key(table_key)
             if self._pending[table_key]:
                 txn.put(table_key, b"", db=self.db)
                 op = Op.TIMER_ADD
@@ -109,7 +127,7 @@ class TimerService:
                 txn.delete(table_key, db=self.db)
                 op = Op.TIMER_DELETE
             if append is not None:
-                append(rec.key_group_of(ck), rec.record(op, TIMERS_SID, ck, ukey))
+                append(key_group_of(ck), rec.record(op, TIMERS_SID, ck, ukey))
         count = len(self._pending)
         self._pending.clear()
         return count
@@ -119,9 +137,16 @@ class TimerService:
         self._by_key.clear()
         self._heaps = {PROCESSING_TIME: [], EVENT_TIME: []}
         count = 0
-        for table_key, _ in self._backend.tables.scan_prefix(self.db, b""):
-            klen = (table_key[2] << 8) | table_key[3]
-            domain, timestamp = rec.parse_timer_user_key(table_key[4 + klen :])
-            self._add(table_key[: 4 + klen], domain, timestamp)
+        for table_key, _ in self._host.tables.scan_prefix(self.db, b""):
+            ck, ukey = split_table_key(table_key)
+            domain, timestamp_ms = parse_timer_user_key(ukey)
+            self._add(ck, domain, timestamp_ms)
             count += 1
         return count
+
+    def list(self) -> list[tuple[TimeDomain, int]]:
+        """The current key's timers as ``(domain, timestamp_ms)``, sorted (processing time first).
+
+        Last in the class: below it, ``list`` in an annotation would name this method."""
+        timers = self._by_key.get(require_key(self._host.current_ckey), ())
+        return [(TimeDomain(d), ts) for d, ts in sorted(timers)]

@@ -26,7 +26,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from backend.checkpointing.coordinator import METADATA_NAME
+from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
+
+from backend.checkpointing.metadata import METADATA_NAME, checkpoint_dir
 from backend.checkpointing.savepoints import dispose_savepoint, write_canonical_savepoint, write_native_savepoint
 from backend.core.errors import SerializationError, StateRestoreError
 from backend.tools.inspect_state import (
@@ -50,27 +52,31 @@ PROG = "dstl"
 
 
 class Progress:
-    """``\\r[k/n] what`` on stderr, overwriting itself; silent unless enabled."""
+    """A ``backend.checkpointing.metadata.Progress`` drawn by tqdm on stderr; silent unless enabled.
+
+    One bar per step (a new total, or a count that starts again): ``what`` is the bar's label.
+    """
 
     def __init__(self, enabled: bool | None) -> None:
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self._width = 0
+        self._bar: Any = None
 
-    def __call__(self, done: int, total: int, what: str) -> None:
-        if self.enabled:
-            line = f"[{done}/{total}] {what}"
-            sys.stderr.write("\r" + line.ljust(self._width))
-            sys.stderr.flush()
-            self._width = len(line)
-
-    def savepoint(self, what: str, done: int, total: int) -> None:
-        self(done, total, what)
+    def __call__(self, what: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        bar = self._bar
+        if bar is None or bar.total != total or done <= bar.n:
+            self.clear()
+            bar = self._bar = tqdm(total=total, file=sys.stderr, leave=False, dynamic_ncols=True)
+        bar.set_description_str(what, refresh=False)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.refresh()  # the last count is drawn even when it came within tqdm's redraw interval
 
     def clear(self) -> None:
-        if self.enabled and self._width:
-            sys.stderr.write("\r" + " " * self._width + "\r")
-            sys.stderr.flush()
-            self._width = 0
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def _warn(message: str) -> None:
@@ -88,17 +94,17 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"{PROG}: no completed checkpoints in {normalize(args.job_dir)}", file=sys.stderr)
     for e in [] if args.json else entries:
         if "error" in e:
-            print(f"chk-{e['id']}  ERROR {e['error']}")
+            print(f"{checkpoint_dir(e['id'])}  ERROR {e['error']}")
             continue
         operators = ",".join(f"{uid}[{p}]" for uid, p in e["operators"].items())
         missing = f"  missing={len(e['missing'])}" if e["missing"] else ""
         print(
-            f"chk-{e['id']}  {e['time']}  {e['kind']}/{e['format']}  operators={operators}  "
+            f"{checkpoint_dir(e['id'])}  {e['time']}  {e['kind']}/{e['format']}  operators={operators}  "
             f"files={e['files']}  bytes={e['bytes']}{missing}"
         )
     bad = [e for e in entries if "error" in e]
     for e in bad:
-        print(f"{PROG}: error: chk-{e['id']}: {e['error']}", file=sys.stderr)
+        print(f"{PROG}: error: {checkpoint_dir(e['id'])}: {e['error']}", file=sys.stderr)
     return 1 if bad else 0
 
 
@@ -139,13 +145,13 @@ def cmd_trigger(args: argparse.Namespace) -> int:
         try:
             with open_storage(target) as out, contextlib.ExitStack() as stack:
                 if args.format == "native":
-                    meta = write_native_savepoint(snapshot.meta, snapshot.storage, out, progress.savepoint)
+                    meta = write_native_savepoint(snapshot.meta, snapshot.storage, out, progress)
                 else:
                     scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dstl-", dir=args.tmp_dir)))
                     source = snapshot.meta
                     meta = write_canonical_savepoint(
                         restore_all(snapshot, scratch, stack, progress), out, checkpoint_id=source.checkpoint_id,
-                        job_id=source.job_id, timestamp_ms=source.timestamp_ms, progress=progress.savepoint,
+                        job_id=source.job_id, timestamp_ms=source.timestamp_ms, progress=progress,
                     )  # fmt: skip
         except BaseException:
             progress.clear()
@@ -165,7 +171,7 @@ def cmd_dispose(args: argparse.Namespace) -> int:
         if snapshot.meta.kind != "savepoint":
             raise CliError(f"{snapshot.metadata_url} is a {snapshot.meta.kind}, not a savepoint: not disposing it")
         try:
-            deleted = dispose_savepoint(snapshot.storage, progress.savepoint)
+            deleted = dispose_savepoint(snapshot.storage, progress)
         finally:
             progress.clear()
     print(f"disposed savepoint {snapshot.base}: {deleted} files deleted")
@@ -250,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def progress_flag(p: argparse.ArgumentParser) -> None:
         p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                       help="show [k/n] progress on stderr (default: only when stderr is a terminal)")  # fmt: skip
+                       help="show a progress bar on stderr (default: only when stderr is a terminal)")  # fmt: skip
 
     chk = groups.add_parser("checkpoints", help="list, inspect and verify checkpoints").add_subparsers(
         dest="command", metavar="{list,inspect,verify}", required=True

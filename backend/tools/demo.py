@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from backend.checkpointing.job import LocalJob, OperatorSpec
+from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.core.descriptors import MapStateDescriptor, ValueStateDescriptor
 from backend.core.serializers import Int64Serializer, StrSerializer
 
@@ -74,10 +74,8 @@ def read_state(job: LocalJob, users: set[str]) -> State:
 
 
 def open_job(root: Path, parallelism: int) -> LocalJob:
-    return LocalJob(
-        root / "dfs", JOB, [OperatorSpec(UID, parallelism)], root / "local",
-        num_retained=2, size_trigger_bytes=256 << 10,
-    )  # fmt: skip
+    options = JobOptions(num_retained=2, materialization=MaterializationOptions(size_trigger_bytes=256 << 10))
+    return LocalJob(root / "dfs", JOB, [OperatorSpec(UID, parallelism)], root / "local", options)
 
 
 def run_until_killed(root: Path, n: int, every: int) -> None:

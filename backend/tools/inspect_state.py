@@ -2,7 +2,7 @@
 
 A *snapshot* is a completed checkpoint (``<job>/chk-<n>/_metadata``, paths relative to the job
 directory) or a savepoint (``<dir>/_metadata``, paths relative to ``<dir>``); see
-``backend.checkpointing.coordinator``. Nothing here writes to a snapshot: state is restored into scratch
+``backend.checkpointing.metadata``. Nothing here writes to a snapshot: state is restored into scratch
 backends (LMDB in a temporary directory, no changelog) and read from there. Nothing read from a
 snapshot is unpickled: values of a ``pickle/1`` state (or of a serializer this build does not
 know) are dumped as hex.
@@ -13,23 +13,27 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.checkpointing.coordinator import METADATA_NAME, SnapshotMetadata
-from backend.checkpointing.job import snapshot_location
+from backend.checkpointing.metadata import (
+    METADATA_NAME,
+    Progress,
+    SnapshotMetadata,
+    metadata_path,
+    parse_checkpoint_dir,
+    parse_metadata_path,
+    snapshot_location,
+)
 from backend.checkpointing.savepoints import handles_of
 from backend.core.handles import KeyedStateHandle
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, ChangelogError, StateChangelogStorage
 from materializer.periodic import restore
-
-_CHK = re.compile(r"^chk-(\d+)$")
 
 
 class CliError(ChangelogError):
@@ -115,7 +119,8 @@ class Snapshot:
 
 def _not_a_snapshot(directory: str) -> CliError:
     hint = ""
-    if is_local(directory) and os.path.isdir(directory) and any(map(_CHK.match, os.listdir(directory))):
+    names = os.listdir(directory) if is_local(directory) and os.path.isdir(directory) else []
+    if any(parse_checkpoint_dir(name) is not None for name in names):
         hint = f"; it looks like a job directory: run `dstl checkpoints list {directory}` and pass a chk-<n> of it"
     return CliError(f"no {METADATA_NAME} in {directory}: not a completed checkpoint or a savepoint{hint}")
 
@@ -155,18 +160,17 @@ def list_checkpoints(job_dir: str) -> list[dict[str, Any]]:
     with open_storage(url) as storage:
         if is_local(url):
             names = [n for n in os.listdir(url) if os.path.isfile(os.path.join(url, n, METADATA_NAME))]
+            found = map(parse_checkpoint_dir, names)
         else:
-            names = [
-                p.split("/")[0] for p in storage.list_all("") if p.count("/") == 1 and p.endswith(f"/{METADATA_NAME}")
-            ]
-        ids = sorted(int(m.group(1)) for m in map(_CHK.match, set(names)) if m is not None)
+            found = map(parse_metadata_path, storage.list_all(""))
+        ids = sorted({i for i in found if i is not None})
         if not ids and is_local(url) and not {"dstl", "shared"} & set(os.listdir(url)):
             if os.path.isfile(os.path.join(url, METADATA_NAME)):
                 raise CliError(f"{url} is a snapshot, not a job directory: use `dstl checkpoints inspect {url}`")
             raise CliError(f"{url} is not a job directory: no chk-<n>/{METADATA_NAME} in it")
         out = []
         for cid in ids:
-            where = f"chk-{cid}/{METADATA_NAME}"
+            where = metadata_path(cid)
             entry: dict[str, Any] = {"id": cid, "path": f"{url}/{where}"}
             try:
                 meta = SnapshotMetadata.loads(storage.get_file(where), f"{url}/{where}")
@@ -294,7 +298,7 @@ def check_savepoint_target(target: str, source_base: str) -> None:
 
 
 def restore_all(
-    snapshot: Snapshot, scratch: Path, stack: contextlib.ExitStack[Any], progress: Callable[[int, int, str], None]
+    snapshot: Snapshot, scratch: Path, stack: contextlib.ExitStack[Any], progress: Progress
 ) -> dict[str, list[ChangelogKeyedStateBackend]]:
     """Every subtask of every operator restored under ``scratch``; ``stack`` closes them."""
     operators: dict[str, list[ChangelogKeyedStateBackend]] = {}
@@ -302,7 +306,7 @@ def restore_all(
         handles = snapshot.handles(uid)
         backends = operators[uid] = []
         for index in range(len(handles)):
-            progress(index + 1, len(handles), f"restore {uid}")
+            progress(f"restore {uid}", index + 1, len(handles))
             backend = restore_subtask(snapshot, uid, handles, index, scratch)
             stack.callback(backend.close)
             backends.append(backend)

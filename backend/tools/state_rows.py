@@ -21,6 +21,7 @@ from typing import IO, Any
 from backend.core import records as rec
 from backend.core.errors import SerializationError
 from backend.core.serializers import KeySerializer, Serializer, serializer_for_id
+from backend.core.tablekeys import key_group_of, key_of, parse_timer_user_key, split_table_key
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from backend.state.timers import EVENT_TIME, TIMERS_DB
 from backend.tools.inspect_state import CliError
@@ -104,11 +105,10 @@ class StateReader:
         return expiry, data
 
     def row(self, table_key: bytes, stored: bytes) -> dict[str, Any]:
-        key_len = (table_key[2] << 8) | table_key[3]
-        ck, user_key = table_key[: 4 + key_len], table_key[4 + key_len :]
+        ck, user_key = split_table_key(table_key)
         row: dict[str, Any] = {
-            "operator": self.uid, "state": self.name, "kind": self.kind, "key_group": rec.key_group_of(ck),
-            "key": decode_key(rec.key_of(ck)), "user_key": None, "value": None, "ttl_expiry_ms": None,
+            "operator": self.uid, "state": self.name, "kind": self.kind, "key_group": key_group_of(ck),
+            "key": decode_key(key_of(ck)), "user_key": None, "value": None, "ttl_expiry_ms": None,
         }  # fmt: skip
         try:
             if self.kind == "list":
@@ -137,12 +137,11 @@ def decode_key(data: bytes) -> Any:
 
 
 def timer_row(uid: str, table_key: bytes) -> dict[str, Any]:
-    key_len = (table_key[2] << 8) | table_key[3]
-    ck = table_key[: 4 + key_len]
-    domain, timestamp = rec.parse_timer_user_key(table_key[4 + key_len :])
+    ck, user_key = split_table_key(table_key)
+    domain, timestamp = parse_timer_user_key(user_key)
     return {
-        "operator": uid, "state": TIMERS_STATE, "kind": "timer", "key_group": rec.key_group_of(ck),
-        "key": decode_key(rec.key_of(ck)), "user_key": "event_time" if domain == EVENT_TIME else "processing_time",
+        "operator": uid, "state": TIMERS_STATE, "kind": "timer", "key_group": key_group_of(ck),
+        "key": decode_key(key_of(ck)), "user_key": "event_time" if domain == EVENT_TIME else "processing_time",
         "value": timestamp, "ttl_expiry_ms": None,
     }  # fmt: skip
 

@@ -13,17 +13,14 @@ Every problem is collected (a missing file, each corrupt file), not just the fir
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.checkpointing.metadata import Progress
 from backend.tools.inspect_state import Snapshot
 from dstl import CorruptChangelogError, KeyGroupRange, SegmentRef
 from dstl.format import decode_segment, read_footer, verify_file
 from materializer.chunks import CorruptChunkError, decode_chunk
-
-#: (files done, files in all, path)
-VerifyProgress = Callable[[int, int, str], None]
 
 
 @dataclass
@@ -37,7 +34,8 @@ class VerifyResult:
         return not self.problems
 
 
-def verify(snapshot: Snapshot, progress: VerifyProgress) -> VerifyResult:
+def verify(snapshot: Snapshot, progress: Progress) -> VerifyResult:
+    """Check every file ``snapshot`` references; ``progress`` hears ``(path, files done, files in all)``."""
     result = VerifyResult(files=1, bytes=snapshot.metadata_size)
     chunks: dict[str, list[dict[str, Any]]] = {}
     segments: dict[str, list[tuple[str, SegmentRef]]] = {}
@@ -50,7 +48,7 @@ def verify(snapshot: Snapshot, progress: VerifyProgress) -> VerifyResult:
                     segments.setdefault(seg.path, []).append((entry.log.log_id, seg))
     paths = sorted(snapshot.meta.referenced_files() | set(chunks) | set(segments))
     for done, path in enumerate(paths, start=1):
-        progress(done, len(paths), path)
+        progress(path, done, len(paths))
         full = f"{snapshot.base}/{path}"
         try:
             data = snapshot.storage.get_file(path)

@@ -1,0 +1,267 @@
+"""The layout of a job directory and the ``_metadata`` of its snapshots: the one home of both.
+
+Layout of a job directory (the changelog storage's base path is ``<root>/<job>``)::
+
+    <root>/<job>/chk-<n>/_metadata               one per completed checkpoint (JSON, relative paths)
+    <root>/<job>/shared/<uuid>.chunk              materialized chunks
+    <root>/<job>/dstl/<xx>/<uuid>                 changelog files
+    <root>/<job>/pending/<b>/<uid>/<i>.json       Spark: a subtask's handle of batch b, until chk-<b>
+
+A savepoint directory holds ``_metadata`` at its top and the files it names below it.
+
+Why one module: the coordinator, the completed-checkpoint store, savepoints, the Spark driver and
+tasks and the command line all find checkpoints by these names; a second spelling of the
+``chk-<n>`` rule would let one of them miss (or delete) what another wrote. The parsing of
+``_metadata`` lives here too because every reader must apply the same checks (format tag,
+version, checksum, every path relative and inside) before trusting a path it names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from backend.core.errors import CheckpointError, StateRestoreError
+from backend.core.handles import KeyedStateHandle
+from dstl import StateChangelogStorage
+from dstl.paths import check_relative
+
+__all__ = [
+    "CHECKPOINT_PREFIX",
+    "METADATA_FORMAT",
+    "METADATA_NAME",
+    "METADATA_VERSION",
+    "Progress",
+    "SnapshotMetadata",
+    "checked_path",
+    "checkpoint_dir",
+    "in_checkpoint_dir",
+    "metadata_path",
+    "no_progress",
+    "parse_checkpoint_dir",
+    "parse_metadata_path",
+    "parse_pending_path",
+    "pending_dir",
+    "pending_path",
+    "read_snapshot",
+    "snapshot_location",
+]
+
+METADATA_VERSION = 1
+METADATA_FORMAT = "dstl-snapshot"
+METADATA_NAME = "_metadata"
+CHECKPOINT_PREFIX = "chk-"
+PENDING_DIR = "pending"
+
+_CHECKPOINT_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
+_PENDING_PATH = re.compile(rf"^{PENDING_DIR}/(\d+)/([^/]+)/(\d+)\.json$")
+
+#: A progress report: ``(what, done, total)``, e.g. ``("copy", 3, 10)``; called after each unit.
+Progress = Callable[[str, int, int], None]
+
+
+def no_progress(what: str, done: int, total: int) -> None:
+    """The default ``Progress``: report nothing."""
+    return None
+
+
+# -- names in a job directory -----------------------------------------------------------------
+
+
+def checkpoint_dir(checkpoint_id: int) -> str:
+    """``chk-<n>``: the directory of checkpoint ``n``, relative to the job directory."""
+    return f"{CHECKPOINT_PREFIX}{checkpoint_id}"
+
+
+def metadata_path(checkpoint_id: int) -> str:
+    """``chk-<n>/_metadata``: the commit point of checkpoint ``n``, relative to the job directory."""
+    return f"{checkpoint_dir(checkpoint_id)}/{METADATA_NAME}"
+
+
+def parse_checkpoint_dir(name: str) -> int | None:
+    """The ``n`` of a ``chk-<n>`` directory name, or None for any other name."""
+    match = _CHECKPOINT_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+def parse_metadata_path(path: str) -> int | None:
+    """The ``n`` of a ``chk-<n>/_metadata`` path, or None for any other path."""
+    head, _, rest = path.partition("/")
+    return parse_checkpoint_dir(head) if rest == METADATA_NAME else None
+
+
+def in_checkpoint_dir(path: str) -> bool:
+    """Whether ``path`` lies in (or is) a directory named like a checkpoint's. Looser than
+    ``parse_checkpoint_dir`` on purpose: no state file may hide under a ``chk-`` name at all."""
+    return path.partition("/")[0].startswith(CHECKPOINT_PREFIX)
+
+
+def pending_dir(batch: int, uid: str | None = None) -> str:
+    """``pending/<b>`` (or ``pending/<b>/<uid>``): where Spark tasks leave the handles of batch ``b``."""
+    return f"{PENDING_DIR}/{batch}" if uid is None else f"{PENDING_DIR}/{batch}/{uid}"
+
+
+def pending_path(batch: int, uid: str, subtask: int) -> str:
+    """``pending/<b>/<uid>/<i>.json``: subtask ``i``'s handle of batch ``b``."""
+    return f"{pending_dir(batch, uid)}/{subtask}.json"
+
+
+def parse_pending_path(path: str) -> tuple[int, str, int] | None:
+    """``(batch, uid, subtask)`` of a ``pending_path``, or None for any other path."""
+    match = _PENDING_PATH.match(path)
+    return (int(match.group(1)), match.group(2), int(match.group(3))) if match else None
+
+
+def snapshot_location(url: str) -> tuple[str, str]:
+    """(directory the snapshot's paths are relative to, path of its ``_metadata`` in it) for a
+    savepoint directory, a ``chk-<n>`` directory, or either's ``_metadata`` file."""
+    url = url.rstrip("/")
+    if "://" not in url:
+        url = os.path.abspath(url)
+    url = url.removesuffix(f"/{METADATA_NAME}")
+    parent, _, last = url.rpartition("/")
+    if parse_checkpoint_dir(last) is not None and parent:
+        return parent, f"{last}/{METADATA_NAME}"
+    return url, METADATA_NAME
+
+
+def checked_path(path: Any, where: str) -> str:
+    """A path named by a snapshot, refused unless it is relative and stays inside its directory."""
+    if not isinstance(path, str):
+        raise CheckpointError(f"{where}: path {path!r} is not a string")
+    try:
+        return check_relative(path)
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+
+
+# -- _metadata ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SnapshotMetadata:
+    """The ``_metadata`` of a checkpoint or savepoint.
+
+    ``operators`` maps an operator uid to its part: for native snapshots
+    ``{"max_parallelism": m, "subtasks": [KeyedStateHandle JSON, ...]}``; canonical savepoints
+    (``backend.checkpointing.savepoints``) store ``{"max_parallelism", "states", "files": [...]}`` instead.
+    """
+
+    checkpoint_id: int
+    operators: Mapping[str, Mapping[str, Any]]
+    kind: str = "checkpoint"  # or "savepoint"
+    format: str = "native"  # or "canonical"
+    job_id: str = ""
+    timestamp_ms: int = 0
+    properties: Mapping[str, Any] = field(default_factory=dict)
+
+    def handles(self, uid: str) -> list[KeyedStateHandle]:
+        """The subtask handles of operator ``uid`` (native snapshots only)."""
+        part = self.operators[uid]
+        try:
+            return [KeyedStateHandle.from_json(h) for h in part["subtasks"]]
+        except (KeyError, TypeError) as exc:
+            raise CheckpointError(f"operator {uid!r} has no subtask handles: {exc}") from None
+
+    def all_handles(self) -> list[KeyedStateHandle]:
+        return [h for uid in self.operators if self.format == "native" for h in self.handles(uid)]
+
+    def referenced_files(self) -> set[str]:
+        """Every file (relative to the snapshot's directory) a restore reads."""
+        where = f"{self.kind} {self.checkpoint_id}"
+        if self.format == "canonical":
+            paths = {
+                checked_path(f.get("path") if isinstance(f, dict) else f, where)
+                for part in self.operators.values()
+                for f in part.get("files", [])
+            }
+        else:
+            paths = {checked_path(p, where) for h in self.all_handles() for p in h.referenced_files()}
+        bad = [p for p in paths if in_checkpoint_dir(p) or p == METADATA_NAME]
+        if bad:
+            raise CheckpointError(f"{where}: a state file may not live in a checkpoint's own directory: {bad[0]!r}")
+        return paths
+
+    def to_json(self) -> dict[str, Any]:
+        body = {
+            "format": METADATA_FORMAT,
+            "version": METADATA_VERSION,
+            "kind": self.kind,
+            "type": self.format,
+            "checkpoint_id": self.checkpoint_id,
+            "job_id": self.job_id,
+            "timestamp_ms": self.timestamp_ms,
+            "properties": dict(self.properties),
+            "operators": {uid: dict(part) for uid, part in self.operators.items()},
+        }
+        return {**body, "crc32": _crc(body)}
+
+    def dumps(self) -> bytes:
+        return json.dumps(self.to_json(), sort_keys=True, indent=1).encode()
+
+    @classmethod
+    def loads(cls, data: bytes, where: str) -> SnapshotMetadata:
+        """Parse and check a ``_metadata`` file; any problem raises ``CheckpointError`` naming ``where``."""
+        try:
+            value = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{where} is not a snapshot metadata file (not JSON: {exc})") from None
+        if not isinstance(value, dict) or value.get("format") != METADATA_FORMAT:
+            raise CheckpointError(f"{where} is not a snapshot metadata file (no {METADATA_FORMAT!r} format tag)")
+        if value.get("version") != METADATA_VERSION:
+            raise CheckpointError(
+                f"{where} has metadata format version {value.get('version')!r}; this build reads {METADATA_VERSION}"
+            )
+        crc = value.pop("crc32", None)
+        if crc != _crc(value):
+            raise CheckpointError(f"{where} is corrupt: checksum mismatch")
+        try:
+            meta = cls(
+                checkpoint_id=_typed(value["checkpoint_id"], int),
+                operators=_typed(value["operators"], dict),
+                kind=_choice(value["kind"], ("checkpoint", "savepoint")),
+                format=_choice(value["type"], ("native", "canonical")),
+                job_id=_typed(value.get("job_id", ""), str),
+                timestamp_ms=_typed(value.get("timestamp_ms", 0), int),
+                properties=_typed(value.get("properties", {}), dict),
+            )
+            if not all(isinstance(p, dict) for p in meta.operators.values()):
+                raise TypeError("an operator entry is not an object")
+            meta.referenced_files()  # every path checked, every handle parsed
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{where} is malformed: {exc}") from None
+        except (CheckpointError, StateRestoreError) as exc:
+            raise CheckpointError(f"{where}: {exc}") from None
+        return meta
+
+
+def read_snapshot(storage: StateChangelogStorage, where: str = METADATA_NAME) -> SnapshotMetadata:
+    """Read the ``_metadata`` at ``where`` in ``storage`` (whose base path is the snapshot's directory)."""
+    try:
+        data = storage.get_file(where)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"no {METADATA_NAME} in {storage.config.base_path}: not a checkpoint or savepoint"
+        ) from None
+    return SnapshotMetadata.loads(data, f"{storage.config.base_path.rstrip('/')}/{where}")
+
+
+def _crc(body: Mapping[str, Any]) -> int:
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _typed(value: Any, kind: type) -> Any:
+    if type(value) is not kind:
+        raise TypeError(f"expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def _choice(value: Any, allowed: Sequence[str]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{value!r} is not one of {list(allowed)}")
+    return str(value)

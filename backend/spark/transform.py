@@ -1,0 +1,139 @@
+"""``transformWithState(InPandas)`` over one partition of one micro-batch, state in our backend.
+
+``run_transform_with_state`` does what Spark's Python worker does for ``transformWithStateInPandas``
+(``use_pandas=True``) and ``transformWithState`` (Row API) (pyspark/worker.py and
+pyspark/sql/streaming/stateful_processor_util.py): ``init(handle)``; per grouping key in key
+order, ``handleInitialState`` for each initial-state chunk (first batch only) and then
+``handleInputRows(key, rows, timerValues)`` with all of the key's rows of the partition; then
+every timer that expired (processing-time timers before the batch timestamp, event-time timers
+up to the watermark, inclusive as Spark 4.3 does) once, in timestamp order, each deleted after its
+``handleExpiredTimer``; then ``close()``. The clock reads the batch timestamp throughout
+(``backend.spark.batch.BatchClock``).
+
+The function is a generator: outputs are yielded as the user's iterators produce them, and the
+run (state updates, timers, ``close``) completes only when the generator is exhausted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from backend.spark.batch import SPARK_MAX_RECORDS_PER_BATCH, BatchClock, Partition, key_order, outputs
+from backend.spark.codecs import make_row
+from backend.spark.handle import (
+    CLOSED,
+    DATA_PROCESSED,
+    INITIALIZED,
+    TIMER_PROCESSED,
+    SparkStateHandle,
+    normalize_time_mode,
+)
+
+if TYPE_CHECKING:
+    from backend.state.keyed_backend import ChangelogKeyedStateBackend
+
+__all__ = ["run_transform_with_state"]
+
+
+class _TimerValues:
+    """pyspark's TimerValues, for when pyspark cannot be imported."""
+
+    def __init__(self, currentProcessingTimeInMs: int = -1, currentWatermarkInMs: int = -1) -> None:
+        self._processing, self._watermark = currentProcessingTimeInMs, currentWatermarkInMs
+
+    def getCurrentProcessingTimeInMs(self) -> int:
+        return self._processing
+
+    def getCurrentWatermarkInMs(self) -> int:
+        return self._watermark
+
+
+class _ExpiredTimerInfo:
+    """pyspark's ExpiredTimerInfo, for when pyspark cannot be imported."""
+
+    def __init__(self, expiryTimeInMs: int = -1) -> None:
+        self._expiry = expiryTimeInMs
+
+    def getExpiryTimeInMs(self) -> int:
+        return self._expiry
+
+
+def _timer_classes() -> tuple[Any, Any]:
+    try:
+        from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, TimerValues
+    except ImportError:  # pragma: no cover - pyspark is installed wherever processors run
+        return _TimerValues, _ExpiredTimerInfo
+    return TimerValues, ExpiredTimerInfo
+
+
+def run_transform_with_state(
+    processor: Any,
+    backend: ChangelogKeyedStateBackend,
+    data: Iterable[Any],
+    *,
+    key_columns: Sequence[str],
+    time_mode: str = "None",
+    batch_id: int,
+    batch_timestamp_ms: int,
+    watermark_ms: int = 0,
+    initial_state: Iterable[Any] | None = None,
+    initial_state_key_columns: Sequence[str] | None = None,
+    use_pandas: bool = True,
+    key_group_column: str | None = None,
+    max_records_per_batch: int = SPARK_MAX_RECORDS_PER_BATCH,
+) -> Iterator[Any]:
+    """Run ``processor`` (a ``StatefulProcessor``) over one partition of micro-batch ``batch_id``.
+
+    ``data``: the partition's input, pandas DataFrames (or pyarrow batches; with ``use_pandas=False``
+    also Rows). Yields what the processor's methods yield: pandas DataFrames, or Rows with
+    ``use_pandas=False``. ``watermark_ms``: the eviction watermark (Spark reports 0 when the query
+    has none). ``initial_state`` is read only in batch 0, as in Spark. The grouping key given to
+    handleInputRows/handleInitialState is a tuple of the key columns' values; handleExpiredTimer
+    gets a ``Row`` of them (as in Spark). ``key_group_column``: a column holding each row's key
+    group as the plumbing computed it (else the backend computes key groups from the key's bytes);
+    it is removed from the rows the processor sees.
+    """
+    mode = normalize_time_mode(time_mode)
+    timer_values_cls, expired_cls = _timer_classes()
+    timer_values = timer_values_cls(-1, -1) if mode == "none" else timer_values_cls(batch_timestamp_ms, watermark_ms)
+    handle = SparkStateHandle(backend, mode)
+    key_columns = tuple(key_columns)
+    with BatchClock(backend, batch_timestamp_ms):
+        data_part = Partition(data, key_columns, use_pandas, key_group_column)
+        init_part = None
+        if initial_state is not None and batch_id == 0:
+            init_columns = initial_state_key_columns or key_columns
+            init_part = Partition(initial_state, init_columns, use_pandas, key_group_column)
+        processor.init(handle)
+        handle.phase = INITIALIZED
+        for bkey in key_order(data_part, *([init_part] if init_part else [])):
+            init_group = init_part.groups.get(bkey) if init_part else None
+            group = data_part.groups.get(bkey)
+            if init_part is not None and init_group is not None:
+                key_group = (
+                    init_group.key_group if group is None or init_group.key_group is not None else group.key_group
+                )
+                chunks = init_part.frames(init_group, max_records_per_batch) if use_pandas else iter(init_group.rows)
+                for chunk in chunks:
+                    handle.set_implicit_key(init_group.key, key_group)
+                    processor.handleInitialState(init_group.key, chunk, timer_values)
+            if group is not None:
+                handle.set_implicit_key(group.key, group.key_group)
+                rows = data_part.frames(group, max_records_per_batch) if use_pandas else iter(group.rows)
+                yield from outputs(processor.handleInputRows(group.key, rows, timer_values), use_pandas,
+                                    "handleInputRows")  # fmt: skip
+        handle.phase = DATA_PROCESSED
+        if mode != "none":
+            threshold = batch_timestamp_ms if mode == "processingtime" else watermark_ms
+            for bkey, key_group, timestamp in handle.collect_expired_timers(threshold):
+                handle.set_implicit_key(bkey, key_group)
+                key_row = make_row(key_columns, bkey)
+                result = processor.handleExpiredTimer(key_row, timer_values, expired_cls(timestamp))
+                yield from outputs(result, use_pandas, "handleExpiredTimer")
+                handle.set_implicit_key(bkey, key_group)
+                handle.finish_timer(timestamp)
+        handle.phase = TIMER_PROCESSED
+        handle.remove_implicit_key()
+        processor.close()
+        handle.phase = CLOSED

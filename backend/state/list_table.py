@@ -1,0 +1,117 @@
+"""The table of list state: a list per key, stored as one blob, logged as appends where it can.
+
+Cache: ckey -> ``ListEntry`` (a replaced base list, or "whatever LMDB holds", plus the elements
+appended since). A flush logs only the appended elements (ADD) when the list was not otherwise
+changed, so appending to a long list logs and copies what was appended, not the whole list.
+Elements are cache entries (``StateTable``: with TTL each element carries its own expiry).
+``None`` is never an element: adding it raises ``NoneElementError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from backend.core import records as rec
+from backend.core.errors import NoneElementError
+from backend.core.records import Op
+from backend.core.tablekeys import key_group_of
+from backend.state.context import require_key
+from backend.state.state_table import Append, FlushStep, StateTable
+
+__all__ = ["ListEntry", "ListTable"]
+
+
+class ListEntry:
+    """The cached change of one key's list."""
+
+    __slots__ = ("appended", "base")
+
+    def __init__(self, base: list[Any] | None) -> None:
+        self.base = base  # None: whatever LMDB holds (not loaded); else the whole list replaced
+        self.appended: list[Any] = []
+
+
+class ListTable(StateTable):
+    """Cache: ckey -> ListEntry."""
+
+    def _element(self, value: Any) -> Any:
+        if value is None:
+            raise NoneElementError(self.name)
+        return self.stamp(value)
+
+    def _stored(self, ck: bytes) -> list[Any]:
+        blob = self.host.tables.get(self.db, require_key(ck))
+        return [] if blob is None else list(map(self.decode, rec.decode_list(blob)))
+
+    def get(self, ck: bytes) -> list[Any]:
+        entry = self.cache.get(ck)
+        elements = self._stored(ck) if entry is None or entry.base is None else entry.base
+        if entry is not None:
+            elements = elements + entry.appended
+        if self.ttl_ms:
+            live = [e for e in elements if not self.expired(e)]
+            if len(live) != len(elements):  # drop expired elements at the next flush
+                self._replace(ck, live)
+            return list(map(self.value_of, live))
+        return list(elements)
+
+    def _entry(self, ck: bytes) -> ListEntry:
+        entry = self.cache.get(require_key(ck))
+        if entry is None:
+            entry = self.cache[ck] = ListEntry(None)
+            if len(self.cache) > self.host.flush_threshold:
+                self.host.flush()
+                entry = self.cache[ck] = ListEntry(None)
+        return entry
+
+    def _replace(self, ck: bytes, elements: list[Any]) -> None:
+        entry = self._entry(ck)
+        entry.base = elements
+        entry.appended = []
+
+    def add(self, ck: bytes, value: Any) -> None:
+        self._entry(ck).appended.append(self._element(value))
+
+    def add_all(self, ck: bytes, values: Iterable[Any]) -> None:
+        elements = [self._element(v) for v in values]
+        self._entry(ck).appended.extend(elements)
+
+    def update(self, ck: bytes, values: Iterable[Any] | None) -> None:
+        """Replace the list; ``None`` empties it (as ``clear``)."""
+        self._replace(ck, [] if values is None else [self._element(v) for v in values])
+
+    def clear(self, ck: bytes) -> None:
+        self._replace(ck, [])
+
+    def prepare_flush(self) -> FlushStep:
+        # Per key, in key order: (ck, op, blob); ADD appends to what LMDB holds, SET replaces it.
+        ops: list[tuple[bytes, Op, bytes]] = []
+        encode = self.encode
+        for ck in sorted(self.cache):
+            entry: ListEntry = self.cache[ck]
+            added = [encode(e) for e in entry.appended]
+            if entry.base is None:  # appends only: log just the new elements
+                if added:
+                    ops.append((ck, Op.ADD, rec.encode_list(added)))
+                continue
+            elements = [encode(e) for e in entry.base] + added
+            ops.append((ck, Op.SET, rec.encode_list(elements)) if elements else (ck, Op.CLEAR, b""))
+
+        def flush(txn: Any, append: Append | None) -> int:
+            sid, db = self.sid, self.db
+            for ck, op, blob in ops:
+                if op is Op.ADD:
+                    txn.put(ck, rec.concat_lists(txn.get(ck, db=db), blob), db=db)
+                elif op is Op.SET:
+                    txn.put(ck, blob, db=db)
+                else:
+                    txn.delete(ck, db=db)
+                if append is not None:
+                    record = rec.record(Op.CLEAR, sid, ck) if op is Op.CLEAR else rec.record(op, sid, ck, blob)
+                    append(key_group_of(ck), record)
+            count = len(self.cache)
+            self.cache.clear()
+            return count
+
+        return flush

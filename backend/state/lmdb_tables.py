@@ -1,0 +1,146 @@
+"""The local state tables: one LMDB environment per backend (subtask), one named database per state.
+
+LMDB is opened without fsync (``sync=False, metasync=False``): the local tables are a cache of
+the durable state (last materialization + changelog on the DFS), so a crash that loses local
+writes loses nothing a restore cannot rebuild, and each flush does not pay an fsync. Reads use one
+long-lived read transaction that is renewed after every write transaction commits, so a read
+costs one ``get`` and always sees the last flush.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; LMDB only uses what it writes
+
+
+class Getter:
+    """See ``LmdbTables.getter``."""
+
+    __slots__ = ("get",)
+
+    def __init__(self) -> None:
+        self.get: Callable[[bytes], bytes | None] = lambda key: None
+
+
+class LmdbTables:
+    """The LMDB environment of one backend: a named database per state, a renewed read view."""
+
+    def __init__(self, directory: str | os.PathLike[str], map_size: int = DEFAULT_MAP_SIZE) -> None:
+        self.path = Path(directory)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(
+            str(self.path),
+            map_size=map_size,
+            max_dbs=4096,
+            sync=False,
+            metasync=False,
+            readahead=False,
+            writemap=False,
+        )
+        self._dbs: dict[str, Any] = {}
+        self._getters: dict[str, Getter] = {}
+        self._db_readers: list[Any] = []
+        #: the read transaction; renewed after every write, so it always sees the last flush
+        self.reader = self.env.begin()
+
+    def database(self, name: str) -> Any:
+        db = self._dbs.get(name)
+        if db is None:
+            self._end_reads()
+            db = self._dbs[name] = self.env.open_db(name.encode())
+            self._begin_reads()
+        return db
+
+    def getter(self, name: str) -> Getter:
+        """A holder whose ``get(key)`` reads database ``name`` in the current read view.
+
+        The hot read path calls ``holder.get(key)``: a read transaction bound to the database,
+        renewed in place after every write, saves the attribute hops and the ``db=`` keyword of
+        ``reader.get(key, db=db)`` on every state read.
+        """
+        holder = self._getters.get(name)
+        if holder is None:
+            db = self.database(name)
+            holder = self._getters[name] = Getter()
+            txn = self.env.begin(db=db)
+            self._db_readers.append(txn)
+            holder.get = txn.get
+        return holder
+
+    def _end_reads(self) -> None:
+        self.reader.abort()
+        for txn in self._db_readers:
+            txn.abort()
+        self._db_readers = []
+
+    def _begin_reads(self) -> None:
+        self.reader = self.env.begin()
+        for name, holder in self._getters.items():
+            txn = self.env.begin(db=self._dbs[name])
+            self._db_readers.append(txn)
+            holder.get = txn.get
+
+    def database_in(self, txn: Any, name: str) -> Any:
+        """Open (or create) a named database inside a running write transaction."""
+        db = self._dbs.get(name)
+        if db is None:
+            db = self._dbs[name] = self.env.open_db(name.encode(), txn=txn)
+        return db
+
+    def names(self) -> list[str]:
+        return list(self._dbs)
+
+    def databases(self) -> dict[str, Any]:
+        return dict(self._dbs)
+
+    def get(self, db: Any, key: bytes) -> bytes | None:
+        value: bytes | None = self.reader.get(key, db=db)
+        return value
+
+    def scan_prefix(self, db: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        cursor = self.reader.cursor(db=db)
+        if not cursor.set_range(prefix):
+            return
+        for key, value in cursor:
+            if not key.startswith(prefix):
+                return
+            yield key, value
+
+    @staticmethod
+    def delete_prefix(txn: Any, db: Any, prefix: bytes) -> int:
+        cursor = txn.cursor(db=db)
+        deleted = 0
+        if cursor.set_range(prefix):
+            while cursor.key().startswith(prefix):
+                if not cursor.delete():
+                    break
+                deleted += 1
+        return deleted
+
+    @contextmanager
+    def write(self) -> Iterator[Any]:
+        """A write transaction; the read view is renewed after it commits."""
+        self._end_reads()
+        try:
+            with self.env.begin(write=True) as txn:
+                yield txn
+        finally:
+            self._begin_reads()
+
+    def entry_count(self) -> int:
+        total = 0
+        with self.env.begin() as txn:
+            for db in self._dbs.values():
+                total += txn.stat(db)["entries"]
+        return total
+
+    def close(self) -> None:
+        self._end_reads()
+        self.env.close()

@@ -1,0 +1,142 @@
+"""The table of map state: one LMDB entry per (key, user key), logged per entry.
+
+Table keys are ckey + serialized user key (``backend.core.tablekeys``), so the entries of one key
+are one prefix range, iterated in user-key byte order. Cache: ckey -> ``MapEntry`` (whether the
+key's map was cleared, and the entries changed since). ``None`` is never stored: writing it
+removes the entry (``MapState.put``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from backend.core import records as rec
+from backend.core.descriptors import MapStateDescriptor
+from backend.core.records import Op
+from backend.core.tablekeys import key_group_of
+from backend.state.context import StateHost, require_key
+from backend.state.state_table import MISS, TOMBSTONE, Append, FlushStep, StateTable
+
+__all__ = ["MapEntry", "MapTable"]
+
+
+class MapEntry:
+    """The cached changes of one key's map."""
+
+    __slots__ = ("changes", "cleared")
+
+    def __init__(self) -> None:
+        self.cleared = False
+        self.changes: dict[bytes, Any] = {}  # user key bytes -> cache entry | TOMBSTONE
+
+
+class MapTable(StateTable):
+    """Cache: ckey -> MapEntry."""
+
+    def __init__(self, host: StateHost, descriptor: MapStateDescriptor[Any, Any]) -> None:
+        super().__init__(host, descriptor)
+        assert descriptor.user_key_serializer is not None
+        self.user_ser = descriptor.user_key_serializer
+
+    def _entry(self, ck: bytes) -> MapEntry:
+        entry = self.cache.get(require_key(ck))
+        if entry is None:
+            if len(self.cache) >= self.host.flush_threshold:
+                self.host.flush()
+            entry = self.cache[ck] = MapEntry()
+        return entry
+
+    def get(self, ck: bytes, user_key: Any) -> Any:
+        require_key(ck)
+        ukey = self.user_ser.serialize(user_key)
+        entry = self.cache.get(ck)
+        if entry is not None:
+            cached = entry.changes.get(ukey, MISS)
+            if cached is not MISS:
+                value = self.live(cached)
+                return None if value is MISS else value
+            if entry.cleared:
+                return None
+        stored = self.host.tables.get(self.db, ck + ukey)
+        if stored is None:
+            return None
+        value = self.read(stored)
+        if value is MISS:
+            self._entry(ck).changes[ukey] = TOMBSTONE
+            return None
+        return value
+
+    def put(self, ck: bytes, user_key: Any, value: Any) -> None:
+        ukey = self.user_ser.serialize(user_key)
+        self._entry(ck).changes[ukey] = self.stamp(value)
+
+    def remove(self, ck: bytes, user_key: Any) -> None:
+        self._entry(ck).changes[self.user_ser.serialize(user_key)] = TOMBSTONE
+
+    def clear(self, ck: bytes) -> None:
+        entry = self._entry(ck)
+        entry.cleared = True
+        entry.changes.clear()
+
+    def items(self, ck: bytes) -> Iterator[tuple[Any, Any]]:
+        """Entries of the current key in user-key byte order (a snapshot of this moment)."""
+        entry = self.cache.get(require_key(ck))
+        merged: dict[bytes, Any] = {}
+        expired: list[bytes] = []
+        if entry is None or not entry.cleared:
+            for table_key, stored in self.host.tables.scan_prefix(self.db, ck):
+                value = self.read(stored)
+                ukey = table_key[len(ck) :]
+                if value is MISS:
+                    expired.append(ukey)
+                else:
+                    merged[ukey] = value
+        if entry is not None:
+            for ukey, cached in entry.changes.items():
+                value = self.live(cached)
+                if value is MISS:
+                    merged.pop(ukey, None)
+                else:
+                    merged[ukey] = value
+        if expired:
+            changes = self._entry(ck).changes
+            for ukey in expired:
+                changes.setdefault(ukey, TOMBSTONE)
+        deser = self.user_ser.deserialize
+        return iter([(deser(k), merged[k]) for k in sorted(merged)])
+
+    def prepare_flush(self) -> FlushStep:
+        # Per key, in key order: whether it was cleared, then (user key, stored bytes or None).
+        ops: list[tuple[bytes, bool, list[tuple[bytes, bytes | None]]]] = []
+        encode = self.encode
+        for ck in sorted(self.cache):
+            entry: MapEntry = self.cache[ck]
+            changes = [
+                (ukey, None if (cached := entry.changes[ukey]) is TOMBSTONE else encode(cached))
+                for ukey in sorted(entry.changes)
+            ]
+            ops.append((ck, entry.cleared, changes))
+
+        def flush(txn: Any, append: Append | None) -> int:
+            sid, db = self.sid, self.db
+            for ck, cleared, changes in ops:
+                kg = key_group_of(ck)
+                if cleared:
+                    self.host.tables.delete_prefix(txn, db, ck)
+                    if append is not None:
+                        append(kg, rec.record(Op.CLEAR, sid, ck))
+                for ukey, stored in changes:
+                    if stored is None:
+                        txn.delete(ck + ukey, db=db)
+                        if append is not None:
+                            append(kg, rec.record(Op.REMOVE, sid, ck, ukey))
+                    else:
+                        txn.put(ck + ukey, stored, db=db)
+                        if append is not None:
+                            append(kg, rec.record(Op.PUT, sid, ck, rec.put_rest(ukey, stored)))
+            count = len(self.cache)
+            self.cache.clear()
+            return count
+
+        return flush

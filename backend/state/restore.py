@@ -1,0 +1,183 @@
+"""Restore: load the owned part of materialized chunks, then replay changelogs, into local tables.
+
+A restore reads handles of any old parallelism. For every handle, the materialized chunks whose
+key groups overlap the ones this subtask owns are bulk-loaded in key order; then for every
+changelog entry of every handle, oldest first and each once, the records of the owned key groups
+are applied straight to the tables (they are already in the log, so they are not logged again).
+The restored changelog entries are carried into every later snapshot until a materialization
+replaces them (``truncation.SnapshotLineage``).
+
+These functions work on the LMDB tables and the handles only, not on the backend: the backend
+(``keyed_backend.ChangelogKeyedStateBackend.restore``) orders them and keeps the bookkeeping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import lmdb
+
+from backend.core import records as rec
+from backend.core.errors import SerializationError, StateRestoreError
+from backend.core.handles import KeyedStateHandle, intersect
+from backend.core.records import Op
+from backend.state.lmdb_tables import LmdbTables
+from backend.state.timers import TIMERS_DB, TIMERS_SID
+from dstl import ChangelogError, ChangelogHandle, KeyGroupRange, StateChangelogStorage
+
+__all__ = [
+    "ChunkLoader",
+    "apply_record",
+    "check_compatible",
+    "load_materialized",
+    "merge_metadata",
+    "replay_log",
+]
+
+#: (path, file bytes, key groups) -> {state name: [(table key, stored value), ...] in key order}
+ChunkLoader = Callable[[str, bytes, KeyGroupRange], Mapping[str, Sequence[tuple[bytes, bytes]]]]
+#: called with the number of key changes applied so far
+Progress = Callable[[int], None]
+
+#: how many applied changes of a log between two progress calls
+_PROGRESS_EVERY = 100_000
+
+
+def check_compatible(handle: KeyedStateHandle, operator_id: str, max_parallelism: int) -> None:
+    """Raise ``StateRestoreError`` unless ``handle`` is of this operator and max parallelism."""
+    if handle.operator_id != operator_id:
+        raise StateRestoreError(
+            f"handle of operator {handle.operator_id!r} cannot be restored into operator {operator_id!r}"
+        )
+    if handle.max_parallelism != max_parallelism:
+        raise StateRestoreError(
+            f"handle has max parallelism {handle.max_parallelism}, this backend {max_parallelism}: "
+            "key groups would not match"
+        )
+
+
+def merge_metadata(known: dict[str, dict[str, Any]], states: dict[str, dict[str, Any]]) -> None:
+    """Add ``states`` (name -> metadata of a handle) to ``known``; handles must agree."""
+    for name, meta in states.items():
+        seen = known.get(name)
+        if seen is not None and seen != meta:
+            raise StateRestoreError(f"snapshots disagree about state {name!r}: {seen} vs {meta}")
+        known[name] = meta
+
+
+def load_materialized(
+    tables: LmdbTables,
+    handles: list[KeyedStateHandle],
+    owned: KeyGroupRange,
+    states: Mapping[str, Any],
+    loaded_chunks: list[dict[str, Any]],
+    load_chunk: ChunkLoader | None,
+    progress: Progress | None,
+    reader: StateChangelogStorage | None,
+) -> int:
+    """Bulk-load the owned parts of the handles' materialized chunks, in key order (sorted appends).
+
+    ``states``: the restored state names; each loaded chunk entry (narrowed to the owned key
+    groups) is appended to ``loaded_chunks``. Returns the number of entries loaded.
+    """
+    parts: list[tuple[KeyGroupRange, dict[str, Any]]] = []
+    for handle in handles:
+        scope = intersect(handle.key_group_range, owned)
+        for chunk in handle.materialized:
+            try:
+                rng = intersect(KeyGroupRange.from_json(chunk["scope"]), scope)
+                path = chunk["path"]
+            except (KeyError, TypeError, ValueError) as exc:
+                raise StateRestoreError(f"malformed materialized chunk entry {chunk!r}: {exc}") from None
+            if len(rng):
+                parts.append((rng, {**chunk, "scope": rng.to_json(), "path": path}))
+    if not parts:
+        return 0
+    if load_chunk is None or reader is None:
+        raise StateRestoreError(
+            "the handles hold materialized chunks: restore with materializer.restore(backend, handles)"
+        )
+    loaded = 0
+    for rng, chunk in sorted(parts, key=lambda p: p[0].start):
+        try:
+            data = reader.get_file(chunk["path"])
+        except FileNotFoundError:
+            raise StateRestoreError(f"materialized chunk {chunk['path']} is missing") from None
+        except ValueError as exc:  # a path outside the storage's base path
+            raise StateRestoreError(f"materialized chunk path refused: {exc}") from None
+        by_state = load_chunk(chunk["path"], data, rng)
+        with tables.write() as txn:
+            for name, entries in by_state.items():
+                if name != TIMERS_DB and name not in states:
+                    raise StateRestoreError(f"chunk {chunk['path']} holds state {name!r} missing from the handle")
+                cursor = txn.cursor(db=tables.database_in(txn, name))
+                try:
+                    cursor.putmulti(entries, append=True)  # sorted appends: the fast bulk load
+                except lmdb.Error:  # not after what the table holds: plain puts
+                    cursor.putmulti(entries)
+                loaded += len(entries)
+        loaded_chunks.append(chunk)
+        if progress is not None:
+            progress(loaded)
+    return loaded
+
+
+def replay_log(
+    tables: LmdbTables,
+    storage: StateChangelogStorage,
+    log: ChangelogHandle,
+    owned: KeyGroupRange,
+    states: Mapping[str, Mapping[str, Any]],
+    progress: Progress | None,
+    done_before: int,
+) -> int:
+    """Apply the records of ``log`` in the ``owned`` key groups to the tables; returns key changes.
+
+    ``states``: name -> metadata of every restored state (the kind decides how a CLEAR applies).
+    """
+    kinds = {rec.state_id(name): (name, meta["kind"]) for name, meta in states.items()}
+    kinds[TIMERS_SID] = (TIMERS_DB, "timers")
+    dbs = {sid: tables.database(name) for sid, (name, _) in kinds.items()}
+    count = 0
+    with tables.write() as txn:
+        for _, data in storage.read(log, owned):
+            op, sid, ck, rest = rec.parse_record(data)
+            entry = kinds.get(sid)
+            if entry is None:
+                raise StateRestoreError(f"log {log.log_id} has a change of an unknown state id {sid:#x}")
+            applied = apply_record(txn, dbs[sid], entry[1], op, ck, rest)
+            if progress is not None and (count + applied) // _PROGRESS_EVERY > count // _PROGRESS_EVERY:
+                progress(done_before + count + applied)
+            count += applied
+    return count
+
+
+def apply_record(txn: Any, db: Any, kind: str, op: Op, ck: bytes, rest: bytes) -> int:
+    """Apply one change record to ``db`` in ``txn``; returns the number of key changes it held."""
+    try:
+        if op is Op.SET_BATCH:
+            pairs = rec.split_set_batch(rest)
+            txn.cursor(db=db).putmulti(pairs)
+            return len(pairs)
+        if op is Op.SET:
+            txn.put(ck, rest, db=db)
+        elif op is Op.CLEAR:
+            if kind == "map":
+                LmdbTables.delete_prefix(txn, db, ck)
+            else:
+                txn.delete(ck, db=db)
+        elif op is Op.ADD:
+            blob = txn.get(ck, db=db)
+            rec.decode_list(rest)  # checks the added elements' framing
+            txn.put(ck, rec.concat_lists(blob, rest), db=db)
+        elif op is Op.PUT:
+            user_key, value = rec.split_put(rest)
+            txn.put(ck + user_key, value, db=db)
+        elif op in (Op.REMOVE, Op.TIMER_DELETE):
+            txn.delete(ck + rest, db=db)
+        elif op is Op.TIMER_ADD:
+            txn.put(ck + rest, b"", db=db)
+    except SerializationError as exc:
+        raise ChangelogError(f"malformed change record: {exc}") from None
+    return 1

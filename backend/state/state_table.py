@@ -1,0 +1,121 @@
+"""What every state table shares: its LMDB database, serializer, write-back cache, and TTL.
+
+A state table holds one registered state's data for all keys of the subtask: a write-back cache
+of the running checkpoint's changes keyed by ckey, over one LMDB database. Why a write-back
+cache: a random LMDB put costs several times what one put of a sorted batch costs, and logging
+every intermediate value of a hot key is wasted bytes. So mutations go to the cache, reads look
+there first (they always see the latest write), and ``flush`` writes the cache to LMDB in sorted
+key order and logs one net change per key (see ``value_table``, ``list_table``, ``map_table``).
+
+TTL lives here and nowhere else (processing time, refreshed on write, as Flink's
+OnCreateAndWrite / NeverReturnExpired): a cache *entry* is the value, or ``(value, expiry_ms)``
+with TTL, and its stored bytes start with the expiry (``records.with_expiry``). ``stamp``,
+``expired``, ``value_of``, ``live``, ``encode``, ``decode`` and ``read`` are the only code that
+knows that shape; the tables call them. An expired value is never returned, and reading it
+schedules its removal at the next flush.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from backend.core import records as rec
+from backend.core.descriptors import StateDescriptor
+from backend.state.context import StateHost
+
+__all__ = ["MISS", "TOMBSTONE", "Append", "AppendMany", "FlushStep", "LogStep", "StateTable"]
+
+#: appends one change record of a key group to the log
+Append = Callable[[int, bytes], None]
+#: appends ``[key_group, record, key_group, record, ...]`` to the log in one call
+AppendMany = Callable[[list[Any]], None]
+#: writes a table's prepared changes into an LMDB write transaction (and the log); returns their count
+FlushStep = Callable[[Any, Append | None], int]
+#: logs a value table's prepared changes; returns their count
+LogStep = Callable[[Append | None, AppendMany | None], int]
+
+
+class _Tombstone:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<cleared>"
+
+
+#: a cache entry that says "deleted": the next flush removes the key from LMDB and logs it
+TOMBSTONE: Any = _Tombstone()
+#: "no value here" in cache lookups, and "expired" from ``live`` and ``read``
+MISS: Any = object()
+
+
+class StateTable:
+    """One registered state: its LMDB database, serializers, TTL and write-back cache."""
+
+    def __init__(self, host: StateHost, descriptor: StateDescriptor[Any]) -> None:
+        self.host = host
+        self.descriptor = descriptor
+        self.name = descriptor.name
+        self.sid = rec.state_id(descriptor.name)
+        self.db = host.tables.database(descriptor.name)
+        self.ser = descriptor.serializer
+        self.ttl_ms = descriptor.ttl.ttl_ms if descriptor.ttl else 0
+        self.cache: dict[bytes, Any] = {}
+
+    # -- TTL: cache entries and stored bytes ------------------------------------------------
+
+    def stamp(self, value: Any) -> Any:
+        """The cache entry of ``value`` written now: the value, or ``(value, expiry_ms)`` with TTL."""
+        return (value, self.host.now_ms() + self.ttl_ms) if self.ttl_ms else value
+
+    def expired(self, entry: Any) -> bool:
+        """Whether a cache entry (not TOMBSTONE) has expired."""
+        return bool(self.ttl_ms) and entry[1] <= self.host.now_ms()
+
+    def value_of(self, entry: Any) -> Any:
+        """The value of a cache entry (not TOMBSTONE), expired or not."""
+        return entry[0] if self.ttl_ms else entry
+
+    def live(self, entry: Any) -> Any:
+        """The value of a cache entry, or ``MISS`` if it is TOMBSTONE or expired."""
+        if entry is TOMBSTONE:
+            return MISS
+        if self.ttl_ms:
+            return entry[0] if entry[1] > self.host.now_ms() else MISS
+        return entry
+
+    def encode(self, entry: Any) -> bytes:
+        """The stored bytes of a cache entry (not TOMBSTONE): with TTL, its expiry comes first."""
+        if self.ttl_ms:
+            return rec.with_expiry(entry[1], self.ser.serialize(entry[0]))
+        return self.ser.serialize(entry)
+
+    def decode(self, stored: bytes) -> Any:
+        """The cache entry of stored bytes, expired or not."""
+        if self.ttl_ms:
+            expiry, data = rec.split_expiry(stored)
+            return (self.ser.deserialize(data), expiry)
+        return self.ser.deserialize(stored)
+
+    def read(self, stored: bytes) -> Any:
+        """The value of stored bytes, or ``MISS`` if it expired (then it is not deserialized)."""
+        if self.ttl_ms:
+            expiry, data = rec.split_expiry(stored)
+            if expiry <= self.host.now_ms():
+                return MISS
+            return self.ser.deserialize(data)
+        return self.ser.deserialize(stored)
+
+    # -- flush --------------------------------------------------------------------------------
+
+    def prepare_flush(self) -> FlushStep:
+        """Serialize every cached change, changing nothing yet, and return the step that writes
+        them to the transaction and the log and empties the cache.
+
+        Why two phases: a value its serializer rejects fails here, before any table, log record
+        or cache has changed, so the caller can fix the value and flush again without losing or
+        duplicating a change (a list append logged twice would replay twice)."""
+        raise NotImplementedError
+
+    def cache_size(self) -> int:
+        return len(self.cache)

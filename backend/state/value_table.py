@@ -1,0 +1,197 @@
+"""The table of value state (and of reducing and aggregating state, stored the same way).
+
+Why two cache levels: ``caches[kg]`` holds what changed since the last checkpoint and is not yet
+logged (one dict per key group), ``cleans[kg]`` what is logged but not yet in LMDB. A checkpoint
+only logs the changes and moves them into ``cleans``, so its cost does not depend on how big the
+LMDB tables are (a B-tree write of many random keys touches more pages the more keys there are);
+``cleans`` is written to LMDB, sorted, when the caches outgrow the backend's limit, on the
+operator's next write. Per-key-group dicts let a checkpoint log one SET_BATCH record per key
+group built with C-level joins, instead of grouping every changed key in Python. With the log
+on, ``clean_stored[kg]`` keeps the bytes each clean entry was logged as (None: deleted), beside
+``cleans[kg]``: a spill writes them without serializing again, and the read path finds plain
+values (no per-entry tuples, which would also be objects for the garbage collector to walk).
+
+``ValueState`` reads these dicts directly on its no-TTL hot path (``backend.state.primitives``).
+"""
+
+from __future__ import annotations
+
+import operator
+from itertools import repeat
+from typing import Any
+
+from backend.core import records as rec
+from backend.core.descriptors import StateDescriptor
+from backend.core.errors import NoCurrentKeyError
+from backend.core.records import Op
+from backend.state.context import StateHost, require_key
+from backend.state.state_table import MISS, TOMBSTONE, Append, AppendMany, FlushStep, LogStep, StateTable
+
+__all__ = ["ValueTable"]
+
+
+class _NoKey(dict[bytes, Any]):
+    """Stands at index -1 of the per-key-group caches, the current key group before any key is
+    set: the hot path indexes the caches by the current key group without checking it."""
+
+    def get(self, *args: Any) -> Any:
+        raise NoCurrentKeyError()
+
+    def __setitem__(self, key: bytes, value: Any) -> None:
+        raise NoCurrentKeyError()
+
+
+class ValueTable(StateTable):
+    """Cache entries: a value (``(value, expiry_ms)`` with TTL) or TOMBSTONE, per key group."""
+
+    def __init__(self, host: StateHost, descriptor: StateDescriptor[Any]) -> None:
+        super().__init__(host, descriptor)
+        self.caches: list[dict[bytes, Any]] = [{} for _ in range(host.max_parallelism)] + [_NoKey()]
+        self.cleans: list[dict[bytes, Any]] = [{} for _ in range(host.max_parallelism)]
+        self.clean_stored: list[dict[bytes, bytes | None]] | None = (
+            [{} for _ in range(host.max_parallelism)] if host.log_enabled else None
+        )
+        self.lookup = host.tables.getter(descriptor.name)
+
+    def _cache_of(self, ck: bytes) -> dict[bytes, Any]:
+        return self.caches[(require_key(ck)[0] << 8) | ck[1]]  # tablekeys.key_group_of, inlined
+
+    def get(self, ck: bytes) -> Any:
+        kg = (require_key(ck)[0] << 8) | ck[1]  # tablekeys.key_group_of, inlined
+        cache = self.caches[kg]
+        cached = cache.get(ck, MISS)
+        if cached is MISS:
+            cached = self.cleans[kg].get(ck, MISS)
+        if cached is MISS:
+            stored = self.lookup.get(ck)
+            if stored is None:
+                return None
+            value = self.read(stored)
+        elif cached is TOMBSTONE:
+            return None
+        else:
+            value = self.live(cached)
+        if value is MISS:  # expired: never return it, remove it at the next flush
+            cache[ck] = TOMBSTONE
+            return None
+        return value
+
+    def put(self, ck: bytes, value: Any) -> None:
+        cache = self._cache_of(ck)
+        cache[ck] = self.stamp(value)
+        if len(cache) > self.host.kg_flush_threshold:
+            self.host.flush()
+
+    def clear(self, ck: bytes) -> None:
+        cache = self._cache_of(ck)
+        cache[ck] = TOMBSTONE
+        if len(cache) > self.host.kg_flush_threshold:
+            self.host.flush()
+
+    def cache_size(self) -> int:
+        return sum(map(len, self.caches)) + sum(map(len, self.cleans))
+
+    def _serialize_entries(self, entries: list[Any]) -> list[bytes | None]:
+        """The stored bytes of cache entries (None for TOMBSTONE), in one call where the
+        serializer packs many values at once."""
+        if self.ttl_ms:
+            encode = self.encode
+            return [None if e is TOMBSTONE else encode(e) for e in entries]
+        # Without TTL an entry's stored bytes are its serialization (``encode``), taken directly.
+        # Identity, not ``TOMBSTONE in entries``: == on a user value may not give a bool (numpy).
+        if hasattr(self.ser, "serialize_many") and not any(map(operator.is_, entries, repeat(TOMBSTONE))):
+            return self.ser.serialize_many(entries)  # type: ignore[no-any-return]
+        serialize = self.ser.serialize
+        return [None if e is TOMBSTONE else serialize(e) for e in entries]
+
+    def prepare_log(self) -> LogStep:
+        """Checkpoint: log the changes (one SET_BATCH per key group), then they count as clean.
+        Two phases, as ``prepare_flush``: serialize now; log and move in the returned step."""
+        changed = [(kg, cache) for kg, cache in enumerate(self.caches) if cache]
+        serialized = []
+        if self.clean_stored is not None:  # the log is on
+            serialized = [(kg, list(cache), self._serialize_entries(list(cache.values()))) for kg, cache in changed]
+
+        def log(append: Append | None, append_many: AppendMany | None) -> int:
+            pairs = self._log_records(serialized)
+            if pairs:
+                if append_many is not None:
+                    append_many(pairs)
+                else:
+                    assert append is not None
+                    for i in range(0, len(pairs), 2):
+                        append(pairs[i], pairs[i + 1])
+            if self.clean_stored is not None:
+                for kg, cks, stored in serialized:
+                    self.clean_stored[kg].update(zip(cks, stored, strict=True))
+            count = 0
+            for kg, cache in changed:
+                count += len(cache)
+                self.cleans[kg].update(cache)
+                cache.clear()
+            return count
+
+        return log
+
+    def _log_records(self, serialized: list[tuple[int, list[bytes], list[bytes | None]]]) -> list[Any]:
+        """``[kg, record, kg, record, ...]``: a SET_BATCH per key group, a CLEAR per cleared key."""
+        sid = self.sid
+        clear_head = rec.record_prefix(Op.CLEAR, sid)
+        pairs: list[Any] = []
+        for kg, cks, stored in serialized:
+            if None in stored:  # cleared keys: a CLEAR record each, the rest in the batch
+                for ck, data in zip(cks, stored, strict=True):
+                    if data is None:
+                        pairs.append(kg)
+                        pairs.append(clear_head + ck)
+                live = [(ck, data) for ck, data in zip(cks, stored, strict=True) if data is not None]
+                entries: list[Any] = [x for pair in live for x in pair]
+            else:
+                entries = [None] * (2 * len(cks))
+                entries[0::2] = cks
+                entries[1::2] = stored
+            if entries:
+                pairs.append(kg)
+                pairs.append(rec.encode_set_batch(sid, entries))
+        return pairs
+
+    def prepare_flush(self) -> FlushStep:
+        log = self.prepare_log()
+        pending: list[tuple[list[bytes], list[bytes | None]]] = []
+        if self.clean_stored is None:  # log off: serialize the clean and the changed entries now
+            for kg, clean in enumerate(self.cleans):
+                merged = {**clean, **self.caches[kg]} if self.caches[kg] else clean
+                if merged:
+                    cks = sorted(merged)
+                    pending.append((cks, self._serialize_entries(list(map(merged.__getitem__, cks)))))
+
+        def flush(txn: Any, append: Append | None) -> int:
+            count = log(append, None)
+            if self.clean_stored is not None:  # the bytes the log got, in key-group then key order
+                for stored_of in self.clean_stored:
+                    if stored_of:
+                        cks = sorted(stored_of)  # sorting the keys alone is faster than the items
+                        pending.append((cks, list(map(stored_of.__getitem__, cks))))
+            self._write(txn, pending)
+            for clean in self.cleans:
+                clean.clear()
+            if self.clean_stored is not None:
+                for stored_of in self.clean_stored:
+                    stored_of.clear()
+            return count
+
+        return flush
+
+    def _write(self, txn: Any, batches: list[tuple[list[bytes], list[bytes | None]]]) -> None:
+        """Sorted batch writes; ``putmulti`` reads pairs straight from ``zip`` (which reuses one
+        tuple when the consumer drops it), so a large spill builds no list of pairs."""
+        db = self.db
+        cursor = txn.cursor(db=db)
+        for cks, stored in batches:
+            if None in stored:
+                for ck, data in zip(cks, stored, strict=True):
+                    if data is None:
+                        txn.delete(ck, db=db)
+                cursor.putmulti([(ck, data) for ck, data in zip(cks, stored, strict=True) if data is not None])
+            else:
+                cursor.putmulti(zip(cks, stored, strict=True))

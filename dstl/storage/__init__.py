@@ -1,0 +1,13 @@
+"""The changelog storage of a process: writers, batched uploads, file ownership, reading handles.
+
+``StateChangelogStorage`` (``storage.py``) is the facade every caller uses; its parts are one
+module each: ``loop`` (the asyncio loop thread and closing), ``registry`` (writers and file
+reference counts, deletion), ``throttle`` (bytes in flight, pre-emptive persists) and ``reader``
+(handles read back with read-ahead).
+"""
+
+from __future__ import annotations
+
+from dstl.storage.storage import StateChangelogStorage
+
+__all__ = ["StateChangelogStorage"]

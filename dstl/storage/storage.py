@@ -1,0 +1,233 @@
+"""``StateChangelogStorage``: one per process ("TaskManager"), composing the parts of the log's runtime.
+
+Every writer of the process shares this storage's batching scheduler, so one flush writes one file
+holding the changesets of many writers. The storage itself only wires the parts together and keeps
+the public API in one place, as Flink's ``FsStateChangelogStorage`` does:
+
+- ``loop.StorageLoop``: the asyncio loop thread uploads, hedges and deletions run on, and the
+  refusal of new work once closing;
+- ``BatchingScheduler`` -> ``UploadExecutor`` -> ``Uploader``: batching, retries and hedging, one
+  file per flush (``dstl.scheduler``, ``dstl.hedging``, ``dstl.uploaders``);
+- ``registry.FileRegistry``: the writers and the reference counts that decide when a file dies;
+- ``throttle``: bytes in flight and pre-emptive persists, applied to writers from the loop;
+- ``reader.HandleReader``: reading handles back with read-ahead.
+
+Writers and readers call in from their own threads; a writer sees the storage through
+``dstl.api.WriterStorage``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import uuid
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
+
+from dstl.api import StateChangelogWriter
+from dstl.config import ChangelogConfig
+from dstl.errors import ConfigurationError, WriterClosedError
+from dstl.hedging import UploadExecutor
+from dstl.metrics import ChangelogMetrics
+from dstl.paths import LOG_DIRECTORY, check_relative, new_file_name
+from dstl.scheduler import BatchingScheduler, UploadEntry
+from dstl.storage.loop import StorageLoop
+from dstl.storage.reader import HandleReader
+from dstl.storage.registry import FileRegistry
+from dstl.storage.throttle import InFlightBytes, WriterMonitor
+from dstl.types import ChangelogHandle, KeyGroupRange
+from dstl.uploaders import Uploader, make_uploader
+from dstl.writer import ChangelogWriter
+
+__all__ = ["StateChangelogStorage"]
+
+T = TypeVar("T")
+
+
+class StateChangelogStorage:
+    """The log of one process: creates writers, uploads their changes, reads handles back."""
+
+    def __init__(self, config: ChangelogConfig, *, uploader: Uploader | None = None, owns_files: bool = True) -> None:
+        """``owns_files=False``: never delete an uploaded file (another process, e.g. the Spark
+        driver's registry, decides when files die, because this one never learns which
+        checkpoints completed)."""
+        self.config = config
+        self.metrics = ChangelogMetrics()
+        self._uploader = uploader if uploader is not None else make_uploader(config)
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._loop = StorageLoop()
+        self._executor = UploadExecutor(
+            self._uploader, config, self.metrics, lambda: new_file_name(config.prefix_count)
+        )
+        self._registry = FileRegistry(self._loop, self._uploader, self._executor, self.metrics, owns_files=owns_files)
+        self._in_flight = InFlightBytes(config.max_in_flight_bytes, self.metrics)
+        self._scheduler = BatchingScheduler(
+            config,
+            self._executor,
+            self.metrics,
+            on_uploaded=self._registry.on_uploaded,
+            on_failed=self._registry.on_failed,
+            release_in_flight=self._in_flight.release,
+        )
+        self._reader = HandleReader(self._loop, self._uploader)
+        monitor = WriterMonitor(self._registry.writers, self._in_flight, self._scheduler, self.metrics)
+        self._monitor = self._loop.submit(monitor.run())
+
+    @property
+    def owns_files(self) -> bool:
+        return self._registry.owns_files
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Guards writers' entries and the file reference counts (``dstl.api.WriterStorage``)."""
+        return self._registry.lock
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run a coroutine on the storage's loop and wait for it (not from the loop thread)."""
+        return self._loop.run(coro, timeout)
+
+    # -- writers (dstl.api.WriterStorage) ---------------------------------------------------
+
+    def create_writer(self, operator_id: str, key_group_range: KeyGroupRange) -> ChangelogWriter:
+        if self._closed:
+            raise WriterClosedError("the changelog storage is closed: cannot create a writer")
+        if not operator_id or "/" in operator_id:
+            raise ConfigurationError(f"operator_id must be a non-empty name without '/', got {operator_id!r}")
+        log_id = f"{operator_id}-{key_group_range.start}-{key_group_range.end}-{uuid.uuid4().hex[:12]}"
+        writer = ChangelogWriter(self, log_id, key_group_range)
+        self._registry.add_writer(writer)
+        self._loop.call(self._scheduler.register, log_id)
+        return writer
+
+    def reserve_in_flight(self, size: int) -> None:
+        """Backpressure: block while other uploads would push the bytes in flight past the bound."""
+        self._in_flight.reserve(size)
+
+    def wait_for_capacity(self) -> None:
+        """Backpressure for appends: block while more than the bound is in flight."""
+        self._in_flight.wait_for_capacity()
+
+    def submit_persist(
+        self,
+        writer: StateChangelogWriter,
+        entries: list[UploadEntry],
+        new: list[UploadEntry],
+        after: int,
+        upto: int,
+        result: concurrent.futures.Future[ChangelogHandle],
+    ) -> None:
+        self._loop.call(self._persist_on_loop, writer, entries, new, after, upto, result)
+
+    def _persist_on_loop(
+        self,
+        writer: StateChangelogWriter,
+        entries: list[UploadEntry],
+        new: list[UploadEntry],
+        after: int,
+        upto: int,
+        result: concurrent.futures.Future[ChangelogHandle],
+    ) -> None:
+        self._scheduler.submit(writer.log_id, new, persist_request=True)
+        futures = [e.future for e in entries]  # after submit: it gives the new entries theirs
+        self._executor.track(
+            asyncio.ensure_future(self._registry.complete_persist(writer, futures, after, upto, result))
+        )
+
+    def truncate_entries(self, entries: dict[int, UploadEntry], before: int) -> None:
+        self._registry.truncate_entries(entries, before)
+
+    def confirm_handle(self, handle: ChangelogHandle) -> None:
+        self._registry.confirm_handle(handle)
+
+    def release_handle(self, handle: ChangelogHandle) -> None:
+        self._registry.release_handle(handle)
+
+    def close_writer(self, writer: StateChangelogWriter) -> None:
+        self._registry.close_writer(writer)
+        self._loop.call_or_drop(self._scheduler.unregister, writer.log_id)
+
+    def tracked_files(self) -> dict[str, tuple[int, bool]]:
+        """Files this storage still tracks: path -> (references, confirmed). For tests and tools."""
+        return self._registry.tracked_files()
+
+    # -- reading --------------------------------------------------------------------------
+
+    def read(self, handle: ChangelogHandle, key_groups: KeyGroupRange | None = None) -> Iterator[tuple[int, bytes]]:
+        """The changes of ``handle`` in SQN order, restricted to ``key_groups`` (all if None).
+
+        Segments whose key-group bounds miss ``key_groups`` are not fetched; the others are
+        fetched a few ahead of decoding. Anything inconsistent raises ``CorruptChangelogError``.
+        """
+        return self._reader.read(handle, key_groups)
+
+    async def list_files(self) -> list[str]:
+        return await self._uploader.list(LOG_DIRECTORY)
+
+    # -- other files under the base path (materialized chunks, metadata) -------------------
+
+    def put_file(self, path: str, data: bytes, timeout: float | None = None) -> None:
+        """Write a whole file under the base path (no hedging: callers retry at their level)."""
+        self.run(self._uploader.put(check_relative(path), data), timeout)
+
+    def get_file(self, path: str, timeout: float | None = None) -> bytes:
+        """Read a whole file under the base path; a missing file raises ``FileNotFoundError``."""
+        return self.run(self._uploader.get(check_relative(path)), timeout)
+
+    def read_range(self, path: str, offset: int, length: int, timeout: float | None = None) -> bytes:
+        """Read part of a file under the base path; a missing file raises ``FileNotFoundError``."""
+        return self.run(self._uploader.get(check_relative(path), offset, length), timeout)
+
+    def delete_file(self, path: str, timeout: float | None = None) -> None:
+        self.run(self._uploader.delete(check_relative(path)), timeout)
+
+    def remove_empty_directory(self, path: str) -> None:
+        """Remove an empty directory under a local base path (object stores have none)."""
+        remove = getattr(self._uploader, "remove_empty_directory", None)
+        if remove is not None:
+            remove(check_relative(path))
+
+    def list_all(self, prefix: str = "") -> list[str]:
+        return self.run(self._uploader.list(prefix))
+
+    def prometheus(self) -> str:
+        return self.metrics.prometheus()
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Upload everything queued and wait for uploads and background deletions to finish."""
+        self.run(self._scheduler.drain(), timeout)
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Close every writer, finish uploads and deletions, close the uploader, stop the loop.
+
+        Calls from other threads keep working until the uploads are drained; from then on they
+        raise ``StorageClosedError``, and what they had started is waited for (``_wind_down``)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        for writer in self._registry.writers():
+            writer.close()
+        self._monitor.cancel()
+        try:
+            self.run(self._scheduler.drain(), timeout)
+        finally:
+            self._loop.shut_down(lambda: self._wind_down(timeout), timeout)
+
+    async def _wind_down(self, timeout: float | None) -> None:
+        """On the loop, once new calls are refused: flush what was queued before that, let every
+        task end (``StorageLoop.settle``), then close the uploader, so no task uses a closed client."""
+        try:
+            self._scheduler.flush()
+            await self._loop.settle(timeout)
+        finally:
+            await asyncio.wait_for(self._uploader.close(), timeout)
+
+    def __enter__(self) -> StateChangelogStorage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

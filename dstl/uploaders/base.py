@@ -1,0 +1,45 @@
+"""The ``Uploader`` protocol: what the log needs from a file system, and our User-Agent.
+
+One small async protocol, as fsspec's ``AbstractFileSystem`` is one for many file systems: every
+DFS (S3 through aiobotocore, anything fsspec reaches, a local directory) is one module implementing
+it, and ``dstl.uploaders.make_uploader`` picks one by the base path's URL scheme.
+
+Every path given to an uploader is relative to the storage's base path; implementations resolve it
+through ``dstl.paths.check_relative``, so a crafted handle cannot reach a foreign file.
+
+Cancellation matters for hedging: a cancelled attempt may still have written its object. An
+implementation either abandons the request (the caller then deletes the object) or, when its I/O
+runs in a thread that cannot be interrupted, waits for that thread before re-raising, so that the
+caller's deletion of the loser's object really finds it and it cannot reappear afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Protocol
+
+__all__ = ["USER_AGENT", "Uploader"]
+
+
+def _user_agent() -> str:
+    """Our name and version, for the store's access logs. botocore's own app id setting
+    (``AWS_SDK_UA_APP_ID``) is not included in a fixed User-Agent; ``user_agent_extra`` is."""
+    try:
+        return f"dstl-state-backend/{importlib.metadata.version('dstl-state-backend')}"
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "dstl-state-backend/dev"
+
+
+#: the User-Agent of S3 requests (see ``S3Uploader._open``)
+USER_AGENT = _user_agent()
+
+
+class Uploader(Protocol):
+    """What the log needs from a file system. Every method may raise ``OSError``-like errors;
+    ``get`` of a missing object raises ``FileNotFoundError``."""
+
+    async def put(self, path: str, data: bytes) -> None: ...
+    async def get(self, path: str, offset: int = 0, length: int | None = None) -> bytes: ...
+    async def delete(self, path: str) -> None: ...  # a missing object is not an error
+    async def list(self, prefix: str = "") -> list[str]: ...
+    async def close(self) -> None: ...

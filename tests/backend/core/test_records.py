@@ -1,0 +1,38 @@
+"""Byte layouts of change records and list values (backend.core.records)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from backend.core import records as rec
+from backend.core.errors import SerializationError
+from backend.core.tablekeys import ckey
+
+elements = st.lists(st.binary(max_size=20), max_size=20)
+
+
+@given(elements, elements)
+def test_appending_to_a_stored_list_equals_re_encoding_it(old: list[bytes], added: list[bytes]) -> None:
+    joined = rec.concat_lists(rec.encode_list(old), rec.encode_list(added))
+    assert joined == rec.encode_list(old + added)
+    assert rec.decode_list(joined) == old + added
+    assert rec.concat_lists(None, rec.encode_list(added)) == rec.encode_list(added)
+
+
+@given(st.lists(st.tuples(st.integers(0, 127), st.binary(max_size=12), st.binary(max_size=30)), max_size=30))
+def test_set_batch_records_split_back_into_their_entries(entries: list[tuple[int, bytes, bytes]]) -> None:
+    pairs = [(ckey(kg, key), stored) for kg, key, stored in entries]
+    flat = [x for pair in pairs for x in pair]
+    op, sid, _, rest = rec.parse_record(rec.encode_set_batch(7, flat))
+    assert (op, sid) == (rec.Op.SET_BATCH, 7)
+    assert rec.split_set_batch(rest) == pairs
+
+
+@pytest.mark.parametrize("cut", [1, 5, 9])
+def test_a_truncated_set_batch_is_a_named_error(cut: int) -> None:
+    record = rec.encode_set_batch(7, [ckey(3, b"key"), b"value"])
+    _, _, _, rest = rec.parse_record(record)
+    with pytest.raises(SerializationError, match="SET_BATCH"):
+        rec.split_set_batch(rest[:-cut])

@@ -1,0 +1,154 @@
+"""The task and driver protocol of ``backend.spark`` without a Spark session: ``run_subtask`` as a
+task would call it, ``DriverCoordinator.complete_batch`` as the listener would. Covers what a real
+Spark run only hits by chance: a subtask changing Python worker every batch, records of an earlier
+attempt at another parallelism, local tables of a superseded attempt, a changed operator uid, a
+replaced Spark checkpoint, and pending records the next batch may still need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backend.core.descriptors import ListStateDescriptor
+from backend.core.errors import CheckpointError
+from backend.core.serializers import Int64Serializer
+from backend.spark import tasks
+from backend.spark.driver import DriverCoordinator
+from backend.spark.tasks import OperatorConfig, run_subtask
+from dstl import ChangelogConfig
+
+SEEN = ListStateDescriptor("seen", Int64Serializer())
+KEYS = [(f"k{i}",) for i in range(60)]
+
+
+def config(root: Path, parallelism: int, uid: str = "op", host: str = "a", **kw: Any) -> OperatorConfig:
+    job = str(root / "state")
+    kw.setdefault("materialization_interval_ms", 10**12)
+    return OperatorConfig(
+        job_dir=job, uid=uid, parallelism=parallelism, max_parallelism=128, local_root=str(root / host),
+        changelog=ChangelogConfig(base_path=job), **kw,
+    )  # fmt: skip
+
+
+def appender(value: int) -> Any:
+    """A task body: append ``value`` to the list state of every key the subtask owns."""
+
+    def process(backend: Any, now: int, watermark: Any) -> list[Any]:
+        for key in KEYS:
+            if backend.key_group_of(key) in backend.key_group_range:
+                backend.set_current_key(key)
+                backend.get_state(SEEN).add(value)
+        return []
+
+    return process
+
+
+def run_batch(cfg: OperatorConfig, batch: int, value: int, subtasks: Any = None) -> list[dict[str, Any]]:
+    return [run_subtask(cfg, i, batch, "q", 1, appender(value))[1] for i in subtasks or range(cfg.parallelism)]
+
+
+def other_worker() -> None:
+    """The next task of every subtask runs in another Python worker of the host."""
+    for kept in tasks._KEPT.values():
+        tasks._discard(kept)
+    tasks._KEPT.clear()
+
+
+def read_all(cfg: OperatorConfig, batch: int) -> dict[tuple[str], list[int]]:
+    """The state after ``batch`` as a fresh worker would restore it."""
+    other_worker()
+    seen: dict[tuple[str], list[int]] = {}
+
+    def collect(backend: Any, now: int, watermark: Any) -> list[Any]:
+        for key in KEYS:
+            if backend.key_group_of(key) in backend.key_group_range:
+                backend.set_current_key(key)
+                seen[key] = backend.get_state(SEEN).get()
+        return []
+
+    probe = config(Path(cfg.job_dir).parent, cfg.parallelism, cfg.uid, host="probe")
+    for i in range(cfg.parallelism):
+        run_subtask(probe, i, batch + 1, "probe", 1, collect)
+    other_worker()
+    return seen
+
+
+@pytest.fixture(autouse=True)
+def _clean_workers() -> Iterator[None]:
+    other_worker()
+    yield
+    other_worker()
+    for storage in tasks._STORAGES.values():
+        storage.close()
+    tasks._STORAGES.clear()
+
+
+def test_a_subtask_that_changes_worker_every_batch_still_materializes(tmp_path: Path) -> None:
+    cfg = config(tmp_path, 1, size_trigger_bytes=4_000)
+    driver = DriverCoordinator(cfg)
+    driver.register(cfg)
+    materialized = 0
+    for batch in range(30):
+        materialized += sum(s["materialized"] for s in run_batch(cfg, batch, batch))
+        driver.complete_batch(batch, "q")
+        other_worker()
+    latest = driver.latest()
+    assert latest is not None
+    assert materialized >= 2
+    assert len(latest.handles("op")[0].changelog) < 15  # the carried log does not grow with every batch
+    assert read_all(cfg, 29) == {k: list(range(30)) for k in KEYS}
+    driver.close()
+
+
+def test_records_of_an_attempt_at_another_parallelism_are_not_mixed_in(tmp_path: Path) -> None:
+    run_batch(config(tmp_path, 2), 0, 0)
+    run_batch(config(tmp_path, 4), 1, 1)  # batch 1 at parallelism 4, never committed
+    other_worker()
+    run_batch(config(tmp_path, 2), 1, 1)  # Spark re-runs batch 1 at parallelism 2: indices 2, 3 linger
+    other_worker()
+    assert read_all(config(tmp_path, 3), 1) == {k: [0, 1] for k in KEYS}
+
+
+def test_local_tables_of_a_superseded_attempt_are_not_adopted(tmp_path: Path) -> None:
+    cfg_a, cfg_b = config(tmp_path, 1, host="a"), config(tmp_path, 1, host="b")
+    run_batch(cfg_a, 0, 0)
+    run_batch(cfg_a, 1, 1)  # host a: tables at batch 1
+    other_worker()
+    run_batch(cfg_b, 1, 1)  # batch 1 evaluated again on host b: its handle is the committed one
+    other_worker()
+    stats = run_batch(cfg_a, 2, 2)  # host a's marker says batch 1, but not the committed batch 1
+    assert stats[0]["source"] == "dfs"
+    assert read_all(cfg_a, 2) == {k: [0, 1, 2] for k in KEYS}
+
+
+def test_a_changed_operator_uid_or_a_replaced_spark_checkpoint_is_refused(tmp_path: Path) -> None:
+    cfg = config(tmp_path, 1)
+    driver = DriverCoordinator(cfg)
+    driver.register(cfg)
+    run_batch(cfg, 0, 0)
+    driver.complete_batch(0, "q")
+    run_batch(cfg, 1, 1)
+    driver.complete_batch(1, "q")
+    other_worker()
+    with pytest.raises(CheckpointError, match=r"not of 'renamed'.*operator_uid"):
+        run_batch(config(tmp_path, 1, uid="renamed", host="b"), 2, 2)
+    with pytest.raises(CheckpointError, match=r"starts at batch 0.*checkpointLocation"):
+        run_batch(config(tmp_path, 1, host="c"), 0, 0)  # Spark's own checkpoint was deleted
+    driver.close()
+
+
+def test_pending_records_stay_until_the_next_checkpoint(tmp_path: Path) -> None:
+    cfg = config(tmp_path, 2)
+    driver = DriverCoordinator(cfg)
+    driver.register(cfg)
+    for batch in range(3):
+        run_batch(cfg, batch, batch)
+        driver.complete_batch(batch, "q")
+    pending = tmp_path / "state" / "pending"
+    assert sorted(p.name for p in pending.iterdir()) == ["2"]  # a task of batch 3 may still read it
+    assert sorted(p.name for p in (tmp_path / "state").glob("chk-*")) == ["chk-1", "chk-2"]
+    driver.close()
