@@ -14,10 +14,11 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["DURATION_BUCKETS_MS", "MaterializationMetrics"]
+__all__ = ["DURATION_BUCKETS_S", "MaterializationMetrics"]
 
-#: Histogram buckets of a materialization's duration, in milliseconds (10 ms to 10 min).
-DURATION_BUCKETS_MS = (10, 50, 100, 500, 1_000, 5_000, 10_000, 30_000, 60_000, 300_000, 600_000)
+#: Histogram buckets of a materialization's duration, in seconds (10 ms to 10 min): Prometheus
+#: metrics are in seconds by convention, as the DFS metrics; code reads ``last_duration_ms``.
+DURATION_BUCKETS_S = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 600)
 
 _PREFIX = "dstl_materialization"
 
@@ -54,15 +55,15 @@ class MaterializationMetrics:
         self._skipped = counter("skipped_unchanged", "Materializations due but skipped: nothing changed.")
         self._chunks_uploaded = counter("chunks_uploaded", "Chunks uploaded.")
         self._chunks_reused = counter("chunks_reused", "Unchanged chunks referenced again instead of uploaded.")
-        self._last_duration = gauge("last_duration_milliseconds", "Duration of the last completed materialization.")
+        self._last_duration = gauge("last_duration_seconds", "Duration of the last completed materialization.")
         self._last_full = gauge("last_full_size_bytes", "Bytes of every chunk the last materialization references.")
         self._last_incremental = gauge("last_incremental_size_bytes", "Bytes the last materialization uploaded.")
         duration = Histogram(
-            f"{_PREFIX}_duration_milliseconds",
+            f"{_PREFIX}_duration_seconds",
             "Duration of completed materializations.",
             names,
             registry=self.registry,
-            buckets=DURATION_BUCKETS_MS,
+            buckets=DURATION_BUCKETS_S,
         )
         self._duration = duration.labels(**labels) if names else duration
 
@@ -87,8 +88,8 @@ class MaterializationMetrics:
         self.chunks_uploaded += uploaded
         self.chunks_reused += reused
         self._completed.inc()
-        self._duration.observe(duration_ms)
-        self._last_duration.set(duration_ms)
+        self._duration.observe(duration_ms / 1000)
+        self._last_duration.set(duration_ms / 1000)
         self._last_full.set(full_size)
         self._last_incremental.set(incremental_size)
         self._chunks_uploaded.inc(uploaded)

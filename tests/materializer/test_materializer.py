@@ -972,7 +972,8 @@ def test_metrics_are_exposed_through_prometheus_client(env: Env) -> None:
     assert value("dstl_materialization_chunks_reused", "_total") == metrics.chunks_reused == 0
     assert value("dstl_materialization_last_full_size_bytes") == metrics.last_full_size > 0
     assert value("dstl_materialization_last_incremental_size_bytes") == metrics.last_incremental_size
-    assert value("dstl_materialization_last_duration_milliseconds") == metrics.last_duration_ms > 0
-    assert value("dstl_materialization_duration_milliseconds", "_count") == 1
-    assert value("dstl_materialization_duration_milliseconds", "_sum") == metrics.last_duration_ms
+    assert metrics.last_duration_ms > 0  # code reads milliseconds, Prometheus gets seconds
+    assert value("dstl_materialization_last_duration_seconds") == pytest.approx(metrics.last_duration_ms / 1000)
+    assert value("dstl_materialization_duration_seconds", "_count") == 1
+    assert value("dstl_materialization_duration_seconds", "_sum") == pytest.approx(metrics.last_duration_ms / 1000)
     m.close()
