@@ -6,7 +6,7 @@ from FLIP-158's measured S3 latency profile (p50 459, p90 740, p95 833, p99 1039
 scaled by 1/10. The client uses one connection per request (``force_close``), so every attempt,
 hedges included, draws its own latency independently. The proxy forwards each request at once and
 holds the answer until the draw has passed (``delay_response``): a measured store latency includes
-the store's own processing, so moto's (~3 ms of Python per PUT here) must overlap the draw, not add
+the store's own processing, so moto's (Python, milliseconds per PUT) must overlap the draw, not add
 to it; a loser that the client gave up on still lands in moto, as it may in S3, and is deleted.
 
 Each mode has its own ``UploadExecutor`` over the aiobotocore S3 uploader (the production path of
@@ -21,8 +21,7 @@ Figures: p50/p99/p99.9 of upload latency per mode, ``p999_ratio`` = hedged / pla
 ``extra_request_pct`` = PUT attempts beyond one per upload, in percent (the loser deletions are
 reported separately: they are cleanup off the latency path). The p99.9 of 10,000 samples is the
 10th-largest latency of a heavy tail, and the two modes draw different samples: one run's ratio
-is a noisy figure (the model below put 10,000-upload runs between 0.40 and 0.54, p10-p90, around
-a median of 0.50 on 2026-11-24: the spread is wider below the median than above it).
+is a noisy figure (how noisy, the model below says; docs/benchmarks.md has the spread of past runs).
 
 The same run then measures what an attempt costs besides the profile's draw (uploads through a
 second proxy that holds every answer for the profile's minimum, 22.95 ms, minus that) and feeds
@@ -52,15 +51,14 @@ from dstl.uploaders import S3Uploader
 
 BUCKET = "hedging-bench"
 # One upload at a time, as one TaskManager's flushes mostly are. Every upload's client work
-# (~3-4 ms of botocore CPU per PUT here) runs on one event loop, so at 2 concurrent uploads each
-# attempt also waits for the other's: measured through a zero-latency proxy (before the proxy held
-# answers), overhead p50 7.9 ms at 1 vs 13.1 ms at 2, a cost that a hedged upload pays twice.
+# (botocore's CPU per PUT) runs on one event loop, so at 2 concurrent uploads each attempt also
+# waits for the other's, a cost that a hedged upload pays twice (docs/benchmarks.md has the figures).
 CONCURRENCY = 1
 BLOCK = 500
 WARMUP = 300
 SCALE = 0.1
 SEEDS = 3  # runs of the Monte-Carlo model
-SPREAD_RUNS = 100  # modelled runs of the benchmark's size (~0.15 s each at 10,000 uploads)
+SPREAD_RUNS = 100  # modelled runs of the benchmark's size
 # The profile's fastest draw: longer than moto's processing, so it overlaps the hold entirely.
 FLOOR_MS = round(LatencyProfile.flip158(SCALE).quantile(0.0) * 1000, 2)
 
@@ -113,8 +111,8 @@ async def _bench(endpoint: str, uploads: int, warmup: int) -> tuple[_Mode, _Mode
         await mode.run(warmup, record=False)
         await mode.executor.drain()
     # As a tuned long-running service does (gc.freeze, Python >= 3.7): botocore's models and the
-    # clients are ~100k long-lived objects that each full collection of the cyclic GC walks,
-    # measured at up to 100 ms here, a stall of every upload in flight that hits hedges too.
+    # clients are many long-lived objects that each full collection of the cyclic GC walks: a
+    # stall of every upload in flight that hits hedges too.
     gc.collect()
     gc.freeze()
     counters_after_warmup = {m.name: (m.metrics.upload_attempts, m.metrics.upload_requests) for m in (plain, hedged)}
@@ -184,7 +182,7 @@ async def _overhead(endpoint: str, uploads: int) -> list[float]:
 
 
 def run(quick: bool, out_dir: Path) -> BenchResult:
-    # Quick mode is a smoke run of about two minutes: its p99.9 is one of the few largest samples.
+    # Quick mode is a smoke run: its p99.9 is one of the few largest samples.
     uploads, warmup = (800, 200) if quick else (10_000, WARMUP)
     server = start_s3_server()
     proxies: list[subprocess.Popen[str]] = []

@@ -12,8 +12,8 @@ minus that time). With zero overhead it gives the policy's own bound.
 
 Common random numbers: primaries and hedges draw from separate generators, and the plain arm
 uses the same seed as the hedged one, so both arms see the same primary latencies and the ratio
-measures the policy, not two unrelated samples of the tail (whose p99.9 alone swings by 20 %
-between seeds at 20k uploads).
+measures the policy, not two unrelated samples of the tail (whose p99.9 alone swings widely
+between seeds).
 
 Simplifications: every attempt's overhead is an independent draw, while in the benchmark a
 stall of the client (its event loop, a garbage collection) delays a primary and its hedge

@@ -100,7 +100,7 @@ class _Run:
             self.backend,
             interval_ms=MATERIALIZE_EVERY,
             size_trigger_bytes=None,
-            clock=lambda: self.now,
+            clock_ms=lambda: self.now,
             rng=random.Random(3),
         )
         self.retained: list[KeyedStateHandle] = []

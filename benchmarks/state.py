@@ -11,7 +11,7 @@
    spills to LMDB fall into it (one every few checkpoints), so the mean over all rounds
    (``updates_per_s_on_mean``) is printed too: it is the long-run figure. Each round also times
    the same keys on a plain dict of N ints (``d[k] = d[k] + 1``): the speed of this shared
-   machine at that moment (it drifts by 2-3x between hours here), so runs on different days can
+   machine at that moment (it drifts between hours), so runs on different days can
    be compared through ``on_vs_bare_dict``.
 2. Checkpoint latency: 10k random keys changed per checkpoint, with 100k and with 1M keys in
    total (quick: 50k and 200k); p50 of the snapshot latency (flush to LMDB + log + durable upload

@@ -11,6 +11,8 @@ from __future__ import annotations
 import posixpath
 import uuid
 
+from dstl.errors import ConfigurationError
+
 __all__ = ["LOG_DIRECTORY", "check_relative", "new_file_name"]
 
 #: the directory, under the base path, of the changelog files (``dstl/<prefix>/<uuid>``)
@@ -18,12 +20,14 @@ LOG_DIRECTORY = "dstl"
 
 
 def check_relative(path: str) -> str:
-    """Normalize a storage-relative path, refusing anything that leaves the base directory."""
+    """Normalize a storage-relative path, refusing anything that leaves the base directory
+    (``ConfigurationError``; a caller reading the path from stored data wraps it in its own
+    corrupt-data error, e.g. ``CheckpointError``)."""
     if not path or path.startswith("/") or "\\" in path or "://" in path:
-        raise ValueError(f"path {path!r} is not relative to the changelog base path")
+        raise ConfigurationError(f"path {path!r} is not relative to the changelog base path")
     norm = posixpath.normpath(path)
     if norm == ".." or norm.startswith("../") or norm == ".":
-        raise ValueError(f"path {path!r} points outside the changelog base path")
+        raise ConfigurationError(f"path {path!r} points outside the changelog base path")
     return norm
 
 

@@ -31,7 +31,7 @@ from array import array
 from typing import Any
 
 from dstl.api import WriterStorage
-from dstl.errors import WriterClosedError
+from dstl.errors import ConfigurationError, WriterClosedError
 from dstl.format import ChangeSet
 from dstl.scheduler import UploadEntry
 from dstl.types import ChangelogHandle, KeyGroupRange, SequenceNumber
@@ -91,7 +91,7 @@ class ChangelogWriter:
     def append_many(self, pairs: list[Any]) -> None:
         """Append many changes at once: ``[key_group, data, key_group, data, ...]``, in order."""
         if len(pairs) % 2:
-            raise ValueError("append_many needs key group and data pairs")
+            raise ConfigurationError(f"append_many(pairs): {len(pairs)} items are not key group and data pairs")
         records = self._records
         records += pairs
 
@@ -124,12 +124,12 @@ class ChangelogWriter:
             size += sum(map(len, chunk[measured + 1 :: 2]))
             kgs = array("H", chunk[0::2])
         except (TypeError, OverflowError) as exc:
-            self._failure = ValueError(f"changelog writer {self.log_id}: bad change appended: {exc}")
+            self._failure = ConfigurationError(f"changelog writer {self.log_id}: bad change appended: {exc}")
             return None
         rng = self.key_group_range
         lo, hi = min(kgs), max(kgs)
         if lo < rng.start or hi > rng.end:
-            self._failure = ValueError(
+            self._failure = ConfigurationError(
                 f"changelog writer {self.log_id} owns key groups [{rng.start}, {rng.end}] "
                 f"but key group {lo if lo < rng.start else hi} was appended"
             )
@@ -183,9 +183,9 @@ class ChangelogWriter:
         """
         upto = self._rollover()
         if after < 0 or after > upto:
-            raise ValueError(f"persist_durably(after={after}) outside [0, {upto}] for writer {self.log_id}")
+            raise ConfigurationError(f"persist_durably(after={after}) outside [0, {upto}] for writer {self.log_id}")
         if after + 1 < self._truncated_before:
-            raise ValueError(
+            raise ConfigurationError(
                 f"writer {self.log_id}: changes after sqn {after} were truncated "
                 f"(kept from sqn {self._truncated_before})"
             )
@@ -206,7 +206,7 @@ class ChangelogWriter:
         holds, are deleted from the DFS unless a confirmed checkpoint owns them.
         """
         if before > self._active_sqn:
-            raise ValueError(
+            raise ConfigurationError(
                 f"truncate(before={before}) beyond the active changeset {self._active_sqn} of writer {self.log_id}"
             )
         self._truncated_before = max(self._truncated_before, before)

@@ -19,7 +19,7 @@ How (FLIP-158's steps, with Flink's rules):
   for the next attempt, and more than ``max_failures_allowed`` consecutive failures raise
   ``MaterializationError`` from ``poll()`` (Flink fails the job the same way).
 
-Times are milliseconds, as everywhere in this project: ``interval_ms``, a ``clock`` returning
+Times are milliseconds, as everywhere in this project: ``interval_ms``, a ``clock_ms`` returning
 milliseconds, ``metrics.last_duration_ms``. ``metrics.registry`` holds the same figures as
 Prometheus metrics (``materializer.metrics``).
 """
@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry
 from backend.core.handles import KeyedStateHandle
 from backend.core.tablekeys import key_group_prefix
 from backend.state.keyed_backend import ChangelogKeyedStateBackend, MaterializationPoint
-from dstl import ChangelogError, KeyGroupRange, StateChangelogStorage
+from dstl import ChangelogError, ConfigurationError, KeyGroupRange, StateChangelogStorage
 from materializer.chunks import chunk_sections, encode_chunk
 from materializer.metrics import MaterializationMetrics
 
@@ -73,28 +73,33 @@ class PeriodicMaterializer:
         chunk_key_groups: int = 1,
         max_failures_allowed: int = 3,
         compression_level: int = 1,
-        clock: Callable[[], float] = monotonic_ms,
+        clock_ms: Callable[[], float] = monotonic_ms,
         rng: random.Random | None = None,
         upload: Callable[[str, bytes], None] | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
-        """``clock`` returns milliseconds (any origin); ``registry`` receives this materializer's
-        Prometheus metrics (default: a registry of its own, ``metrics.registry``)."""
+        """``clock_ms`` returns milliseconds, any origin (not ``time.monotonic``, which counts
+        seconds); ``registry`` receives this materializer's Prometheus metrics (default: a
+        registry of its own, ``metrics.registry``)."""
         if backend.storage is None or backend.writer is None:
-            raise ValueError("materialization needs a backend with a changelog storage")
-        if interval_ms <= 0 or chunk_key_groups < 1 or max_failures_allowed < 0:
-            raise ValueError("interval_ms and chunk_key_groups must be positive, max_failures_allowed >= 0")
+            raise ConfigurationError(f"backend {backend.operator_id}: materialization needs a changelog storage")
+        if interval_ms <= 0:
+            raise ConfigurationError(f"interval_ms must be positive, got {interval_ms}")
+        if chunk_key_groups < 1:
+            raise ConfigurationError(f"chunk_key_groups must be >= 1, got {chunk_key_groups}")
+        if max_failures_allowed < 0:
+            raise ConfigurationError(f"max_failures_allowed must be >= 0, got {max_failures_allowed}")
         self.backend = backend
         self.interval_ms = interval_ms
         self.size_trigger_bytes = size_trigger_bytes
         self.chunk_key_groups = chunk_key_groups
         self.max_failures_allowed = max_failures_allowed
         self.compression_level = compression_level
-        self._clock = clock
+        self._clock_ms = clock_ms
         self._upload = upload or backend.storage.put_file
         self._delete = backend.storage.delete_file
         jitter = (rng or random.Random()).uniform(0.5, 1.0)  # jittered first run
-        self._due = clock() + interval_ms * jitter
+        self._due = clock_ms() + interval_ms * jitter
         self._running: concurrent.futures.Future[_Outcome] | None = None
         self._point: MaterializationPoint | None = None
         self._started_ns = 0
@@ -114,7 +119,7 @@ class PeriodicMaterializer:
             self._finish()
         log_bytes = self.backend.log_bytes_since_materialization
         size_due = self.size_trigger_bytes is not None and log_bytes >= self.size_trigger_bytes
-        if self._clock() < self._due and not size_due:
+        if self._clock_ms() < self._due and not size_due:
             return False
         return self.trigger()
 
@@ -122,7 +127,7 @@ class PeriodicMaterializer:
         """Start a materialization now (unless one runs or nothing changed)."""
         if self._running is not None:
             return False
-        self._due = self._clock() + self.interval_ms
+        self._due = self._clock_ms() + self.interval_ms
         point = self.backend.begin_materialization()
         if point is None:
             self.metrics.on_skipped()

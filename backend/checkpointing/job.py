@@ -39,6 +39,7 @@ from backend.checkpointing.metadata import (
     METADATA_NAME,
     Progress,
     SnapshotMetadata,
+    is_inside,
     no_progress,
     read_snapshot,
     snapshot_location,
@@ -58,7 +59,7 @@ from backend.checkpointing.store import StepHook
 from backend.core.errors import CheckpointError
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, key_group_range_for_subtask
 from backend.state.keyed_backend import DEFAULT_CACHE_LIMIT, ChangelogKeyedStateBackend
-from dstl import ChangelogConfig, StateChangelogStorage
+from dstl import ChangelogConfig, ConfigurationError, StateChangelogStorage
 from dstl.uploaders import Uploader
 from materializer.periodic import PeriodicMaterializer, restore
 
@@ -75,9 +76,12 @@ class OperatorSpec:
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.uid):
-            raise ValueError(f"operator uid {self.uid!r} must be letters, digits, '_', '-' or '.'")
+            raise ConfigurationError(f"operator uid {self.uid!r} must be letters, digits, '_', '-' or '.'")
         if not 1 <= self.parallelism <= self.max_parallelism:
-            raise ValueError(f"operator {self.uid}: parallelism must be in 1..{self.max_parallelism}")
+            raise ConfigurationError(
+                f"operator {self.uid}: parallelism must be in 1..{self.max_parallelism} (max_parallelism), "
+                f"got {self.parallelism}"
+            )
 
 
 @dataclass(frozen=True)
@@ -94,12 +98,26 @@ class MaterializationOptions:
     #: consecutive failed materializations tolerated before ``poll()`` raises ``MaterializationError``
     max_failures_allowed: int = 3
 
+    def __post_init__(self) -> None:
+        if self.interval_ms <= 0:
+            raise ConfigurationError(f"interval_ms must be positive, got {self.interval_ms}")
+        if self.size_trigger_bytes is not None and self.size_trigger_bytes <= 0:
+            raise ConfigurationError(f"size_trigger_bytes must be positive or None, got {self.size_trigger_bytes}")
+        if self.chunk_key_groups < 1:
+            raise ConfigurationError(f"chunk_key_groups must be >= 1, got {self.chunk_key_groups}")
+        if self.max_failures_allowed < 0:
+            raise ConfigurationError(f"max_failures_allowed must be >= 0, got {self.max_failures_allowed}")
+
 
 @dataclass(frozen=True)
 class JobOptions:
-    """How a ``LocalJob`` checkpoints, restores and materializes; every field has a default."""
+    """How a ``LocalJob`` checkpoints, restores and materializes; every field has a default.
 
-    #: the changelog storage's settings (DFS, batching, hedging); its base path becomes the job directory
+    A value out of range raises ``ConfigurationError`` (a ``ValueError``) naming the option.
+    """
+
+    #: the changelog storage's settings (DFS, batching, hedging); ``LocalJob`` replaces its
+    #: ``base_path`` with the job directory ``<root>/<job>`` (pass the root, or any path)
     changelog: ChangelogConfig | None = None
     #: completed checkpoints kept (Flink's ``state.checkpoints.num-retained``)
     num_retained: int = 1
@@ -117,8 +135,25 @@ class JobOptions:
     #: serve the storage's and the materializers' Prometheus metrics over HTTP on this port
     #: (0: any free port, see ``LocalJob.metrics_server.port``); None: do not serve
     metrics_port: int | None = None
-    #: the address the metrics server binds
-    metrics_addr: str = "0.0.0.0"
+    #: the address the metrics server binds: loopback by default, so that metrics are not served
+    #: to the network unless asked ("0.0.0.0" for a scraper on another host)
+    metrics_addr: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if self.num_retained < 1:
+            raise ConfigurationError(f"num_retained must be >= 1, got {self.num_retained}")
+        if self.cache_limit <= 0:
+            raise ConfigurationError(f"cache_limit must be positive, got {self.cache_limit}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigurationError(f"metrics_port must be in 0..65535 or None, got {self.metrics_port}")
+        if not self.metrics_addr:
+            raise ConfigurationError("metrics_addr must name an address to bind, e.g. '127.0.0.1'")
+        if self.restore_from is not None and not self.restore_from:
+            raise ConfigurationError("restore_from must name a savepoint or checkpoint, or be None")
+        if not isinstance(self.retention, CheckpointRetention):
+            raise ConfigurationError(f"retention must be a CheckpointRetention, got {self.retention!r}")
+        if not isinstance(self.restore_mode, RestoreMode):
+            raise ConfigurationError(f"restore_mode must be a RestoreMode, got {self.restore_mode!r}")
 
 
 @dataclass
@@ -155,9 +190,9 @@ class LocalJob:
         on_step: StepHook | None = None,
     ) -> None:
         if not _NAME.match(job_id):
-            raise ValueError(f"job id {job_id!r} must be letters, digits, '_', '-' or '.'")
+            raise ConfigurationError(f"job id {job_id!r} must be letters, digits, '_', '-' or '.'")
         if len({op.uid for op in operators}) != len(operators):
-            raise ValueError("operator uids must be unique")
+            raise ConfigurationError(f"operator uids must be unique, got {[op.uid for op in operators]}")
         self.options = options = options or JobOptions()
         self.job_id = job_id
         self.job_dir = f"{os.fspath(root).rstrip('/')}/{job_id}"
@@ -201,7 +236,7 @@ class LocalJob:
 
     def _restore_external(self, url: str, mode: RestoreMode, allow_non_restored_state: bool) -> None:
         base, where = snapshot_location(url)
-        if _inside(base, self.job_dir):
+        if is_inside(base, self.job_dir):
             raise CheckpointError(
                 f"{url} lies inside this job's directory {self.job_dir}; a job resumes its own checkpoints by itself"
             )
@@ -330,8 +365,8 @@ class LocalJob:
     def savepoint(self, target: str, format: str = "canonical", timeout: float | None = 120.0) -> SnapshotMetadata:
         """Write a savepoint of the current state to the empty directory ``target``."""
         if format not in ("canonical", "native"):
-            raise ValueError(f"savepoint format must be 'canonical' or 'native', got {format!r}")
-        if _inside(target, self.job_dir):
+            raise ConfigurationError(f"savepoint format must be 'canonical' or 'native', got {format!r}")
+        if is_inside(target, self.job_dir):
             raise CheckpointError(f"savepoint directory {target} must not lie inside the job directory")
         out = open_directory(target, self._config)
         try:
@@ -394,12 +429,3 @@ class LocalJob:
 
 def _files_of(meta: SnapshotMetadata, uid: str) -> set[str]:
     return {p for h in meta.handles(uid) for p in h.referenced_files()}
-
-
-def _inside(url: str, directory: str) -> bool:
-    def norm(u: str) -> str:
-        u = u.removeprefix("file://")
-        return os.path.abspath(u) if "://" not in u else u.rstrip("/")
-
-    a, b = norm(os.fspath(url)), norm(directory)
-    return a == b or a.startswith(b.rstrip("/") + "/")

@@ -41,6 +41,7 @@ __all__ = [
     "checked_path",
     "checkpoint_dir",
     "in_checkpoint_dir",
+    "is_inside",
     "metadata_path",
     "no_progress",
     "parse_checkpoint_dir",
@@ -128,6 +129,23 @@ def snapshot_location(url: str) -> tuple[str, str]:
     if parse_checkpoint_dir(last) is not None and parent:
         return parent, f"{last}/{METADATA_NAME}"
     return url, METADATA_NAME
+
+
+def is_inside(path_or_url: str | os.PathLike[str], directory: str | os.PathLike[str]) -> bool:
+    """Whether ``path_or_url`` is ``directory`` or lies below it (a job directory, a snapshot's).
+
+    Local paths (``file://`` or none) are compared by ``os.path.realpath``, so that neither a
+    relative spelling nor a symlink hides that a savepoint would land in a job directory (where
+    the job's cleanup would delete it); other URLs are compared as strings without a trailing slash.
+    """
+
+    def norm(u: str) -> str:
+        if "://" in u and not u.startswith("file://"):
+            return u.rstrip("/")
+        return os.path.realpath(u.removeprefix("file://"))
+
+    a, b = norm(os.fspath(path_or_url)), norm(os.fspath(directory))
+    return a == b or a.startswith(b.rstrip("/") + "/")
 
 
 def checked_path(path: Any, where: str) -> str:

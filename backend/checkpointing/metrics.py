@@ -40,7 +40,7 @@ class MergedCollector(Collector):
 class MetricsServer:
     """``start_http_server`` on ``addr:port`` (0: any free port, see ``port``) for ``sources``."""
 
-    def __init__(self, sources: Callable[[], Iterable[Collector]], port: int, addr: str = "0.0.0.0") -> None:
+    def __init__(self, sources: Callable[[], Iterable[Collector]], port: int, addr: str = "127.0.0.1") -> None:
         self.registry = CollectorRegistry()
         self.registry.register(MergedCollector(sources))
         self._server: WSGIServer

@@ -29,7 +29,7 @@ from backend.checkpointing.metadata import (
 )
 from backend.checkpointing.registry import SharedStateRegistry
 from backend.core.errors import CheckpointError
-from dstl import StateChangelogStorage
+from dstl import ConfigurationError, StateChangelogStorage
 
 __all__ = ["CompletedCheckpointStore", "StepHook"]
 
@@ -42,7 +42,7 @@ class CompletedCheckpointStore:
 
     def __init__(self, storage: StateChangelogStorage, num_retained: int = 1, on_step: StepHook | None = None) -> None:
         if num_retained < 1:
-            raise ValueError(f"num_retained must be >= 1, got {num_retained}")
+            raise ConfigurationError(f"num_retained must be >= 1, got {num_retained}")
         self.storage = storage
         self.num_retained = num_retained
         self.registry = SharedStateRegistry()

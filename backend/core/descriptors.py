@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from backend.core.serializers import Serializer
+from dstl import ConfigurationError
 
 V = TypeVar("V")
 K = TypeVar("K")
@@ -34,7 +35,7 @@ class StateTtl:
 
     def __post_init__(self) -> None:
         if self.ttl_ms <= 0:
-            raise ValueError(f"state TTL must be positive, got {self.ttl_ms} ms")
+            raise ConfigurationError(f"ttl_ms must be positive, got {self.ttl_ms}")
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class StateDescriptor(Generic[V]):
 
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > 255:
-            raise ValueError(f"state name must be 1..255 characters, got {self.name!r}")
+            raise ConfigurationError(f"state name must be 1..255 characters, got {self.name!r}")
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -74,7 +75,7 @@ class MapStateDescriptor(StateDescriptor[V], Generic[K, V]):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.user_key_serializer is None:
-            raise ValueError(f"map state {self.name!r} needs a user_key_serializer")
+            raise ConfigurationError(f"map state {self.name!r} needs a user_key_serializer")
 
     def metadata(self) -> dict[str, Any]:
         meta = super().metadata()
@@ -91,7 +92,7 @@ class ReducingStateDescriptor(StateDescriptor[V]):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.reduce is None:
-            raise ValueError(f"reducing state {self.name!r} needs a reduce function")
+            raise ConfigurationError(f"reducing state {self.name!r} needs a reduce function (reduce=)")
 
 
 @dataclass(frozen=True)
@@ -104,4 +105,4 @@ class AggregatingStateDescriptor(StateDescriptor[Any]):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.aggregate is None:
-            raise ValueError(f"aggregating state {self.name!r} needs an aggregate function")
+            raise ConfigurationError(f"aggregating state {self.name!r} needs an aggregate function (aggregate=)")

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import mmh3
 
+from dstl.errors import ConfigurationError
 from dstl.types import MAX_KEY_GROUP, KeyGroupRange
 
 #: Flink's default when nothing is configured (Flink derives it from the parallelism; we don't).
@@ -56,9 +57,9 @@ def murmur3_32(data: bytes) -> int:
 
 
 def check_max_parallelism(max_parallelism: int) -> None:
-    """Raise ``ValueError`` unless ``max_parallelism`` is an int in ``[1, 32768]``."""
+    """Raise ``ConfigurationError`` (a ``ValueError``) unless ``max_parallelism`` is an int in ``[1, 32768]``."""
     if type(max_parallelism) is not int or not 0 < max_parallelism <= UPPER_BOUND_MAX_PARALLELISM:
-        raise ValueError(
+        raise ConfigurationError(
             f"max_parallelism must be an int in [1, {UPPER_BOUND_MAX_PARALLELISM}], got {max_parallelism!r}"
         )
 
@@ -66,7 +67,9 @@ def check_max_parallelism(max_parallelism: int) -> None:
 def _check_parallelism(max_parallelism: int, parallelism: int) -> None:
     check_max_parallelism(max_parallelism)
     if type(parallelism) is not int or not 0 < parallelism <= max_parallelism:
-        raise ValueError(f"parallelism must be an int in [1, max_parallelism={max_parallelism}], got {parallelism!r}")
+        raise ConfigurationError(
+            f"parallelism must be an int in [1, max_parallelism={max_parallelism}], got {parallelism!r}"
+        )
 
 
 def assign_key_group(serialized_key: bytes, max_parallelism: int) -> int:
@@ -88,7 +91,7 @@ def key_group_range_for_subtask(max_parallelism: int, parallelism: int, index: i
     """
     _check_parallelism(max_parallelism, parallelism)
     if type(index) is not int or not 0 <= index < parallelism:
-        raise ValueError(f"subtask index must be an int in [0, parallelism={parallelism}), got {index!r}")
+        raise ConfigurationError(f"subtask index must be an int in [0, parallelism={parallelism}), got {index!r}")
     start = (index * max_parallelism + parallelism - 1) // parallelism
     end = ((index + 1) * max_parallelism - 1) // parallelism
     return KeyGroupRange(start, end)
@@ -102,7 +105,9 @@ def subtask_for_key_group(max_parallelism: int, parallelism: int, key_group: int
     """
     _check_parallelism(max_parallelism, parallelism)
     if type(key_group) is not int or not 0 <= key_group < max_parallelism:
-        raise ValueError(f"key group must be an int in [0, max_parallelism={max_parallelism}), got {key_group!r}")
+        raise ConfigurationError(
+            f"key group must be an int in [0, max_parallelism={max_parallelism}), got {key_group!r}"
+        )
     return key_group * parallelism // max_parallelism
 
 

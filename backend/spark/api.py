@@ -22,15 +22,16 @@ from typing import Any
 from backend.spark.handle import TIME_MODES
 from backend.spark.plan import KEY_GROUP, build, find_watermark
 from backend.spark.tasks import OperatorConfig
+from dstl import ConfigurationError
 
 _OUTPUT_MODES = {"append", "update"}
 
 
 def _check_modes(output_mode: str, time_mode: str | None = None) -> None:
     if str(output_mode).lower() not in _OUTPUT_MODES:
-        raise ValueError(f"outputMode must be 'Append' or 'Update', got {output_mode!r}")
+        raise ConfigurationError(f"outputMode must be 'Append' or 'Update', got {output_mode!r}")
     if time_mode is not None and str(time_mode).lower() not in TIME_MODES:
-        raise ValueError(f"timeMode must be 'None', 'ProcessingTime' or 'EventTime', got {time_mode!r}")
+        raise ConfigurationError(f"timeMode must be 'None', 'ProcessingTime' or 'EventTime', got {time_mode!r}")
 
 
 def _rows_to_pandas(rows: Iterable[Any], names: list[str]) -> Any:
@@ -56,7 +57,7 @@ def _transform(
     if not isinstance(processor, StatefulProcessor):
         raise TypeError(f"statefulProcessor must be a pyspark StatefulProcessor, got {type(processor).__name__}")
     if str(time_mode).lower() == "eventtime" and find_watermark(grouped._df) is None:
-        raise ValueError("timeMode='EventTime' needs a watermark: call withWatermark on the input")
+        raise ConfigurationError("timeMode='EventTime' needs a watermark: call withWatermark on the input")
     schema = _parse(grouped, output_schema)
     names = [f.name for f in schema.fields]
 
@@ -71,7 +72,7 @@ def _transform(
             from backend.spark.transform import run_transform_with_state
 
             if str(time_mode).lower() == "eventtime" and watermark is None:
-                raise ValueError("timeMode='EventTime' needs a watermark: call withWatermark on the input")
+                raise ConfigurationError("timeMode='EventTime' needs a watermark: call withWatermark on the input")
             initial = None
             if init_keys is not None and batch_id == 0:
                 from backend.spark.initial import read_initial_state
@@ -153,7 +154,7 @@ def apply_in_pandas_with_state(
 
     _check_modes(outputMode)
     if timeoutConf == GroupStateTimeout.EventTimeTimeout and find_watermark(grouped._df) is None:
-        raise ValueError("EventTimeTimeout needs a watermark: call withWatermark on the input")
+        raise ConfigurationError("EventTimeTimeout needs a watermark: call withWatermark on the input")
     schema = _parse(grouped, outputStructType)
     state_schema = _parse(grouped, stateStructType)
     data_columns = [c for c in grouped._df.columns]
@@ -163,7 +164,7 @@ def apply_in_pandas_with_state(
             from backend.spark.apply_in_pandas import run_apply_in_pandas_with_state
 
             if timeoutConf == GroupStateTimeout.EventTimeTimeout and watermark is None:
-                raise ValueError("EventTimeTimeout needs a watermark: call withWatermark on the input")
+                raise ConfigurationError("EventTimeTimeout needs a watermark: call withWatermark on the input")
             out = run_apply_in_pandas_with_state(
                 func, backend, [f.drop(columns=_internal(f)) for f in frames], key_columns=keys,
                 state_schema=state_schema, timeout_conf=timeoutConf, batch_timestamp_ms=now_ms,

@@ -29,7 +29,7 @@ from backend.checkpointing.metadata import SnapshotMetadata, parse_metadata_path
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
 from backend.spark.tasks import OperatorConfig
-from dstl import StateChangelogStorage, StorageClosedError
+from dstl import ConfigurationError, StateChangelogStorage, StorageClosedError
 
 _log = logging.getLogger(__name__)
 
@@ -39,7 +39,10 @@ class DriverCoordinator:
 
     def __init__(self, cfg: OperatorConfig, num_retained: int = 2) -> None:
         if num_retained < 2:
-            raise ValueError("under Spark, num_retained must be >= 2 (the next batch may restore from the previous)")
+            raise ConfigurationError(
+                f"under Spark, num_retained must be >= 2 (the next batch may restore from the previous), "
+                f"got {num_retained}"
+            )
         self.storage = StateChangelogStorage(cfg.changelog)
         self.coordinator = CheckpointCoordinator(self.storage, job_id=cfg.job_dir, num_retained=num_retained)
         self.operators: dict[str, int] = {}
@@ -67,7 +70,7 @@ class DriverCoordinator:
         with self.lock:
             known = self.operators.get(cfg.uid)
             if known is not None and known != cfg.parallelism:
-                raise ValueError(f"operator {cfg.uid!r} is registered already with parallelism {known}")
+                raise ConfigurationError(f"operator {cfg.uid!r} is registered already with parallelism {known}")
             self.operators[cfg.uid] = cfg.parallelism
 
     def latest(self) -> SnapshotMetadata | None:

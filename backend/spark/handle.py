@@ -25,6 +25,7 @@ from backend.spark.codecs import StructCodec, plain_value, struct_codec
 from backend.spark.errors import StateOperationError
 from backend.spark.keys import backend_key, set_key
 from backend.state.timers import EVENT_TIME, PROCESSING_TIME
+from dstl import ConfigurationError
 
 if TYPE_CHECKING:
     from backend.state.keyed_backend import ChangelogKeyedStateBackend
@@ -271,11 +272,13 @@ class SparkStateHandle:
     def _ttl(self, name: str, ttl_ms: int | None) -> StateTtl | None:
         if not ttl_ms:
             return None
-        if ttl_ms < 0:
-            raise ValueError(f"state {name!r}: TTL must be positive, got {ttl_ms} ms")
+        try:  # StateTtl checks the range; a bad TTL is reported before a wrong time mode
+            ttl = StateTtl(int(ttl_ms))
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"state {name!r}: {exc}") from None
         if self.time_mode != "processingtime":
             raise StateOperationError(f"state {name!r}: TTL needs time mode ProcessingTime, not {self.time_mode!r}")
-        return StateTtl(int(ttl_ms))
+        return ttl
 
     def getValueState(self, stateName: str, schema: Any, ttlDurationMs: int | None = None) -> ValueState:
         self._check_create("create state", stateName)

@@ -16,6 +16,7 @@ from typing import Any
 from backend.checkpointing.metadata import in_checkpoint_dir
 from backend.core.errors import CheckpointError
 from backend.spark.tasks import OperatorConfig, storage_for
+from dstl import ConfigurationError
 
 _KEY_GROUP = "__dstl_key_group"
 
@@ -38,12 +39,12 @@ def write_initial_state(cfg: OperatorConfig, grouped: Any, input_df: Any, input_
         return None
     keys = grouping_columns(grouped)
     if len(keys) != len(input_keys):
-        raise ValueError(f"initialState is grouped by {keys}, the input by {input_keys}: the keys must match")
+        raise ConfigurationError(f"initialState is grouped by {keys}, the input by {input_keys}: the keys must match")
     types = dict(input_df.dtypes)
     init_types = dict(grouped._df.dtypes)
     for key, input_key in zip(keys, input_keys, strict=True):
         if init_types[key] != types[input_key]:
-            raise ValueError(
+            raise ConfigurationError(
                 f"initialState key column {key!r} is {init_types[key]}, the input's {input_key!r} is "
                 f"{types[input_key]}: they must have the same type (key groups are hashes of the values)"
             )

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from backend.core.tablekeys import ckey
 from backend.spark.codecs import plain_value
 
 if TYPE_CHECKING:
@@ -45,9 +44,5 @@ def set_key(backend: ChangelogKeyedStateBackend, bkey: tuple[Any, ...], key_grou
     key group of the key's bytes). A given key group must be one the backend owns."""
     if key_group is None:
         backend.set_current_key(bkey)
-        return
-    rng = backend.key_group_range
-    if not rng.start <= key_group <= rng.end:
-        raise ValueError(f"key {bkey!r} is in key group {key_group}, which this subtask [{rng.start}, {rng.end}] "
-                         "does not own")  # fmt: skip
-    backend.set_current_ckey(ckey(key_group, backend.key_serializer.serialize(bkey)))
+    else:
+        backend.set_current_key_in_group(bkey, key_group)

@@ -28,7 +28,7 @@ import mmh3
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
 from backend.spark.driver import coordinator_for
 from backend.spark.tasks import OperatorConfig, run_subtask
-from dstl import ChangelogConfig
+from dstl import ChangelogConfig, ConfigurationError
 
 KEY_GROUP = "__dstl_key_group"
 BATCH_TIME = "__dstl_batch_time"
@@ -61,7 +61,7 @@ def grouping_columns(grouped: Any) -> list[str]:
     columns = set(grouped._df.columns)
     bad = [n for n in names if n not in columns]
     if bad or not names:
-        raise ValueError(
+        raise ConfigurationError(
             f"group by plain column names for this backend (got {names or 'no grouping'}); "
             "add computed keys with withColumn first"
         )
@@ -87,7 +87,7 @@ def find_watermark(df: Any) -> tuple[str, int] | None:
 def _check_session(spark: Any) -> None:
     conf = spark.sparkContext.getConf()
     if conf.get("spark.speculation", "false").lower() == "true":
-        raise ValueError(
+        raise ConfigurationError(
             "spark.speculation is on: two attempts of one task would run one subtask's state at once; "
             "this backend refuses speculative execution"
         )
@@ -113,18 +113,22 @@ def build(
     from pyspark.sql.types import StructType
 
     if not checkpoint_location:
-        raise ValueError("checkpoint_location is required: the DFS directory (URL) of this operator's state")
+        raise ConfigurationError("checkpoint_location is required: the DFS directory (URL) of this operator's state")
     if not operator_uid:
-        raise ValueError("operator_uid is required: it maps the state in checkpoints to this operator")
+        raise ConfigurationError("operator_uid is required: it maps the state in checkpoints to this operator")
     check_max_parallelism(max_parallelism)
-    if materialization_interval_ms <= 0 or (size_trigger_bytes is not None and size_trigger_bytes <= 0):
-        raise ValueError("materialization_interval_ms and size_trigger_bytes must be positive")
+    if materialization_interval_ms <= 0:
+        raise ConfigurationError(f"materialization_interval_ms must be positive, got {materialization_interval_ms}")
+    if size_trigger_bytes is not None and size_trigger_bytes <= 0:
+        raise ConfigurationError(f"size_trigger_bytes must be positive or None, got {size_trigger_bytes}")
     if num_retained < 2:
-        raise ValueError("num_retained must be >= 2 under Spark (the next batch may restore from the previous)")
+        raise ConfigurationError(
+            f"num_retained must be >= 2 under Spark (the next batch may restore from the previous), got {num_retained}"
+        )
     df = grouped._df
     spark = df.sparkSession
     if not df.isStreaming:
-        raise ValueError("this backend runs stateful processors on streaming DataFrames only")
+        raise ConfigurationError("this backend runs stateful processors on streaming DataFrames only")
     _check_session(spark)
     if isinstance(output_schema, str):
         output_schema = spark._parse_ddl(output_schema)
@@ -133,10 +137,10 @@ def build(
     keys = grouping_columns(grouped)
     parallelism = parallelism or int(spark.conf.get("spark.sql.shuffle.partitions"))
     if not 1 <= parallelism <= max_parallelism:
-        raise ValueError(f"parallelism must be in 1..{max_parallelism}, got {parallelism}")
+        raise ConfigurationError(f"parallelism must be in 1..{max_parallelism} (max_parallelism), got {parallelism}")
     watermark = find_watermark(df)
     if watermark is not None and watermark[0] not in df.columns:
-        raise ValueError(f"the watermark's event time column {watermark[0]!r} is not a column of the input")
+        raise ConfigurationError(f"the watermark's event time column {watermark[0]!r} is not a column of the input")
     location = checkpoint_location.rstrip("/")
     base = changelog_config or ChangelogConfig(base_path=location)
     cfg = OperatorConfig(

@@ -68,7 +68,8 @@ class OperatorConfig:
     changelog: ChangelogConfig
     materialization_interval_ms: int = 600_000
     size_trigger_bytes: int | None = 64 << 20
-    snapshot_timeout_s: float = 120.0
+    #: how long a task waits for its batch's snapshot to be durable, milliseconds
+    snapshot_timeout_ms: int = 120_000
     #: the input's ``withWatermark`` delay (None: no watermark); the watermark of batch b is the
     #: largest event time of batches < b minus this, as in Spark
     watermark_delay_ms: int | None = None
@@ -365,7 +366,7 @@ def _run_batch(
     kept.materializer.poll()
     kept.materializer.wait()  # a materialization finishes inside the task that started it
     persist_began = time.perf_counter()
-    handle = kept.backend.snapshot(batch).result(cfg.snapshot_timeout_s)
+    handle = kept.backend.snapshot(batch).result(cfg.snapshot_timeout_ms / 1000)
     persist_s = time.perf_counter() - persist_began
     stats: dict[str, Any] = {
         "source": source,  # where the state came from: kept | local | dfs

@@ -25,7 +25,7 @@ from backend.core.serializers import KeySerializer, Serializer
 from backend.core.serializers.keys import INT_KEY_BYTES, INT_KEY_OFFSET, INT_KEY_TAG, pack_int_key, serialize_key
 from backend.core.tablekeys import CKEY_HEAD, MAX_KEY_BYTES, key_group_of, key_of
 from backend.state.lmdb_tables import LmdbTables
-from dstl import KeyGroupRange
+from dstl import ConfigurationError, KeyGroupRange
 
 __all__ = ["KeyContext", "StateHost", "require_key"]
 
@@ -69,7 +69,9 @@ class KeyContext:
     ) -> None:
         check_max_parallelism(max_parallelism)
         if key_group_range.end >= max_parallelism or len(key_group_range) == 0:
-            raise ValueError(f"key group range {key_group_range} does not fit max parallelism {max_parallelism}")
+            raise ConfigurationError(
+                f"key_group_range {key_group_range} does not fit max_parallelism {max_parallelism}"
+            )
         self.key_group_range = key_group_range
         self.max_parallelism = max_parallelism
         self.key_serializer: Serializer[Any] = key_serializer or KeySerializer()

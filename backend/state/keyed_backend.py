@@ -40,7 +40,7 @@ from backend.state.state_table import StateTable
 from backend.state.timers import EVENT_TIME, PROCESSING_TIME, TIMERS_DB, TimeDomain, TimerService
 from backend.state.truncation import SnapshotLineage
 from backend.state.value_table import ValueTable
-from dstl import ChangelogHandle, KeyGroupRange, StateChangelogStorage
+from dstl import ChangelogHandle, ConfigurationError, KeyGroupRange, StateChangelogStorage
 from dstl.types import SequenceNumber
 
 __all__ = ["DEFAULT_CACHE_LIMIT", "ChangelogKeyedStateBackend", "ChunkLoader", "MaterializationPoint"]
@@ -95,7 +95,7 @@ class ChangelogKeyedStateBackend(KeyContext):
     ) -> None:
         super().__init__(key_group_range, max_parallelism, key_serializer)
         if log_enabled and storage is None:
-            raise ValueError("a changelog storage is needed unless log_enabled=False")
+            raise ConfigurationError("storage: a changelog storage is needed unless log_enabled=False")
         self.operator_id = operator_id
         self.now_ms = clock or _wall_clock_ms
         self.cache_limit = cache_limit
@@ -155,7 +155,7 @@ class ChangelogKeyedStateBackend(KeyContext):
                 )
             return self._wrappers[descriptor.name]
         if descriptor.name == TIMERS_DB:
-            raise ValueError(f"state name {TIMERS_DB!r} is reserved")
+            raise ConfigurationError(f"state name {TIMERS_DB!r} is reserved (descriptor.name)")
         restored = self._restored_meta.get(descriptor.name)
         if restored is not None and restored.get("dropped"):
             restored = None
@@ -167,7 +167,9 @@ class ChangelogKeyedStateBackend(KeyContext):
         sid = rec.state_id(descriptor.name)
         for other in self._states.values():
             if other.sid == sid:
-                raise ValueError(f"state names {other.name!r} and {descriptor.name!r} collide; rename one")
+                raise ConfigurationError(
+                    f"state names {other.name!r} and {descriptor.name!r} collide (same state id); rename one"
+                )
         table, wrapper = create_state(self, descriptor)
         self._states[descriptor.name] = table
         self._wrappers[descriptor.name] = wrapper

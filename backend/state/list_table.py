@@ -50,10 +50,10 @@ class ListTable(StateTable):
         if entry is not None:
             elements = elements + entry.appended
         if self.ttl_ms:
-            live = [e for e in elements if not self.expired(e)]
+            live = self.unexpired(elements)
             if len(live) != len(elements):  # drop expired elements at the next flush
                 self._replace(ck, live)
-            return list(map(self.value_of, live))
+            return self.values_of(live)
         return list(elements)
 
     def _entry(self, ck: bytes) -> ListEntry:

@@ -69,7 +69,7 @@ class MapTable(StateTable):
 
     def put(self, ck: bytes, user_key: Any, value: Any) -> None:
         ukey = self.user_ser.serialize(user_key)
-        self._entry(ck).changes[ukey] = self.stamp(value)
+        self._entry(ck).changes[ukey] = self.stamp(value) if self.ttl_ms else value
 
     def remove(self, ck: bytes, user_key: Any) -> None:
         self._entry(ck).changes[self.user_ser.serialize(user_key)] = TOMBSTONE

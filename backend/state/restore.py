@@ -24,7 +24,7 @@ from backend.core.handles import KeyedStateHandle, intersect
 from backend.core.records import Op
 from backend.state.lmdb_tables import LmdbTables
 from backend.state.timers import TIMERS_DB, TIMERS_SID
-from dstl import ChangelogError, ChangelogHandle, KeyGroupRange, StateChangelogStorage
+from dstl import ChangelogHandle, CorruptChangelogError, KeyGroupRange, StateChangelogStorage
 
 __all__ = [
     "ChunkLoader",
@@ -141,43 +141,50 @@ def replay_log(
     dbs = {sid: tables.database(name) for sid, (name, _) in kinds.items()}
     count = 0
     with tables.write() as txn:
-        for _, data in storage.read(log, owned):
-            op, sid, ck, rest = rec.parse_record(data)
-            entry = kinds.get(sid)
-            if entry is None:
-                raise StateRestoreError(f"log {log.log_id} has a change of an unknown state id {sid:#x}")
-            applied = apply_record(txn, dbs[sid], entry[1], op, ck, rest)
-            if progress is not None and (count + applied) // _PROGRESS_EVERY > count // _PROGRESS_EVERY:
-                progress(done_before + count + applied)
-            count += applied
+        try:
+            for _, data in storage.read(log, owned):
+                op, sid, ck, rest = rec.parse_record(data)
+                entry = kinds.get(sid)
+                if entry is None:
+                    raise StateRestoreError(f"log {log.log_id} has a change of an unknown state id {sid:#x}")
+                applied = apply_record(txn, dbs[sid], entry[1], op, ck, rest)
+                if progress is not None and (count + applied) // _PROGRESS_EVERY > count // _PROGRESS_EVERY:
+                    progress(done_before + count + applied)
+                count += applied
+        except SerializationError as exc:
+            # The segment's checksum held, so the writer wrote a record that cannot be parsed. The
+            # reader yields records without their segment: name the handle's files (usually one).
+            raise CorruptChangelogError(
+                ", ".join(sorted(log.files)) or log.log_id,
+                f"malformed change record in log {log.log_id} (sqn {log.after + 1}..{log.upto}): {exc}",
+            ) from None
     return count
 
 
 def apply_record(txn: Any, db: Any, kind: str, op: Op, ck: bytes, rest: bytes) -> int:
-    """Apply one change record to ``db`` in ``txn``; returns the number of key changes it held."""
-    try:
-        if op is Op.SET_BATCH:
-            pairs = rec.split_set_batch(rest)
-            txn.cursor(db=db).putmulti(pairs)
-            return len(pairs)
-        if op is Op.SET:
-            txn.put(ck, rest, db=db)
-        elif op is Op.CLEAR:
-            if kind == "map":
-                LmdbTables.delete_prefix(txn, db, ck)
-            else:
-                txn.delete(ck, db=db)
-        elif op is Op.ADD:
-            blob = txn.get(ck, db=db)
-            rec.decode_list(rest)  # checks the added elements' framing
-            txn.put(ck, rec.concat_lists(blob, rest), db=db)
-        elif op is Op.PUT:
-            user_key, value = rec.split_put(rest)
-            txn.put(ck + user_key, value, db=db)
-        elif op in (Op.REMOVE, Op.TIMER_DELETE):
-            txn.delete(ck + rest, db=db)
-        elif op is Op.TIMER_ADD:
-            txn.put(ck + rest, b"", db=db)
-    except SerializationError as exc:
-        raise ChangelogError(f"malformed change record: {exc}") from None
+    """Apply one change record to ``db`` in ``txn``; returns the number of key changes it held.
+
+    A malformed record raises ``SerializationError``; ``replay_log`` reports it against the log."""
+    if op is Op.SET_BATCH:
+        pairs = rec.split_set_batch(rest)
+        txn.cursor(db=db).putmulti(pairs)
+        return len(pairs)
+    if op is Op.SET:
+        txn.put(ck, rest, db=db)
+    elif op is Op.CLEAR:
+        if kind == "map":
+            LmdbTables.delete_prefix(txn, db, ck)
+        else:
+            txn.delete(ck, db=db)
+    elif op is Op.ADD:
+        blob = txn.get(ck, db=db)
+        rec.decode_list(rest)  # checks the added elements' framing
+        txn.put(ck, rec.concat_lists(blob, rest), db=db)
+    elif op is Op.PUT:
+        user_key, value = rec.split_put(rest)
+        txn.put(ck + user_key, value, db=db)
+    elif op in (Op.REMOVE, Op.TIMER_DELETE):
+        txn.delete(ck + rest, db=db)
+    elif op is Op.TIMER_ADD:
+        txn.put(ck + rest, b"", db=db)
     return 1

@@ -10,9 +10,10 @@ key order and logs one net change per key (see ``value_table``, ``list_table``, 
 TTL lives here and nowhere else (processing time, refreshed on write, as Flink's
 OnCreateAndWrite / NeverReturnExpired): a cache *entry* is the value, or ``(value, expiry_ms)``
 with TTL, and its stored bytes start with the expiry (``records.with_expiry``). ``stamp``,
-``expired``, ``value_of``, ``live``, ``encode``, ``decode`` and ``read`` are the only code that
-knows that shape; the tables call them. An expired value is never returned, and reading it
-schedules its removal at the next flush.
+``unexpired``, ``values_of``, ``live``, ``encode``, ``decode`` and ``read`` are the only code that
+knows that shape; the tables call them. A value or map table tests ``ttl_ms`` first and, without
+TTL, uses the entry as the value inline: its reads and writes are the hot path. An expired value
+is never returned, and reading it schedules its removal at the next flush.
 """
 
 from __future__ import annotations
@@ -68,13 +69,18 @@ class StateTable:
         """The cache entry of ``value`` written now: the value, or ``(value, expiry_ms)`` with TTL."""
         return (value, self.host.now_ms() + self.ttl_ms) if self.ttl_ms else value
 
-    def expired(self, entry: Any) -> bool:
-        """Whether a cache entry (not TOMBSTONE) has expired."""
-        return bool(self.ttl_ms) and entry[1] <= self.host.now_ms()
+    def unexpired(self, entries: list[Any]) -> list[Any]:
+        """The cache entries (not TOMBSTONE) of ``entries`` that have not expired, in order.
 
-    def value_of(self, entry: Any) -> Any:
-        """The value of a cache entry (not TOMBSTONE), expired or not."""
-        return entry[0] if self.ttl_ms else entry
+        The clock is read once for all of them: a list's elements are checked together."""
+        if not self.ttl_ms:
+            return entries
+        now = self.host.now_ms()
+        return [e for e in entries if e[1] > now]
+
+    def values_of(self, entries: list[Any]) -> list[Any]:
+        """The values of cache entries (not TOMBSTONE), expired or not, as a new list."""
+        return [e[0] for e in entries] if self.ttl_ms else list(entries)
 
     def live(self, entry: Any) -> Any:
         """The value of a cache entry, or ``MISS`` if it is TOMBSTONE or expired."""

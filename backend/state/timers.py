@@ -19,6 +19,7 @@ from backend.core import records as rec
 from backend.core.records import Op
 from backend.core.tablekeys import key_group_of, parse_timer_user_key, split_table_key, timer_user_key
 from backend.state.context import StateHost, require_key
+from dstl import ConfigurationError
 
 __all__ = ["EVENT_TIME", "PROCESSING_TIME", "TIMERS_DB", "TIMERS_SID", "TimeDomain", "TimerService"]
 
@@ -59,7 +60,7 @@ class TimerService:
     def register(self, domain: int, timestamp_ms: int) -> None:
         """A timer of the current key at ``timestamp_ms`` (a no-op if it exists)."""
         if type(timestamp_ms) is not int or timestamp_ms < 0:
-            raise ValueError(f"timer timestamp must be a non-negative int (ms), got {timestamp_ms!r}")
+            raise ConfigurationError(f"timestamp_ms of a timer must be a non-negative int, got {timestamp_ms!r}")
         ck = require_key(self._host.current_ckey)
         if self._add(ck, domain, timestamp_ms):
             self._pending[ck + timer_user_key(domain, timestamp_ms)] = True
@@ -99,16 +100,6 @@ class TimerService:
             on_timer(key, timestamp_ms)
             fired += 1
         return fired
-
-    def next_timestamp_ms(self, domain: int) -> int | None:
-        """The earliest timer (ms) of ``domain`` over all keys, or None."""
-        heap = self._heaps[domain]
-        while heap:
-            timestamp_ms, ck = heap[0]
-            if (domain, timestamp_ms) in self._by_key.get(ck, ()):
-                return timestamp_ms
-            heapq.heappop(heap)
-        return None
 
     def has_timers(self) -> bool:
         return bool(self._by_key) or bool(self._pending)

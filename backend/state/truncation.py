@@ -22,7 +22,7 @@ import contextlib
 from typing import Any
 
 from backend.core.handles import LogEntry
-from dstl import ChangelogHandle, StateChangelogStorage, StateChangelogWriter
+from dstl import ChangelogHandle, ConfigurationError, StateChangelogStorage, StateChangelogWriter
 from dstl.types import SequenceNumber
 
 __all__ = ["SnapshotLineage"]
@@ -35,7 +35,7 @@ class SnapshotLineage:
         self, writer: StateChangelogWriter | None, storage: StateChangelogStorage | None, num_retained: int
     ) -> None:
         if num_retained < 1:
-            raise ValueError(f"num_retained must be >= 1, got {num_retained}")
+            raise ConfigurationError(f"num_retained must be >= 1, got {num_retained}")
         self.writer = writer
         self.storage = storage
         self.num_retained = num_retained

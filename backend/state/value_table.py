@@ -69,6 +69,8 @@ class ValueTable(StateTable):
             value = self.read(stored)
         elif cached is TOMBSTONE:
             return None
+        elif not self.ttl_ms:  # the entry is the value: no call on the reducing/aggregating add path
+            return cached
         else:
             value = self.live(cached)
         if value is MISS:  # expired: never return it, remove it at the next flush
@@ -77,8 +79,8 @@ class ValueTable(StateTable):
         return value
 
     def put(self, ck: bytes, value: Any) -> None:
-        cache = self._cache_of(ck)
-        cache[ck] = self.stamp(value)
+        cache = self.caches[(require_key(ck)[0] << 8) | ck[1]]  # _cache_of, inlined (the add path)
+        cache[ck] = self.stamp(value) if self.ttl_ms else value
         if len(cache) > self.host.kg_flush_threshold:
             self.host.flush()
 

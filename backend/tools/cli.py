@@ -30,7 +30,6 @@ from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
 
 from backend.checkpointing.metadata import METADATA_NAME, checkpoint_dir
 from backend.checkpointing.savepoints import dispose_savepoint, write_canonical_savepoint, write_native_savepoint
-from backend.core.errors import SerializationError, StateRestoreError
 from backend.tools.inspect_state import (
     CliError,
     check_savepoint_target,
@@ -332,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except CliError as exc:
         message, code = str(exc), exc.code
-    except (ChangelogError, StateRestoreError, SerializationError) as exc:  # checkpoint, log, chunk errors
+    except ChangelogError as exc:  # every error we raise on purpose: checkpoint, restore, log, chunk
         message, code = str(exc), 1
     except BrokenPipeError:  # stdout closed early (| head): not an error
         with contextlib.suppress(OSError):

@@ -24,6 +24,7 @@ from backend.checkpointing.metadata import (
     METADATA_NAME,
     Progress,
     SnapshotMetadata,
+    is_inside,
     metadata_path,
     parse_checkpoint_dir,
     parse_metadata_path,
@@ -274,17 +275,11 @@ def restore_subtask(
 # -- offline savepoints ---------------------------------------------------------------------
 
 
-def _inside(path: str, directory: str) -> bool:  # both normalized
-    if is_local(path) and is_local(directory):
-        path, directory = os.path.realpath(path), os.path.realpath(directory)
-    return path == directory or path.startswith(directory.rstrip("/") + "/")
-
-
 def check_savepoint_target(target: str, source_base: str) -> None:
     """A new savepoint goes to a new or empty directory outside the source's directory."""
-    if _inside(target, source_base):
+    if is_inside(target, source_base):
         raise CliError(f"the savepoint directory {target} must not lie inside {source_base} (a job would delete it)")
-    if _inside(source_base, target):
+    if is_inside(source_base, target):
         raise CliError(f"the savepoint directory {target} must not contain the source {source_base}")
     if is_local(target) and os.path.exists(target):
         if not os.path.isdir(target):

@@ -141,7 +141,7 @@ class LatencyProxy:
     accepting the connection to the first byte of the answer, or to its EOF if the upstream closes
     without one: the upstream's own processing then overlaps the delay instead of adding to it.
     That is the faithful model of a *measured* store latency such as FLIP-158's, which already
-    includes the store's processing; in front of moto, which spends ~3 ms of Python per PUT here
+    includes the store's processing; in front of moto, which spends milliseconds of Python per PUT
     (plus the proxy's upstream connect), the default mode adds that to every draw. A request that
     was sent whole before its client gave up still reaches the upstream, as a slow PUT to a real
     store may complete after its client stopped waiting. Not held: an upstream that cannot be
@@ -449,8 +449,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--constant-ms", type=float, default=None, help="a fixed delay instead of FLIP-158")
     args = parser.parse_args(argv)
     try:
-        # libuv's loop forwards with less delay: with the answer held for 22.95 ms, a plain HTTP
-        # client measured 2.9 ms beyond the hold at the median on asyncio's loop, 1.5 ms on uvloop.
+        # libuv's loop forwards with less delay beyond the hold than asyncio's (docs/benchmarks.md).
         import uvloop
     except ImportError:
         asyncio.run(_serve(args))

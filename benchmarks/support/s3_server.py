@@ -113,12 +113,12 @@ def _main() -> None:
     # moto's own S3 application and request handler, served by werkzeug's threaded server as
     # moto's ThreadedMotoServer does, minus its DomainDispatcherApplication: that one finds the
     # service of every request by listing moto's package directory (one stat per module, ~150)
-    # under a global lock. Measured with py-spy: a fifth of the server's CPU per PUT, serialized
-    # across requests; it inflated every S3 request's latency in tests and benchmarks.
+    # under a global lock, serialized across requests (py-spy; docs/benchmarks.md has the share):
+    # it inflated every S3 request's latency in tests and benchmarks.
     server = make_server("127.0.0.1", 0, create_backend_app("s3"), threaded=True, request_handler=MotoRequestHandler)
-    # moto's modules are ~100k long-lived objects that every full collection of the cyclic GC
-    # walks: up to 100 ms per collection on this machine, a stall of every request in flight
-    # that no real store has. Freezing them keeps the collector to the objects of requests.
+    # moto's modules are many long-lived objects that every full collection of the cyclic GC
+    # walks: a stall of every request in flight that no real store has. Freezing them keeps the
+    # collector to the objects of requests.
     gc.collect()
     gc.freeze()
     thread = threading.Thread(target=server.serve_forever, daemon=True)

@@ -58,6 +58,7 @@ def test_an_empty_base_path_and_an_s3_url_without_bucket_are_refused() -> None:
 
 def test_make_uploader_is_exported_and_picks_the_implementation_by_scheme(tmp_path: Path) -> None:
     assert "make_uploader" in dstl.__all__ and "Uploader" in dstl.__all__
+    assert "CorruptDataError" in dstl.__all__  # the troubleshooting table names its subclasses
     assert isinstance(make_uploader(ChangelogConfig(base_path="s3://bucket/prefix")), S3Uploader)
     assert isinstance(make_uploader(ChangelogConfig.local(tmp_path)), FsspecUploader)
     assert isinstance(make_uploader(ChangelogConfig(base_path="memory://dstl-config-test")), FsspecUploader)
@@ -66,7 +67,7 @@ def test_make_uploader_is_exported_and_picks_the_implementation_by_scheme(tmp_pa
 
 @pytest.mark.parametrize("path", ["", "/abs", "../up", "a/../../up", ".", "a\\b", "s3://bucket/key"])
 def test_check_relative_refuses_paths_leaving_the_base_path(path: str) -> None:
-    with pytest.raises(ValueError, match="base path"):
+    with pytest.raises(ConfigurationError, match="base path"):
         check_relative(path)
 
 

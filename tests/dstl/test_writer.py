@@ -14,6 +14,7 @@ from dstl import (
     ChangelogConfig,
     ChangelogError,
     ChangelogHandle,
+    ConfigurationError,
     KeyGroupRange,
     SequenceNumber,
     StateChangelogStorage,
@@ -108,13 +109,13 @@ def test_truncate_drops_changesets_before(local_storage: StateChangelogStorage) 
     writer.truncate(2)  # changesets 2 and 3 stay
     handle = persist(writer, 1)
     assert list(local_storage.read(handle)) == [(2, b"change-2"), (3, b"change-3")]
-    with pytest.raises(ValueError, match="truncated"):
+    with pytest.raises(ConfigurationError, match="truncated"):
         writer.persist_durably(0)  # changeset 1 is gone
     writer.truncate(1)  # truncation never moves back
-    with pytest.raises(ValueError, match="truncated"):
+    with pytest.raises(ConfigurationError, match="truncated"):
         writer.persist_durably(0)
     writer.truncate(3)
-    with pytest.raises(ValueError, match="truncated"):
+    with pytest.raises(ConfigurationError, match="truncated"):
         writer.persist_durably(1)
     assert list(local_storage.read(persist(writer, 2))) == [(3, b"change-3")]
 
@@ -122,11 +123,11 @@ def test_truncate_drops_changesets_before(local_storage: StateChangelogStorage) 
 def test_persist_outside_the_known_sqns_is_rejected(local_storage: StateChangelogStorage) -> None:
     writer = local_storage.create_writer("op", RANGE)
     writer.append(1, b"x")
-    with pytest.raises(ValueError, match="after=2"):
+    with pytest.raises(ConfigurationError, match="after=2"):
         writer.persist_durably(2)  # only sqn 1 exists
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigurationError):
         writer.persist_durably(-1)
-    with pytest.raises(ValueError, match="beyond the active changeset"):
+    with pytest.raises(ConfigurationError, match="beyond the active changeset"):
         writer.truncate(5)
     assert list(local_storage.read(persist(writer, 0))) == [(1, b"x")]
 
@@ -184,7 +185,7 @@ def test_key_group_outside_the_writer_range_is_named(
     writer = local_storage.create_writer("op", KeyGroupRange(5, 9))
     writer.append(5, b"ok")
     writer.append(bad_key_group, b"not mine")  # cheap: not checked on the hot path
-    with pytest.raises(ValueError) as exc_info:
+    with pytest.raises(ConfigurationError) as exc_info:
         if call == "last_appended_sqn":
             writer.last_appended_sqn()
         else:

@@ -38,7 +38,7 @@ from backend.core.handles import KeyedStateHandle
 from backend.core.keygroups import assign_key_group, key_group_ranges, subtask_for_key_group
 from backend.core.serializers import Int64Serializer, serialize_key
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
-from dstl import ChangelogConfig, ChangelogWriter, KeyGroupRange, StateChangelogStorage
+from dstl import ChangelogConfig, ChangelogWriter, ConfigurationError, KeyGroupRange, StateChangelogStorage
 from materializer.periodic import MaterializationError, PeriodicMaterializer, restore
 from tests.materializer_crash_child import (
     LIST,
@@ -798,7 +798,7 @@ def test_periodic_trigger_waits_for_the_jittered_due_time(env: Env) -> None:
     b = env.backends.new()
     upload = GatedUpload(env.storage)
     m = PeriodicMaterializer(
-        b, interval_ms=interval, size_trigger_bytes=None, clock=fake_clock(now), rng=random.Random(7), upload=upload
+        b, interval_ms=interval, size_trigger_bytes=None, clock_ms=fake_clock(now), rng=random.Random(7), upload=upload
     )
     due = now[0] + interval * random.Random(7).uniform(0.5, 1.0)
     apply_to_backend(b, batch_a())
@@ -857,7 +857,7 @@ def test_first_due_time_is_jittered_between_half_and_one_interval(env: Env) -> N
     for seed in range(5):
         now = [0.0]
         m = PeriodicMaterializer(
-            b, interval_ms=100_000, size_trigger_bytes=None, clock=fake_clock(now), rng=random.Random(seed)
+            b, interval_ms=100_000, size_trigger_bytes=None, clock_ms=fake_clock(now), rng=random.Random(seed)
         )
         expected = 100_000 * random.Random(seed).uniform(0.5, 1.0)
         now[0] = expected - 1e-6
@@ -875,7 +875,7 @@ def test_size_trigger_starts_as_soon_as_enough_was_logged(env: Env) -> None:
     now = [0.0]
     b = env.backends.new()
     upload = GatedUpload(env.storage)
-    m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=2_000, clock=fake_clock(now), upload=upload)
+    m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=2_000, clock_ms=fake_clock(now), upload=upload)
     key = itertools.count()
     while True:
         k = next(key)
@@ -911,14 +911,14 @@ def test_size_trigger_starts_as_soon_as_enough_was_logged(env: Env) -> None:
     ],
 )
 def test_bad_settings_are_rejected(env: Env, kwargs: dict[str, Any], problem: str) -> None:
-    with pytest.raises(ValueError, match=problem):
+    with pytest.raises(ConfigurationError, match=problem):
         PeriodicMaterializer(env.backends.new(), **kwargs)
 
 
 def test_materialization_needs_the_changelog(env: Env) -> None:
     b = B(OPERATOR, FULL, env.tmp / "no-log", storage=None, max_parallelism=MAX_P, log_enabled=False)
     try:
-        with pytest.raises(ValueError, match="changelog storage"):
+        with pytest.raises(ConfigurationError, match="changelog storage"):
             PeriodicMaterializer(b)
     finally:
         b.close()

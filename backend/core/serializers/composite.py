@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 
 from backend.core.errors import SerializationError
 from backend.core.serializers.base import Serializer, SerializerBase
+from dstl import ConfigurationError
 
 __all__ = ["OptionalSerializer", "RowSerializer", "TupleSerializer"]
 
@@ -105,7 +106,7 @@ class RowSerializer(SerializerBase):
         if not all(isinstance(name, str) for name in self.names):
             raise TypeError(f"row field names must be str, got {self.names!r}")
         if len(set(self.names)) != len(self.names):
-            raise ValueError(f"duplicate row field names in {self.names!r}")
+            raise ConfigurationError(f"duplicate row field names in schema {self.names!r}")
         self._name_set = frozenset(self.names)
         self._labels = tuple(repr(name) for name in self.names)
         self.id = (

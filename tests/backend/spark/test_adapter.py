@@ -367,6 +367,8 @@ def test_handle_rules(backend: ChangelogKeyedStateBackend) -> None:
                 handle.listTimers()
             with pytest.raises(StateOperationError, match="ProcessingTime"):
                 handle.getValueState("ttl", "n long", 1000)
+            with pytest.raises(ValueError, match="state 'neg': ttl_ms must be positive, got -5"):
+                handle.getValueState("neg", "n long", -5)  # a bad TTL is reported before the time mode
 
         def on_rows(self, key: Any, frames: list[Any], timerValues: Any) -> None:
             with pytest.raises(StateOperationError, match="only in init"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,8 @@ from backend.core.descriptors import (
     ValueStateDescriptor,
 )
 from backend.core.serializers import BytesSerializer, Int64Serializer, StrSerializer
-from tests.backend.state.support import LIST, MAP, VALUE, B, Env, stored
+from dstl import ConfigurationError, KeyGroupRange
+from tests.backend.state.support import FULL, LIST, MAP, VALUE, B, Env, stored
 
 # -- registration ------------------------------------------------------------------------------
 
@@ -59,6 +61,28 @@ def test_the_timer_state_name_is_reserved(env: Env) -> None:
     b = env.backend()
     with pytest.raises(ValueError):
         b.get_state(ValueStateDescriptor("__timers__", Int64Serializer()))
+
+
+@pytest.mark.parametrize(
+    ("make", "argument"),
+    [
+        (lambda env: StateTtl(0), "ttl_ms"),
+        (lambda env: ValueStateDescriptor("", Int64Serializer()), "state name"),
+        (lambda env: MapStateDescriptor("m", Int64Serializer()), "user_key_serializer"),
+        (lambda env: ReducingStateDescriptor("r", Int64Serializer()), "reduce="),
+        (lambda env: env.backend().get_state(ValueStateDescriptor("__timers__", Int64Serializer())), "reserved"),
+        (lambda env: B("op", FULL, env.tmp_path / "no-storage", storage=None), "storage"),
+        (lambda env: env.backend(num_retained=0), "num_retained"),
+        (lambda env: env.backend(KeyGroupRange(0, 127), max_parallelism=64), "max_parallelism"),
+    ],
+    ids=["ttl", "name", "map-user-key", "reduce", "reserved-name", "storage", "num-retained", "key-group-range"],
+)
+def test_bad_arguments_raise_configuration_error_naming_the_argument(
+    env: Env, make: Callable[[Env], Any], argument: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(argument)) as info:
+        make(env)
+    assert isinstance(info.value, ValueError)  # callers catching ValueError still catch it
 
 
 # -- delete_state ------------------------------------------------------------------------------

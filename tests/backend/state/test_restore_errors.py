@@ -8,10 +8,13 @@ from typing import Any
 
 import pytest
 
+from backend.core import records as rec
 from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, StateTtl, ValueStateDescriptor
 from backend.core.errors import StateRestoreError
 from backend.core.handles import KeyedStateHandle
+from backend.core.records import Op
 from backend.core.serializers import BytesSerializer, Int64Serializer, JsonSerializer, StrSerializer
+from backend.core.tablekeys import ckey
 from dstl import CorruptChangelogError, KeyGroupRange
 from dstl.format import FILE_HEADER, SEGMENT_HEADER
 from tests.backend.state.support import LIST, MAP, POOL, VALUE, Env, populate
@@ -49,6 +52,32 @@ def test_restore_of_a_corrupted_log_file_names_the_file(env: Env, handle: KeyedS
     with pytest.raises(CorruptChangelogError) as info:
         b.restore([handle])
     names = {path.relative_to(env.dfs).as_posix() for path in files}
+    assert info.value.path in names
+    assert info.value.path in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        b"\x01",
+        rec.record_prefix(Op.PUT, rec.state_id(MAP.name)) + b"\x00\x05\xff\xff",
+        rec.record(Op.PUT, rec.state_id(MAP.name), ckey(0, b"k"), b"\x00\x09"),
+    ],
+    ids=["truncated-head", "key-longer-than-record", "map-entry-user-key-longer-than-record"],
+)
+def test_restore_of_a_malformed_change_record_names_the_log_file(env: Env, record: bytes) -> None:
+    """A record the writer framed and checksummed but that does not parse: the segment is intact,
+    so the error comes from the replay, and it names the log file as a reader's error would."""
+    b = env.backend()
+    populate([b])
+    assert b.writer is not None
+    b.writer.append(0, record)
+    (handle,) = env.checkpoint(b)
+
+    fresh = env.backend()
+    with pytest.raises(CorruptChangelogError, match="malformed change record") as info:
+        fresh.restore([handle])
+    names = {path.relative_to(env.dfs).as_posix() for path in env.dfs.rglob("*") if path.is_file()}
     assert info.value.path in names
     assert info.value.path in str(info.value)
 
