@@ -19,6 +19,7 @@ BENCHMARKS = {
     "space": "benchmarks.space",
     "incremental": "benchmarks.incremental",
     "spark": "benchmarks.spark",
+    "backpressure": "benchmarks.backpressure",
 }
 
 

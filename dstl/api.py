@@ -59,12 +59,13 @@ class WriterStorage(Protocol):
         """Guards the writer's ``entries`` and their upload state against the loop thread."""
         ...
 
-    def wait_for_capacity(self) -> None:
-        """Block an append while more bytes than the bound are in flight."""
+    def wait_for_capacity(self, writer: StateChangelogWriter) -> None:
+        """Block an append of ``writer`` while more bytes than the bound are not yet durable."""
         ...
 
-    def reserve_in_flight(self, size: int) -> None:
-        """Count ``size`` bytes about to be uploaded, first waiting while they would pass the bound."""
+    def reserve_in_flight(self, writer: StateChangelogWriter, size: int, retried: int) -> None:
+        """Count ``size`` new bytes about to be uploaded, first waiting while they would pass the
+        bound, and ``retried`` bytes of failed uploads as uploading again."""
         ...
 
     def submit_persist(

@@ -122,9 +122,17 @@ class ChangelogConfig:
     max_in_flight_bytes: int = 100 * MiB
     #: state.changelog.dstl.dfs.upload.timeout (per attempt)
     upload_timeout_ms: int = 1000
-    #: state.changelog.dstl.dfs.upload.max-attempts (hedges count as attempts)
+    #: the deadline of one attempt of every other DFS call: whole-file reads and writes of checkpoints
+    #: and chunks, reads of log files, existence checks, listings, deletions (no Flink option; Flink
+    #: relies on the file system's own timeouts). Large enough for the largest chunk at the store's
+    #: slowest acceptable throughput; these calls are retried like uploads (``max_attempts``,
+    #: ``retry_delay_ms``), so a call is bounded by about ``max_attempts`` times this plus the backoff.
+    dfs_timeout_ms: int = 60_000
+    #: state.changelog.dstl.dfs.upload.max-attempts (hedges count as attempts; also the attempts of
+    #: every other DFS call)
     max_attempts: int = 3
-    #: state.changelog.dstl.dfs.upload.next-attempt-delay (doubled after each failed attempt)
+    #: state.changelog.dstl.dfs.upload.next-attempt-delay (doubled after each failed attempt, of
+    #: uploads and of every other DFS call)
     retry_delay_ms: int = 500
     #: state.changelog.dstl.dfs.compression.enabled is always on here; this is the zstd level
     compression_level: int = 1
@@ -141,6 +149,7 @@ class ChangelogConfig:
             "preemptive_persist_threshold": self.preemptive_persist_threshold,
             "max_in_flight_bytes": self.max_in_flight_bytes,
             "upload_timeout_ms": self.upload_timeout_ms,
+            "dfs_timeout_ms": self.dfs_timeout_ms,
             "max_attempts": self.max_attempts,
             "prefix_count": self.prefix_count,
         }

@@ -42,6 +42,11 @@ class StorageError(ChangelogError):
     """A DFS operation failed for good (after its retries); names the operation and the object."""
 
 
+class DeadlineExceededError(StorageError):
+    """A DFS call got no answer within its deadline (``dfs_timeout_ms``) on its last attempt; the
+    request was abandoned, so a write may still land later."""
+
+
 class UploadFailedError(StorageError):
     """Every attempt to upload a changelog file failed; the persist future fails with this."""
 
@@ -63,6 +68,7 @@ __all__ = [
     "ConfigurationError",
     "CorruptChangelogError",
     "CorruptDataError",
+    "DeadlineExceededError",
     "StorageClosedError",
     "StorageError",
     "UploadFailedError",

@@ -27,6 +27,9 @@ All integers are little endian. Why this shape:
 - The footer makes a file self-describing for ``verify``-style tools and orphan analysis; the
   read path does not need it.
 - Nothing is unpickled: the only structured metadata is JSON, validated field by field.
+- Every size is bounded before it is used: a segment's frame must state the header's raw length
+  before it is decompressed (python-zstandard allocates what a frame states), and JSON nested past
+  the parser's stack is corruption like any other, named by its file.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from typing import Any
 import zstandard
 
 from dstl.errors import CorruptChangelogError
+from dstl.types import MAX_SQN
 
 FORMAT_VERSION = 1
 FILE_MAGIC = b"DSTL"
@@ -200,9 +204,14 @@ def decode_segment(
     if zlib.crc32(payload) != payload_crc:
         raise CorruptChangelogError(path, f"segment checksum mismatch (sqn {sqn})")
     try:
+        stated = zstandard.frame_content_size(payload)
+        if stated not in (raw_len, -1):  # -1: not stated; then max_output_size bounds the output
+            raise CorruptChangelogError(path, f"segment of sqn {sqn}: frame states {stated} bytes, header {raw_len}")
         raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_len)
     except zstandard.ZstdError as exc:
         raise CorruptChangelogError(path, f"segment of sqn {sqn} does not decompress: {exc}") from None
+    except MemoryError:  # one buffer of the header's size (< 4 GiB) could not be had
+        raise CorruptChangelogError(path, f"segment of sqn {sqn} states {raw_len} bytes, too many") from None
     return _decode_columns(path, raw, raw_len, sqn, expected_records)
 
 
@@ -268,13 +277,15 @@ def read_footer(path: str, data: bytes) -> FileIndex:
         if index["version"] != version or not isinstance(segments, list):
             raise ValueError("bad footer fields")
         for seg in segments:
-            ints = (seg["offset"], seg["length"], seg["sqn"], seg["records"])
+            ints = (seg["offset"], seg["length"], seg["sqn"], seg["records"], *seg["key_groups"])
             if not (all(type(v) is int for v in ints) and isinstance(seg["log_id"], str)):
                 raise ValueError("bad segment entry")
+            if len(seg["key_groups"]) != 2 or not 0 <= seg["sqn"] <= MAX_SQN:
+                raise ValueError("segment key groups or sqn out of range")
             if seg["offset"] < FILE_HEADER.size or seg["offset"] + seg["length"] > footer_start:
                 raise ValueError("segment outside the file body")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptChangelogError(path, f"malformed footer: {exc}") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise CorruptChangelogError(path, f"malformed footer: {exc!r}") from None
     return FileIndex(version=version, segments=segments)
 
 

@@ -43,15 +43,24 @@ _COUNTERS: Final[dict[str, str]] = {
     "attempt_timeouts": "Attempts that hit the per-attempt upload timeout.",
     "deleted_orphans": "Objects written by losing or failed attempts and deleted afterwards.",
     "files_deleted": "Changelog files deleted once no checkpoint referenced them.",
+    "deletions_failed": "Background deletions given up after their last attempt (left to orphan cleanup).",
     "flushes": "Batches handed to the uploader by the scheduler.",
     "preemptive_persists": "Pre-emptive persists of a writer's changes before a checkpoint asked.",
     "backpressure_waits": "Times an append or a persist waited for bytes in flight to drain.",
+    "background_retries": "Rounds of failed changesets uploaded again while appends were blocked.",
 }
 
 # attribute -> (metric name, help text)
 _GAUGES: Final[dict[str, tuple[str, str]]] = {
     "upload_queue_size": ("upload_queue_size", "Changesets waiting in the batch (Flink uploadQueueSize)."),
-    "bytes_in_flight": ("in_flight_bytes", "Bytes persisted but not yet uploaded (Flink inFlightDataSize)."),
+    "bytes_in_flight": (
+        "in_flight_bytes",
+        "Bytes of changesets not yet durable: queued, uploading or failed (Flink inFlightDataSize).",
+    ),
+    "bytes_failed": (
+        "failed_upload_bytes",
+        "Bytes of changesets whose upload failed, kept for the next attempt (part of in_flight_bytes).",
+    ),
 }
 
 _KIB = 1024
@@ -181,11 +190,14 @@ class ChangelogMetrics:
     attempt_timeouts = _CounterAttr()
     deleted_orphans = _CounterAttr()
     files_deleted = _CounterAttr()
+    deletions_failed = _CounterAttr()
     flushes = _CounterAttr()
     preemptive_persists = _CounterAttr()
     backpressure_waits = _CounterAttr()
+    background_retries = _CounterAttr()
     upload_queue_size = _GaugeAttr()
     bytes_in_flight = _GaugeAttr()
+    bytes_failed = _GaugeAttr()
 
     def __init__(self, registry: CollectorRegistry | None = None, namespace: str = NAMESPACE) -> None:
         self.registry = CollectorRegistry() if registry is None else registry

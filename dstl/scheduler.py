@@ -10,14 +10,19 @@ of all writers wait in one queue, and the queue is flushed as ONE file when
 
 Entries are the writer's closed changesets (``UploadEntry``). The scheduler encodes a batch into a
 file in a worker thread (zstd releases the GIL), hands the bytes to the ``UploadExecutor`` and
-resolves each entry's future with its ``SegmentRef`` (or the upload's error).
+resolves each entry's future with its ``SegmentRef`` (or the upload's error). Every entry it is
+given was counted as not yet durable (``InFlightAccount``); it hands the bytes back when the
+upload ends: released when the file is durable, kept counted as failed when it is not (the
+changesets stay in memory for the next attempt, so they still weigh against the bound).
 """
 
 from __future__ import annotations
 
 import asyncio
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from dstl.config import ChangelogConfig
 from dstl.errors import UploadFailedError
@@ -26,20 +31,41 @@ from dstl.hedging import UploadExecutor
 from dstl.metrics import ChangelogMetrics
 from dstl.types import SegmentRef
 
+__all__ = ["BatchingScheduler", "InFlightAccount", "UploadEntry"]
+
 
 @dataclass(eq=False)
 class UploadEntry:
-    """One closed changeset and its upload state. ``scheduled`` and ``truncated`` are guarded by
-    the storage's lock (``StateChangelogStorage.lock``); ``ref`` is set on the loop thread before
-    the file is registered under that lock; ``future`` is created and resolved on the loop thread."""
+    """One closed changeset and its upload state. ``scheduled``, ``truncated`` and ``failed`` are
+    guarded by the storage's lock (``StateChangelogStorage.lock``); ``ref`` is set on the loop
+    thread before the file is registered under that lock; ``future`` is created and resolved on
+    the loop thread.
+
+    ``failed``: its last upload failed and its bytes are counted as failed, not durable
+    (``dstl.storage.throttle.InFlightBytes``). Whoever clears the flag under the lock (a persist
+    or a background retry that uploads it again, or the release of a truncated entry) moves its
+    bytes in that account, so they are moved exactly once."""
 
     changeset: ChangeSet | None
     sqn: int
     size: int
     scheduled: bool = False
     truncated: bool = False
+    failed: bool = False
     ref: SegmentRef | None = None
     future: asyncio.Future[SegmentRef] | None = None
+
+
+class InFlightAccount(Protocol):
+    """The scheduler's view of the bytes not yet durable (``dstl.storage.throttle.InFlightBytes``)."""
+
+    def release(self, size: int) -> None:
+        """``size`` bytes are durable (or were counted for nothing): stop counting them."""
+        ...
+
+    def upload_failed(self, batch: list[UploadEntry]) -> None:
+        """The upload of ``batch`` failed: keep counting what is still needed, as failed."""
+        ...
 
 
 class BatchingScheduler:
@@ -50,7 +76,7 @@ class BatchingScheduler:
         metrics: ChangelogMetrics,
         on_uploaded: Callable[[str, list[UploadEntry]], None],
         on_failed: Callable[[list[UploadEntry]], None],
-        release_in_flight: Callable[[int], None],
+        in_flight: InFlightAccount,
     ) -> None:
         self._config = config
         self._persist_delay = config.persist_delay_ms / 1000  # call_later takes seconds
@@ -58,7 +84,7 @@ class BatchingScheduler:
         self._metrics = metrics
         self._on_uploaded = on_uploaded
         self._on_failed = on_failed
-        self._release_in_flight = release_in_flight
+        self._in_flight = in_flight
         self._pending: list[UploadEntry] = []
         self._pending_bytes = 0
         self._writers: set[str] = set()
@@ -82,7 +108,7 @@ class BatchingScheduler:
             if entry.future is not None and not entry.future.done():
                 # Already queued or uploading (defence in depth: never upload twice); the caller
                 # reserved its bytes in flight for nothing, so give them back.
-                self._release_in_flight(entry.size)
+                self._in_flight.release(entry.size)
                 continue
             entry.future = loop.create_future()
             entry.future.add_done_callback(_consume_exception)
@@ -120,6 +146,8 @@ class BatchingScheduler:
 
     async def _upload(self, batch: list[UploadEntry]) -> None:
         size = sum(e.size for e in batch)
+        durable = False
+        data = b""
         try:
             changesets = [e.changeset for e in batch if e.changeset is not None]
             data, segments = await asyncio.to_thread(encode_file, changesets, self._config.compression_level)
@@ -127,6 +155,10 @@ class BatchingScheduler:
             self._metrics.changesets_per_file.observe(len(batch))
             outcome = await self._executor.upload(data)
         except BaseException as exc:  # cancelled too (a close that timed out): nobody may wait forever
+            # The error outlives this call (in the entries' futures, kept with the failed
+            # changesets); its traceback's frames must not keep the encoded file alive with it.
+            data = b""
+            traceback.clear_frames(exc.__traceback__)
             self._on_failed(batch)
             error = (
                 exc
@@ -142,6 +174,7 @@ class BatchingScheduler:
             if error is not exc:
                 raise
         else:
+            durable = True
             for entry, seg in zip(batch, segments, strict=True):
                 entry.ref = SegmentRef(
                     path=outcome.path,
@@ -157,7 +190,12 @@ class BatchingScheduler:
                 assert entry.future is not None and entry.ref is not None
                 entry.future.set_result(entry.ref)
         finally:
-            self._release_in_flight(size)
+            # After on_failed (entries unscheduled) and before the futures' callbacks run, so a
+            # persist woken by the failure finds the entries counted as failed.
+            if durable:
+                self._in_flight.release(size)
+            else:
+                self._in_flight.upload_failed(batch)
 
     async def drain(self) -> None:
         """Flush what is pending and wait for every upload and background deletion."""

@@ -40,6 +40,16 @@ class SequenceNumber(int):
 
 SequenceNumber.INITIAL = SequenceNumber(0)
 
+#: The largest SQN (and checkpoint id): segment headers store SQNs as a u64; a larger number in a
+#: handle is damage, refused before it reaches a comparison or a struct.
+MAX_SQN = (1 << 64) - 1
+#: A segment is a 36-byte header plus at most 2**32 - 1 compressed bytes (its length is a u32).
+MAX_SEGMENT_BYTES = 36 + (1 << 32) - 1
+#: Offsets into a file beyond this are damage (what a signed 64-bit seek accepts).
+MAX_OFFSET = (1 << 63) - 1
+#: A changeset holds at most this many records (the count is a u32).
+MAX_RECORDS = (1 << 32) - 1
+
 #: Key groups are stored in two bytes in the file format; Flink's maximum max-parallelism is 2**15.
 MAX_KEY_GROUP = (1 << 15) - 1
 
@@ -126,8 +136,15 @@ class SegmentRef:
             )
         except (KeyError, IndexError, TypeError) as exc:
             raise ValueError(f"malformed segment reference {value!r}: {exc}") from None
-        if ref.offset < 0 or ref.length <= 0 or ref.records < 0:
-            raise ValueError(f"malformed segment reference {value!r}: negative offset or length")
+        if not (
+            0 <= ref.offset <= MAX_OFFSET
+            and 0 < ref.length <= MAX_SEGMENT_BYTES
+            and 0 <= ref.sqn <= MAX_SQN
+            and 0 <= ref.records <= MAX_RECORDS
+        ):
+            raise ValueError(f"malformed segment reference {value!r}: offset, length, sqn or records out of range")
+        if (ref.min_key_group, ref.max_key_group) != (0, -1):
+            KeyGroupRange(ref.min_key_group, ref.max_key_group)  # raises if outside the key groups
         return ref
 
 
@@ -190,7 +207,9 @@ class ChangelogHandle:
                 upto=_check(value["upto"], int),
                 segments=tuple(SegmentRef.from_json(s) for s in _check(value["segments"], list)),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+            if not 0 <= handle.after <= handle.upto <= MAX_SQN:
+                raise ValueError(f"sqn range after {handle.after} upto {handle.upto} is not within [0, {MAX_SQN}]")
+        except (KeyError, TypeError, ValueError, RecursionError) as exc:
             raise CorruptChangelogError(f"<handle of log {name}>", f"malformed handle: {exc}") from None
         return handle
 
@@ -198,6 +217,6 @@ class ChangelogHandle:
     def loads(cls, text: str) -> ChangelogHandle:
         try:
             value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise CorruptChangelogError("<handle>", f"handle is not JSON: {exc}") from None
+        except (json.JSONDecodeError, RecursionError) as exc:  # nesting past the parser's stack
+            raise CorruptChangelogError("<handle>", f"handle is not JSON: {exc!r}") from None
         return cls.from_json(value)

@@ -9,8 +9,10 @@ no lock, no key-group check runs per call (each would cost as much as the append
   queues it for upload. A cut copies the first ``n`` items and deletes exactly those, two atomic
   list operations, so an append racing with it lands in the next changeset: nothing is lost or
   duplicated, and the list object ``append`` uses never changes.
-- *Backpressure.* When the bytes in flight exceed ``max_in_flight_bytes``, the loop thread points
-  ``_records`` at a gate whose ``+=`` blocks the operator thread until uploads drain, then appends.
+- *Backpressure.* When the bytes not yet durable (uploading or failed) exceed
+  ``max_in_flight_bytes``, the loop thread points ``_records`` at a gate whose ``+=`` blocks the
+  operator thread until they drain, then appends; if the writer or its storage closes meanwhile,
+  the append raises ``WriterClosedError`` (``dstl.storage.throttle`` says what ends a wait).
 - *Validation.* Key groups (range) and payload types (``bytes``) are checked once per changeset,
   vectorized, when it is cut. A bad one fails the writer: the next ``last_appended_sqn`` or
   ``persist_durably`` raises an error naming the writer and the key group.
@@ -51,7 +53,7 @@ class _BackpressureGate:
 
     def __iadd__(self, items: tuple[int, bytes] | list[Any]) -> list[Any]:
         writer = self._writer
-        writer._storage.wait_for_capacity()
+        writer._storage.wait_for_capacity(writer)
         writer._records = writer._active
         writer._active += items
         return writer._active
@@ -178,8 +180,9 @@ class ChangelogWriter:
         """Make every change with SQN > ``after`` durable; the future yields their handle.
 
         Changesets already uploaded or being uploaded (an overlapping earlier request, a
-        pre-emptive persist) are reused, never uploaded twice. May block while the bytes in
-        flight exceed ``max_in_flight_bytes`` (backpressure).
+        pre-emptive persist) are reused, never uploaded twice; those whose upload failed are
+        uploaded again. May block while the bytes uploading would exceed ``max_in_flight_bytes``
+        (backpressure); raises ``WriterClosedError`` if the writer closes meanwhile.
         """
         upto = self._rollover()
         if after < 0 or after > upto:
@@ -192,9 +195,13 @@ class ChangelogWriter:
         with self._storage.lock:
             entries = [e for sqn, e in self.entries.items() if after < sqn <= upto]
             new = [e for e in entries if not e.scheduled]
+            retried = 0  # bytes of failed uploads: counted already, as failed
             for e in new:
                 e.scheduled = True
-        self._storage.reserve_in_flight(sum(e.size for e in new))
+                if e.failed:
+                    e.failed = False
+                    retried += e.size
+        self._storage.reserve_in_flight(self, sum(e.size for e in new) - retried, retried)
         result: concurrent.futures.Future[ChangelogHandle] = concurrent.futures.Future()
         self._storage.submit_persist(self, entries, new, after, upto, result)
         return result

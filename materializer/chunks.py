@@ -40,6 +40,10 @@ section's recorded bounds, which lie inside the chunk's range). Any failure rais
 ``CorruptChunkError`` naming the file. Nothing is unpickled; the only structured metadata is JSON,
 validated field by field.
 
+A restore also binds a chunk to the handle entry that names it (``bound_chunk_sections``): the
+entry's key groups, SQN, size, entry count and hash must be the chunk's, since another valid chunk
+in its place (other key groups, an older materialization) passes every check above.
+
 Decompression is bounded by the footer's ``raw_length``: the frame's stated content size must equal
 it *before* anything is decompressed, because python-zstandard ignores ``max_output_size`` when a
 frame states its content size (it allocates what the frame says). ``max_output_size`` is passed as
@@ -64,6 +68,7 @@ from typing import Any
 
 import zstandard
 
+from backend.core.handles import CHUNK_HASH, chunk_digest
 from backend.core.tablekeys import KEY_GROUP_PREFIX_BYTES, key_group_prefix
 from backend.core.tablekeys import key_group_of as _key_group
 from dstl.errors import CorruptDataError
@@ -78,6 +83,8 @@ CHUNK_HEADER = struct.Struct("<4sHH")
 CHUNK_TRAILER = struct.Struct("<IIH4s")
 _U32 = struct.Struct("<I")
 _MAX_U32 = (1 << 32) - 1
+#: a section's columns: the count, two u32 columns and at most 2**32 - 1 bytes each of keys and values
+_MAX_RAW_LENGTH = 4 + 8 * _MAX_U32 + 2 * _MAX_U32 * _MAX_U32
 
 
 _BIG_ENDIAN_HOST = sys.byteorder == "big"
@@ -269,7 +276,7 @@ def _parse_section(raw: Any, i: int, offset: int, chunk_range: KeyGroupRange) ->
         offset=offset,
         length=_int(raw["length"], f"section {name!r} length", 1),
         count=count,
-        raw_length=_int(raw["raw_length"], f"section {name!r} raw_length", 4 + 8 * count),
+        raw_length=_int(raw["raw_length"], f"section {name!r} raw_length", 4 + 8 * count, _MAX_RAW_LENGTH),
         crc32=_int(raw["crc32"], f"section {name!r} crc32", 0, _MAX_U32),
         min_key_group=bounds.start,
         max_key_group=bounds.end,
@@ -283,7 +290,7 @@ def _parse_footer(footer: bytes, version: int, body_start: int, body_end: int) -
     if index["version"] != version or type(index["version"]) is not int:
         raise ValueError(f"footer version {index['version']!r} differs from the header's {version}")
     key_groups = KeyGroupRange.from_json(index["key_groups"])
-    sqn = _int(index["sqn"], "sqn")
+    sqn = _int(index["sqn"], "sqn")  # any size: only compared with the handle's (bounded) sqn
     raw_sections = index["sections"]
     if not isinstance(raw_sections, list):
         raise ValueError("sections is not a list")
@@ -365,6 +372,8 @@ def _decompress_section(
         raw = decompressor.decompress(payload, max_output_size=section.raw_length, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CorruptChunkError(path, f"section {name!r} does not decompress: {exc}") from None
+    except MemoryError:  # one buffer of the stated size could not be had: the size is damage
+        raise CorruptChunkError(path, f"section {name!r} states {section.raw_length} bytes, too many") from None
     if len(raw) != section.raw_length:
         raise CorruptChunkError(path, f"section {name!r} has {len(raw)} bytes, the footer says {section.raw_length}")
     count = section.count
@@ -417,6 +426,36 @@ def decode_chunk(path: str, data: bytes) -> Chunk:
         values = _split(cols.raw, cols.values_start, cols.value_lens)
         sections[section.name] = list(zip(keys, values, strict=True))
     return Chunk(info.key_groups, info.sqn, sections)
+
+
+def check_binding(path: str, data: bytes, info: ChunkInfo, entry: Mapping[str, Any]) -> None:
+    """Raise ``CorruptChunkError`` unless the chunk is the one the handle ``entry`` names.
+
+    Size and hash first (the hash only if the entry records one: handles of version 1 do not),
+    then what the footer says: key groups, SQN, entries.
+    """
+    problems = []
+    if entry.get("size") != len(data):
+        problems.append(f"size {len(data)} (the handle records {entry.get('size')!r})")
+    digest = entry.get(CHUNK_HASH)
+    if digest is not None and digest != chunk_digest(data):
+        problems.append(f"{CHUNK_HASH} {chunk_digest(data)} (the handle records {digest!r})")
+    if entry.get("key_groups") != info.key_groups.to_json():
+        problems.append(f"key groups {info.key_groups.to_json()} (the handle records {entry.get('key_groups')!r})")
+    if entry.get("sqn") != info.sqn:
+        problems.append(f"sqn {info.sqn} (the handle records {entry.get('sqn')!r})")
+    if entry.get("entries") != info.entries:
+        problems.append(f"{info.entries} entries (the handle records {entry.get('entries')!r})")
+    if problems:
+        raise CorruptChunkError(path, "not the chunk the handle names: it has " + ", ".join(problems))
+
+
+def bound_chunk_sections(
+    path: str, data: bytes, entry: Mapping[str, Any], key_groups: KeyGroupRange
+) -> dict[str, list[tuple[bytes, bytes]]]:
+    """``chunk_sections`` of a chunk checked against the handle ``entry`` naming it (a restore's loader)."""
+    check_binding(path, data, chunk_info(path, data), entry)
+    return chunk_sections(path, data, key_groups)
 
 
 def chunk_sections(path: str, data: bytes, key_groups: KeyGroupRange) -> dict[str, list[tuple[bytes, bytes]]]:

@@ -37,11 +37,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from backend.core.handles import KeyedStateHandle
+from backend.core.handles import CHUNK_HASH, KeyedStateHandle, chunk_digest
 from backend.core.tablekeys import key_group_prefix
 from backend.state.keyed_backend import ChangelogKeyedStateBackend, MaterializationPoint
 from dstl import ChangelogError, ConfigurationError, KeyGroupRange, StateChangelogStorage
-from materializer.chunks import chunk_sections, encode_chunk
+from materializer.chunks import bound_chunk_sections, encode_chunk
 from materializer.metrics import MaterializationMetrics
 
 
@@ -214,6 +214,7 @@ class PeriodicMaterializer:
                     "sqn": int(point.sqn),
                     "size": len(data),
                     "entries": sum(len(v) for v in sections.values()),
+                    CHUNK_HASH: chunk_digest(data),
                 }
                 chunks.append(chunk)
                 uploaded += len(data)
@@ -251,4 +252,4 @@ def restore(
     source: StateChangelogStorage | None = None,
 ) -> int:
     """``backend.restore`` that can read materialized chunks (the backend does not import us)."""
-    return backend.restore(handles, progress=progress, load_chunk=chunk_sections, source=source)
+    return backend.restore(handles, progress=progress, load_chunk=bound_chunk_sections, source=source)

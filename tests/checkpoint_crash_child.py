@@ -34,6 +34,7 @@ from typing import Any
 
 from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
+from backend.core.errors import CheckpointError
 from backend.core.serializers import Int64Serializer, StrSerializer
 from dstl import ChangelogConfig
 from dstl.uploaders import FsspecUploader
@@ -296,7 +297,7 @@ def fault_then_crash(job: LocalJob, uploader: CrashingUploader, fault: str, even
     uploader.fault = fault
     try:
         job.checkpoint({"events": events})
-    except OSError as exc:
+    except CheckpointError as exc:  # a failed _metadata put is a failed checkpoint, its cause chained
         print(f"checkpoint of {events} events failed: {exc}", file=sys.stderr)
     apply(job, events, events + CHECKPOINT_EVERY // 2)
     force_materialization(job, wait=True)

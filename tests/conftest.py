@@ -7,6 +7,7 @@ default ``ci`` profile keeps the suite fast.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +30,15 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _end_injected_stalls() -> Iterator[None]:
+    """No stall injected by a fault plan outlives its test (a stalled pool thread hangs exit)."""
+    yield
+    fault_plan = sys.modules.get("benchmarks.support.fault_plan")
+    if fault_plan is not None:
+        fault_plan.close_all_plans()
 
 
 @pytest.fixture

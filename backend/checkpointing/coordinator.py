@@ -5,8 +5,14 @@ on the DFS (retention, subsumption, recovery, reference counts) is the completed
 store's (``backend.checkpointing.store``). The rules this module keeps (Flink's, with the holes
 Flink users fell into closed):
 
-- **The commit point is the ``_metadata`` write.** It is one atomic put (tmp + rename locally; a
-  PUT on S3); a checkpoint without it never happened, whatever files it uploaded.
+- **The commit point is the ``_metadata`` write, and only a write known to have succeeded.** It is
+  one atomic put (tmp + rename locally; a PUT on S3); a checkpoint without it never happened,
+  whatever files it uploaded. A put that failed may still land (a lost response, a PUT the client
+  gave up on that the store completes later), so a failed put is never counted as committed: the
+  checkpoint fails, nothing older is subsumed, and its id is **fenced** by ``chk-<n>/_aborted``
+  (written before the ``_metadata`` is deleted), which recovery honours whatever lands later. A
+  fence that could not be written is retried before the next commit; until then recovery's own
+  checks (every file named is there) keep a late ``_metadata`` whose files were released out.
 - **Only files of confirmed checkpoints may be referenced by new ones.** A completing checkpoint
   may name a file the registry knows (some retained checkpoint owns it) or a new file; naming a file
   the registry has deleted, or a new file that does not exist, fails the completion with
@@ -18,12 +24,14 @@ Flink users fell into closed):
 from __future__ import annotations
 
 import enum
+import json
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend.checkpointing.metadata import SnapshotMetadata, metadata_path
+from backend.checkpointing.metadata import SnapshotMetadata, aborted_path, metadata_path
 from backend.checkpointing.registry import SharedStateRegistry
 from backend.checkpointing.store import CompletedCheckpointStore, StepHook
 from backend.core.errors import CheckpointError
@@ -31,6 +39,8 @@ from backend.core.handles import KeyedStateHandle
 from dstl import StateChangelogStorage, StorageClosedError
 
 __all__ = ["CheckpointCoordinator", "CheckpointRetention", "PendingCheckpoint"]
+
+_log = logging.getLogger(__name__)
 
 
 class CheckpointRetention(enum.Enum):
@@ -76,6 +86,8 @@ class CheckpointCoordinator:
         self._step = on_step or (lambda _: None)
         self._last_id = -1  # the highest checkpoint id used or seen; automatic ids start at 1
         self._recovered = False
+        #: ids whose ``_metadata`` write failed and whose fence could not be written yet
+        self.unfenced: set[int] = set()
         #: called with the first checkpoint completed after a restore (CLAIM drops its source then)
         self.on_first_completion: Callable[[SnapshotMetadata], None] | None = None
 
@@ -154,10 +166,12 @@ class CheckpointCoordinator:
         )
         files = meta.referenced_files()
         self.store.check_references(checkpoint_id, files)
+        for unfenced in sorted(self.unfenced):
+            self._fence(unfenced)
         self._step("before-metadata")
-        self._commit(metadata_path(checkpoint_id), meta.dumps())
-        # Committed (or possibly committed): from here on nothing may fail the checkpoint, or the
-        # caller would abort it and release files that its _metadata names.
+        self._commit(checkpoint_id, meta.dumps())
+        # Committed: from here on nothing may fail the checkpoint, or the caller would abort it and
+        # release files that its _metadata names.
         del self.pending[checkpoint_id]
         self._step("after-metadata")
         for older in [c for c in self.pending if c < checkpoint_id]:
@@ -171,22 +185,48 @@ class CheckpointCoordinator:
                 self.cleanup_errors.append(f"after checkpoint {checkpoint_id}: {exc}")
         return meta
 
-    def _commit(self, path: str, data: bytes) -> None:
-        """Write ``_metadata``. Raises only when the checkpoint is certainly not committed: a failed
-        put may still have landed (a lost response, a timeout), so its object is removed first; if
-        that fails too, the checkpoint counts as committed (its files stay owned; recover() cleans
-        up if the write had not landed after all)."""
+    def _commit(self, checkpoint_id: int, data: bytes) -> None:
+        """Write ``chk-<n>/_metadata``; return only when the put succeeded. A failed put may still
+        land, so the id is fenced and the object removed (both best effort) before
+        ``CheckpointError`` says what is known of the outcome."""
+        path = metadata_path(checkpoint_id)
         try:
             self.storage.put_file(path, data)
         except StorageClosedError:
             raise  # refused before it started: certainly not written
         except Exception as exc:
+            fenced = self._fence(checkpoint_id)
             try:
                 self.storage.delete_file(path)
-            except Exception:
-                self.cleanup_errors.append(f"{path}: write failed ({exc}), its removal too: kept as committed")
-                return
-            raise
+                removed = ""
+            except Exception as delete_exc:
+                removed = f"; deleting {path} failed too ({delete_exc})"
+            if fenced:
+                outcome = f"not committed: fenced by {aborted_path(checkpoint_id)}, a late write of it is ignored"
+            elif not removed:
+                outcome = "not committed; its fence could not be written yet (retried before the next commit)"
+            else:
+                outcome = (
+                    "outcome unknown, counted as failed: older checkpoints are kept, and recovery accepts "
+                    "this one only if every file it names is still there"
+                )
+            raise CheckpointError(
+                f"checkpoint {checkpoint_id}: writing {path} failed ({exc}){removed}; {outcome}"
+            ) from exc
+
+    def _fence(self, checkpoint_id: int) -> bool:
+        """Write ``chk-<n>/_aborted`` so that recovery ignores checkpoint ``n``'s ``_metadata``;
+        whether it was written (if not, ``n`` stays in ``unfenced``)."""
+        marker = json.dumps({"checkpoint_id": checkpoint_id, "reason": "_metadata write failed"}).encode()
+        path = aborted_path(checkpoint_id)
+        try:
+            self.storage.put_file(path, marker)
+        except Exception as exc:
+            _log.warning("checkpoint %d: writing its fence %s failed: %s", checkpoint_id, path, exc)
+            self.unfenced.add(checkpoint_id)
+            return False
+        self.unfenced.discard(checkpoint_id)
+        return True
 
     def abort(self, checkpoint_id: int) -> None:
         """Forget a pending checkpoint; its uploads are released by the backends
@@ -197,5 +237,7 @@ class CheckpointCoordinator:
         """On cancellation with DELETE_ON_CANCELLATION, delete every retained checkpoint and its
         files; otherwise keep them (a later run resumes from the latest)."""
         self.pending.clear()
+        for unfenced in sorted(self.unfenced):  # a last try: the next run's recovery honours it
+            self._fence(unfenced)
         if cancelled and self.retention is CheckpointRetention.DELETE_ON_CANCELLATION:
             self.store.discard_all()

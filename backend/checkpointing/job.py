@@ -23,6 +23,7 @@ caller names only what differs from the defaults and a new option changes no sig
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -65,6 +66,7 @@ from materializer.periodic import PeriodicMaterializer, restore
 
 __all__ = ["JobOptions", "LocalJob", "MaterializationOptions", "OperatorSpec", "PendingSnapshot", "Subtask"]
 
+_log = logging.getLogger(__name__)
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -348,15 +350,30 @@ class LocalJob:
         except BaseException:
             self.abort_checkpoint(pending)
             raise
-        for subtask in self.all_subtasks():
-            subtask.backend.notify_checkpoint_complete(cid)
+        # Committed: a failed clean-up in one subtask (a superseded chunk's DELETE) must neither
+        # report the checkpoint as failed nor keep the others from hearing of it.
+        self._notify_all(cid, "complete")
         self.poll_materialization()
         return meta
 
     def abort_checkpoint(self, pending: PendingSnapshot) -> None:
         self.coordinator.abort(pending.checkpoint_id)
+        self._notify_all(pending.checkpoint_id, "aborted")
+
+    def _notify_all(self, checkpoint_id: int, outcome: str) -> None:
+        """Tell every subtask; a subtask's failed clean-up (a DELETE the notification triggers) is
+        logged and recorded in ``coordinator.cleanup_errors``, and the file is left to orphan
+        cleanup: it must neither change the checkpoint's outcome nor hide the error that aborted it."""
         for subtask in self.all_subtasks():
-            subtask.backend.notify_checkpoint_aborted(pending.checkpoint_id)
+            try:
+                if outcome == "complete":
+                    subtask.backend.notify_checkpoint_complete(checkpoint_id)
+                else:
+                    subtask.backend.notify_checkpoint_aborted(checkpoint_id)
+            except Exception as exc:
+                error = f"checkpoint {checkpoint_id} {outcome}: notifying {subtask.uid}[{subtask.index}] failed: {exc}"
+                _log.warning("%s (left for orphan cleanup)", error)
+                self.coordinator.cleanup_errors.append(error)
 
     def checkpoint(self, properties: dict[str, Any] | None = None) -> SnapshotMetadata:
         """Take a checkpoint and wait for it; ``properties`` (JSON) are stored in its ``_metadata``."""

@@ -3,6 +3,7 @@
 Layout of a job directory (the changelog storage's base path is ``<root>/<job>``)::
 
     <root>/<job>/chk-<n>/_metadata               one per completed checkpoint (JSON, relative paths)
+    <root>/<job>/chk-<n>/_aborted                the fence of a checkpoint whose _metadata write failed
     <root>/<job>/shared/<uuid>.chunk              materialized chunks
     <root>/<job>/dstl/<xx>/<uuid>                 changelog files
     <root>/<job>/pending/<b>/<uid>/<i>.json       Spark: a subtask's handle of batch b, until chk-<b>
@@ -32,12 +33,14 @@ from dstl import StateChangelogStorage
 from dstl.paths import check_relative
 
 __all__ = [
+    "ABORTED_NAME",
     "CHECKPOINT_PREFIX",
     "METADATA_FORMAT",
     "METADATA_NAME",
     "METADATA_VERSION",
     "Progress",
     "SnapshotMetadata",
+    "aborted_path",
     "checked_path",
     "checkpoint_dir",
     "in_checkpoint_dir",
@@ -56,6 +59,7 @@ __all__ = [
 METADATA_VERSION = 1
 METADATA_FORMAT = "dstl-snapshot"
 METADATA_NAME = "_metadata"
+ABORTED_NAME = "_aborted"
 CHECKPOINT_PREFIX = "chk-"
 PENDING_DIR = "pending"
 
@@ -82,6 +86,12 @@ def checkpoint_dir(checkpoint_id: int) -> str:
 def metadata_path(checkpoint_id: int) -> str:
     """``chk-<n>/_metadata``: the commit point of checkpoint ``n``, relative to the job directory."""
     return f"{checkpoint_dir(checkpoint_id)}/{METADATA_NAME}"
+
+
+def aborted_path(checkpoint_id: int) -> str:
+    """``chk-<n>/_aborted``: the fence of checkpoint ``n``, written when its ``_metadata`` write
+    failed; recovery ignores a ``_metadata`` next to it (a write the client gave up on may land later)."""
+    return f"{checkpoint_dir(checkpoint_id)}/{ABORTED_NAME}"
 
 
 def parse_checkpoint_dir(name: str) -> int | None:
@@ -227,7 +237,7 @@ class SnapshotMetadata:
         """Parse and check a ``_metadata`` file; any problem raises ``CheckpointError`` naming ``where``."""
         try:
             value = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise CheckpointError(f"{where} is not a snapshot metadata file (not JSON: {exc})") from None
         if not isinstance(value, dict) or value.get("format") != METADATA_FORMAT:
             raise CheckpointError(f"{where} is not a snapshot metadata file (no {METADATA_FORMAT!r} format tag)")
@@ -251,7 +261,7 @@ class SnapshotMetadata:
             if not all(isinstance(p, dict) for p in meta.operators.values()):
                 raise TypeError("an operator entry is not an object")
             meta.referenced_files()  # every path checked, every handle parsed
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, RecursionError) as exc:
             raise CheckpointError(f"{where} is malformed: {exc}") from None
         except (CheckpointError, StateRestoreError) as exc:
             raise CheckpointError(f"{where}: {exc}") from None

@@ -2,19 +2,64 @@
 
 Why counts over files rather than ownership by a checkpoint: a log file can hold changes of many
 writers and checkpoints, and an unchanged chunk is named again by every later materialization,
-so a file may be deleted only when no *retained* checkpoint names it any more. ``deleted``
-remembers what was given up, so a new checkpoint naming such a file is refused instead of
-written (it could not be restored).
+so a file may be deleted only when no *retained* checkpoint names it any more.
+
+``deleted`` remembers what was given up, so a new checkpoint naming such a file is refused
+instead of written (it could not be restored). It remembers only the files given up during the
+last ``REMEMBERED_COMPLETIONS`` completions (``RecentlyDeleted``), because a long run gives up
+files without end and the guarantee does not need more:
+
+- A snapshot that could name a given-up file was taken before the file was given up, so it
+  belongs to a checkpoint that was pending then; such a checkpoint completes within the next few
+  completions or is aborted (a completion aborts every older pending checkpoint), while its
+  path is still remembered.
+- Any other completing checkpoint (say, of a task attempt that restored from an old checkpoint)
+  is still checked against the DFS: ``CompletedCheckpointStore.check_references`` refuses a file
+  no retained checkpoint names unless it exists. The deletion of a file given up earlier has
+  finished by then (the store deletes synchronously); if it failed, the file is still there and
+  nothing deletes it before the next recovery, which keeps every file a retained checkpoint names:
+  a checkpoint naming it again owns it again and can be restored.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 
 from backend.core.errors import CheckpointError
+from dstl import ConfigurationError
 
-__all__ = ["SharedStateRegistry"]
+__all__ = ["REMEMBERED_COMPLETIONS", "RecentlyDeleted", "SharedStateRegistry"]
+
+#: completions whose given-up files ``deleted`` remembers: the one that gave them up, and enough
+#: after it for checkpoints that were pending then (a few run concurrently) to complete
+REMEMBERED_COMPLETIONS = 4
+
+
+class RecentlyDeleted:
+    """The files given up during the last ``completions`` completions (see the module doc)."""
+
+    def __init__(self, completions: int = REMEMBERED_COMPLETIONS) -> None:
+        if completions < 1:
+            raise ConfigurationError(f"completions must be >= 1, got {completions}")
+        self._generations: deque[set[str]] = deque([set()], maxlen=completions)
+
+    def next_completion(self) -> None:
+        """A checkpoint completed: what it gives up from now on is remembered anew; the oldest
+        completion's files are forgotten."""
+        self._generations.append(set())
+
+    def add(self, path: str) -> None:
+        self._generations[-1].add(path)
+
+    def update(self, paths: Iterable[str]) -> None:
+        self._generations[-1].update(paths)
+
+    def __contains__(self, path: object) -> bool:
+        return any(path in generation for generation in self._generations)
+
+    def __len__(self) -> int:
+        return sum(len(generation) for generation in self._generations)
 
 
 class SharedStateRegistry:
@@ -23,7 +68,7 @@ class SharedStateRegistry:
     def __init__(self) -> None:
         self._counts: Counter[str] = Counter()
         self._by_checkpoint: dict[int, frozenset[str]] = {}
-        self.deleted: set[str] = set()
+        self.deleted = RecentlyDeleted()
 
     def register(self, checkpoint_id: int, files: Iterable[str]) -> None:
         files = frozenset(files)
@@ -31,6 +76,7 @@ class SharedStateRegistry:
             raise CheckpointError(f"checkpoint {checkpoint_id} is registered already")
         self._by_checkpoint[checkpoint_id] = files
         self._counts.update(files)
+        self.deleted.next_completion()
 
     def unregister(self, checkpoint_id: int) -> list[str]:
         """Drop a checkpoint's references; returns the files nothing references any more."""

@@ -8,18 +8,90 @@ entries in order, each filtered to (entry key groups & handle key groups & owned
 one snapshot own disjoint key groups, so every key's history is replayed once and in order,
 whatever the old and new parallelism (also after several rescales, where one log is carried by
 several handles, each for different key groups).
+
+A materialized entry names one chunk: ``path``, its ``key_groups``, the ``scope`` a restore takes
+from it, its ``sqn``, ``size`` and ``entries``, and (version 2) ``sha256``, the hash of its bytes,
+so that a restore can tell the chunk it reads is the one the handle names (another valid chunk in
+its place passes every checksum of the chunk format). Version 1 (written before the hash) is still
+read: its entries are bound by the other fields. A handle is written as version 2 when every
+entry has its hash, else as version 1 (entries carried over from a version-1 handle without
+reading their chunk); a version-2 handle with an entry lacking the hash is refused. Every number is
+bounded and nothing nests deeper than the format does, so a damaged handle raises
+``StateRestoreError`` instead of an overflow or a recursion error later.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from backend.core.errors import StateRestoreError
+from backend.core.keygroups import UPPER_BOUND_MAX_PARALLELISM
 from dstl import ChangelogHandle, CorruptChangelogError, KeyGroupRange
+from dstl.types import MAX_SQN
 
-HANDLE_VERSION = 1
+HANDLE_VERSION = 2
+#: handles of this version (and up to HANDLE_VERSION) are read; before 2, chunks carry no hash
+OLDEST_HANDLE_VERSION = 1
+#: the chunk entry field holding the SHA-256 (hex) of the chunk's bytes
+CHUNK_HASH = "sha256"
+#: larger numbers in a handle are damage (a chunk's size is at most this many bytes)
+MAX_FILE_BYTES = (1 << 63) - 1
+#: state metadata is flat JSON (name -> fields); deeper nesting is damage
+_MAX_METADATA_DEPTH = 8
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def chunk_digest(data: bytes) -> str:
+    """The content hash a handle records for a chunk (``CHUNK_HASH``)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_chunk_entry(value: Any, version: int = HANDLE_VERSION) -> dict[str, Any]:
+    """A materialized chunk entry, checked field by field; raises ``ValueError`` naming the field."""
+    if not isinstance(value, dict):
+        raise ValueError(f"materialized chunk entry is not an object: {value!r}")
+    path = value.get("path")
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"materialized chunk entry without a path: {value!r}")
+    try:
+        key_groups = KeyGroupRange.from_json(value["key_groups"])
+        scope = KeyGroupRange.from_json(value["scope"])
+        _bounded(value["sqn"], 0, MAX_SQN)
+        _bounded(value["size"], 1, MAX_FILE_BYTES)
+        _bounded(value["entries"], 0, MAX_FILE_BYTES)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"materialized chunk entry {path}: {type(exc).__name__} {exc}") from None
+    if not len(key_groups) or (len(scope) and not (key_groups.start <= scope.start and scope.end <= key_groups.end)):
+        raise ValueError(f"materialized chunk entry {path}: scope {scope.to_json()} outside {key_groups.to_json()}")
+    digest = value.get(CHUNK_HASH)
+    if digest is None and version >= 2:
+        raise ValueError(f"materialized chunk entry {path} has no {CHUNK_HASH} (handle version {version})")
+    if digest is not None and not (isinstance(digest, str) and _HEX64.fullmatch(digest)):
+        raise ValueError(f"materialized chunk entry {path}: {CHUNK_HASH} {digest!r} is not 64 hex digits")
+    return value
+
+
+def _bounded(value: Any, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"expected an int in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _check_depth(value: Any, limit: int) -> None:
+    """Raise ``ValueError`` if ``value`` nests deeper than ``limit`` (iteratively: no recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            raise ValueError(f"nested deeper than {limit} levels")
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
 
 
 @dataclass(frozen=True)
@@ -58,14 +130,15 @@ class KeyedStateHandle:
         return chunks | {seg.path for entry in self.changelog for seg in entry.log.segments}
 
     def to_json(self) -> dict[str, Any]:
+        hashed = all(CHUNK_HASH in chunk for chunk in self.materialized)
         return {
-            "version": HANDLE_VERSION,
+            "version": HANDLE_VERSION if hashed else OLDEST_HANDLE_VERSION,
             "operator_id": self.operator_id,
             "checkpoint_id": self.checkpoint_id,
             "max_parallelism": self.max_parallelism,
             "key_group_range": self.key_group_range.to_json(),
             "states": self.states,
-            "materialized": list(self.materialized),
+            "materialized": [dict(chunk) for chunk in self.materialized],
             "changelog": [h.to_json() for h in self.changelog],
         }
 
@@ -77,21 +150,24 @@ class KeyedStateHandle:
         try:
             if not isinstance(value, dict):
                 raise ValueError("not a JSON object")
-            if value.get("version") != HANDLE_VERSION:
-                raise ValueError(f"unsupported keyed state handle version {value.get('version')!r}")
+            version = value.get("version")
+            if type(version) is not int or not OLDEST_HANDLE_VERSION <= version <= HANDLE_VERSION:
+                raise ValueError(f"unsupported keyed state handle version {version!r}")
             states = value["states"]
             if not isinstance(states, dict) or not all(isinstance(m, dict) for m in states.values()):
                 raise ValueError("malformed state metadata")
+            _check_depth(states, _MAX_METADATA_DEPTH)
+            materialized = _typed(value.get("materialized", []), list)
             handle = cls(
                 operator_id=_typed(value["operator_id"], str),
-                max_parallelism=_typed(value["max_parallelism"], int),
+                max_parallelism=_bounded(value["max_parallelism"], 1, UPPER_BOUND_MAX_PARALLELISM),
                 key_group_range=KeyGroupRange.from_json(value["key_group_range"]),
                 states=states,
                 changelog=tuple(LogEntry.from_json(h) for h in _typed(value["changelog"], list)),
-                materialized=tuple(_typed(value.get("materialized", []), list)),
-                checkpoint_id=_typed(value.get("checkpoint_id", 0), int),
+                materialized=tuple(check_chunk_entry(c, version) for c in materialized),
+                checkpoint_id=_bounded(value.get("checkpoint_id", 0), 0, MAX_SQN),
             )
-        except (KeyError, TypeError, ValueError, CorruptChangelogError) as exc:
+        except (KeyError, TypeError, ValueError, RecursionError, CorruptChangelogError) as exc:
             raise StateRestoreError(f"malformed keyed state handle: {exc}") from None
         return handle
 
@@ -99,8 +175,8 @@ class KeyedStateHandle:
     def loads(cls, text: str) -> KeyedStateHandle:
         try:
             return cls.from_json(json.loads(text))
-        except json.JSONDecodeError as exc:
-            raise StateRestoreError(f"keyed state handle is not JSON: {exc}") from None
+        except (json.JSONDecodeError, RecursionError) as exc:  # nesting past the parser's stack
+            raise StateRestoreError(f"keyed state handle is not JSON: {exc!r}") from None
 
 
 def _typed(value: Any, kind: type) -> Any:

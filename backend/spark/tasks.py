@@ -282,7 +282,7 @@ def _adopt(
         return None
     backend = ChangelogKeyedStateBackend(
         cfg.uid, cfg.key_group_range(subtask), directory / "lmdb", storage=storage,
-        max_parallelism=cfg.max_parallelism, num_retained=2,
+        max_parallelism=cfg.max_parallelism, num_retained=2, reuse_local=True,
     )  # fmt: skip
     backend.adopt_local(handle)
     materializer = PeriodicMaterializer(

@@ -40,7 +40,7 @@ from backend.state.state_table import StateTable
 from backend.state.timers import EVENT_TIME, PROCESSING_TIME, TIMERS_DB, TimeDomain, TimerService
 from backend.state.truncation import SnapshotLineage
 from backend.state.value_table import ValueTable
-from dstl import ChangelogHandle, ConfigurationError, KeyGroupRange, StateChangelogStorage
+from dstl import ChangelogHandle, ConfigurationError, KeyGroupRange, StateChangelogStorage, WriterClosedError
 from dstl.types import SequenceNumber
 
 __all__ = ["DEFAULT_CACHE_LIMIT", "ChangelogKeyedStateBackend", "ChunkLoader", "MaterializationPoint"]
@@ -76,7 +76,8 @@ class ChangelogKeyedStateBackend(KeyContext):
 
     ``clock`` returns the processing time in milliseconds (TTL, processing-time timers); the wall
     clock by default. ``cache_limit``: cached changes past which the write-back caches spill to
-    LMDB. ``num_retained``: completed checkpoints whose log must stay restorable.
+    LMDB. ``num_retained``: completed checkpoints whose log must stay restorable. ``reuse_local``:
+    keep the tables ``local_dir`` holds, for ``adopt_local``; else whatever is there is removed.
     """
 
     def __init__(
@@ -92,6 +93,7 @@ class ChangelogKeyedStateBackend(KeyContext):
         cache_limit: int = DEFAULT_CACHE_LIMIT,
         log_enabled: bool = True,
         num_retained: int = 1,
+        reuse_local: bool = False,
     ) -> None:
         super().__init__(key_group_range, max_parallelism, key_serializer)
         if log_enabled and storage is None:
@@ -103,7 +105,7 @@ class ChangelogKeyedStateBackend(KeyContext):
         #: value state); -1 forces the next write to flush
         self.flush_threshold = cache_limit
         self.kg_flush_threshold = max(1, cache_limit // len(key_group_range))
-        self.tables = LmdbTables(local_dir)
+        self.tables = LmdbTables(local_dir, keep=reuse_local)
         self.storage = storage
         self.writer = storage.create_writer(operator_id, key_group_range) if log_enabled and storage else None
         self.log_enabled = self.writer is not None
@@ -304,6 +306,9 @@ class ChangelogKeyedStateBackend(KeyContext):
                 result.set_exception(exc)
                 return
             with self._lock:
+                if lineage.closed:  # its files were released with the writer: never hand it out
+                    result.set_exception(WriterClosedError(f"backend {self.operator_id} closed during snapshot"))
+                    return
                 lineage.snapshot_persisted(checkpoint_id, own)
             result.set_result(handle((*carried, LogEntry(own, self.key_group_range)) if own.segments else carried))
 
@@ -448,8 +453,10 @@ class ChangelogKeyedStateBackend(KeyContext):
     # -- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the local tables and the writer (uploaded, unconfirmed log files are released)."""
+        """Close the local tables and the writer. The files of snapshots handed out and not yet
+        confirmed or aborted stay (``truncation``); other unconfirmed log files are released."""
+        with self._lock:
+            self.lineage.close()
         if self.writer is not None:
             self.writer.close()
-        self.lineage.close()
         self.tables.close()

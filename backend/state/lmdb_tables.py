@@ -5,6 +5,13 @@ the durable state (last materialization + changelog on the DFS), so a crash that
 writes loses nothing a restore cannot rebuild, and each flush does not pay an fsync. Reads use one
 long-lived read transaction that is renewed after every write transaction commits, so a read
 costs one ``get`` and always sees the last flush.
+
+A directory's tables are trusted only when the caller says so (``keep=True``): only it can know
+that they hold the state of the snapshot it continues from (``backend.spark`` keeps a marker naming
+the batch and the handle). Otherwise the LMDB files a crashed or closed backend left are removed
+at open, so that a new backend never serves the state written after the checkpoint it restores.
+Removing them is safe because the tables are a cache of the DFS; refusing instead would stop
+every restart of a job over the same local directory.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from typing import Any
 import lmdb
 
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; LMDB only uses what it writes
+#: the files of an LMDB environment (``subdir=True``)
+_LMDB_FILES = ("data.mdb", "lock.mdb")
 
 
 class Getter:
@@ -32,9 +41,15 @@ class Getter:
 class LmdbTables:
     """The LMDB environment of one backend: a named database per state, a renewed read view."""
 
-    def __init__(self, directory: str | os.PathLike[str], map_size: int = DEFAULT_MAP_SIZE) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], map_size: int = DEFAULT_MAP_SIZE, *, keep: bool = False
+    ) -> None:
+        """``keep``: open the tables the directory holds (the caller vouches for them); else start empty."""
         self.path = Path(directory)
         self.path.mkdir(parents=True, exist_ok=True)
+        if not keep:
+            for name in _LMDB_FILES:
+                (self.path / name).unlink(missing_ok=True)
         self.env = lmdb.open(
             str(self.path),
             map_size=map_size,
@@ -135,9 +150,13 @@ class LmdbTables:
             self._begin_reads()
 
     def entry_count(self) -> int:
-        total = 0
+        """Entries of every database in the environment, opened by this backend or not."""
         with self.env.begin() as txn:
-            for db in self._dbs.values():
+            names = [bytes(name).decode() for name, _ in txn.cursor()]  # the main database lists them
+        total = 0
+        for name in names:
+            db = self.database(name)
+            with self.env.begin() as txn:
                 total += txn.stat(db)["entries"]
         return total
 

@@ -20,7 +20,7 @@ import lmdb
 
 from backend.core import records as rec
 from backend.core.errors import SerializationError, StateRestoreError
-from backend.core.handles import KeyedStateHandle, intersect
+from backend.core.handles import CHUNK_HASH, KeyedStateHandle, chunk_digest, intersect
 from backend.core.records import Op
 from backend.state.lmdb_tables import LmdbTables
 from backend.state.timers import TIMERS_DB, TIMERS_SID
@@ -35,8 +35,10 @@ __all__ = [
     "replay_log",
 ]
 
-#: (path, file bytes, key groups) -> {state name: [(table key, stored value), ...] in key order}
-ChunkLoader = Callable[[str, bytes, KeyGroupRange], Mapping[str, Sequence[tuple[bytes, bytes]]]]
+#: (path, file bytes, the handle's entry naming the chunk, key groups) -> {state name: [(table key,
+#: stored value), ...] in key order}; raises a ``CorruptDataError`` naming the path unless the
+#: chunk is sound and is the one the entry names (key groups, SQN, size, entries, hash)
+ChunkLoader = Callable[[str, bytes, Mapping[str, Any], KeyGroupRange], Mapping[str, Sequence[tuple[bytes, bytes]]]]
 #: called with the number of key changes applied so far
 Progress = Callable[[int], None]
 
@@ -79,7 +81,9 @@ def load_materialized(
     """Bulk-load the owned parts of the handles' materialized chunks, in key order (sorted appends).
 
     ``states``: the restored state names; each loaded chunk entry (narrowed to the owned key
-    groups) is appended to ``loaded_chunks``. Returns the number of entries loaded.
+    groups) is appended to ``loaded_chunks``, with the hash of the bytes it was checked on if the
+    handle (of version 1) recorded none, so later snapshots carry version-2 entries. Returns the
+    number of entries loaded.
     """
     parts: list[tuple[KeyGroupRange, dict[str, Any]]] = []
     for handle in handles:
@@ -106,7 +110,7 @@ def load_materialized(
             raise StateRestoreError(f"materialized chunk {chunk['path']} is missing") from None
         except ValueError as exc:  # a path outside the storage's base path
             raise StateRestoreError(f"materialized chunk path refused: {exc}") from None
-        by_state = load_chunk(chunk["path"], data, rng)
+        by_state = load_chunk(chunk["path"], data, chunk, rng)
         with tables.write() as txn:
             for name, entries in by_state.items():
                 if name != TIMERS_DB and name not in states:
@@ -117,6 +121,8 @@ def load_materialized(
                 except lmdb.Error:  # not after what the table holds: plain puts
                     cursor.putmulti(entries)
                 loaded += len(entries)
+        if CHUNK_HASH not in chunk:
+            chunk[CHUNK_HASH] = chunk_digest(data)
         loaded_chunks.append(chunk)
         if progress is not None:
             progress(loaded)

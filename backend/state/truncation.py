@@ -11,14 +11,20 @@ what can go:
 - A chunk of our own that is superseded before any completed checkpoint named it is deleted here
   (the shared-state registry never sees it); chunks a checkpoint named belong to the registry.
 - The log files of a pending snapshot are confirmed when its checkpoint completes, and released
-  when it is aborted or subsumed.
+  when it is aborted or subsumed. Until then they stay, as its chunks do (Flink's
+  ``TaskChangelogRegistry``): the returned handle may be in a ``_metadata`` already.
+- A backend that closes with snapshots still pending hands their files over instead of deleting
+  them (``close``): whether that checkpoint completed is the coordinator's to know, and the
+  orphan scan of the next recovery removes them if none did. A snapshot whose log is persisted
+  only after the close is never returned (``closed``).
+- Deletions here run in the background with retries (``StateChangelogStorage.delete_later``):
+  they happen after a commit or a materialization, which a refused DELETE must not fail.
 
 The backend calls it under its lock; it never touches the local tables.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from backend.core.handles import LogEntry
@@ -54,6 +60,8 @@ class SnapshotLineage:
         #: chunks each pending snapshot names
         self._unconfirmed_chunks: set[str] = set()
         self._pending_chunks: dict[int, set[str]] = {}
+        #: set by ``close``: a snapshot persisted from now on must not be handed out
+        self.closed = False
 
     def carried_bytes(self) -> int:
         """The size of the carried logs. It counts toward the materializer's size trigger: a
@@ -128,15 +136,23 @@ class SnapshotLineage:
     def _delete_superseded_chunks(self) -> None:
         in_use = {str(c["path"]) for c in self.materialized}.union(*self._pending_chunks.values())
         garbage = self._unconfirmed_chunks - in_use
-        if garbage and self.storage is not None and self.storage.owns_files:
-            for path in sorted(garbage):
-                self.storage.delete_file(path)
+        self._delete(garbage)
         self._unconfirmed_chunks -= garbage
 
+    def _delete(self, paths: set[str]) -> None:
+        if paths and self.storage is not None and self.storage.owns_files:
+            for path in sorted(paths):
+                self.storage.delete_later(path)
+
     def close(self) -> None:
-        """Delete the chunks no completed checkpoint names (best effort)."""
-        if self.storage is not None and self.storage.owns_files:
-            for path in sorted(self._unconfirmed_chunks):
-                with contextlib.suppress(Exception):
-                    self.storage.delete_file(path)
+        """Before the writer closes: hand over the files of the snapshots handed out and not yet
+        decided (their log files are confirmed, so the storage never deletes them; their chunks
+        are kept), and delete the other chunks no completed checkpoint names."""
+        self.closed = True
+        handed_out = set().union(*(self._pending_chunks.get(c, set()) for c in self._pending))
+        if self.writer is not None and not self.writer.closed:
+            for handle in self._pending.values():
+                self.writer.confirm(handle)
+        self._pending.clear()
+        self._delete(self._unconfirmed_chunks - handed_out)
         self._unconfirmed_chunks.clear()

@@ -6,7 +6,8 @@
   one the footer lists (same log, SQN, offset, length, record count), else it is decoded on its
   own.
 - chunks: ``materializer.chunks.decode_chunk`` (every section decompressed and checked); the
-  handle's entry (key groups, SQN, size, entry count) must match the chunk.
+  handle's entry (key groups, SQN, size, entry count, and the hash where the handle records one)
+  must match the chunk, as a restore checks it (``materializer.chunks.check_binding``).
 
 Every problem is collected (a missing file, each corrupt file), not just the first one.
 """
@@ -19,8 +20,9 @@ from typing import Any
 from backend.checkpointing.metadata import Progress
 from backend.tools.inspect_state import Snapshot
 from dstl import CorruptChangelogError, KeyGroupRange, SegmentRef
+from dstl.errors import StorageError
 from dstl.format import decode_segment, read_footer, verify_file
-from materializer.chunks import CorruptChunkError, decode_chunk
+from materializer.chunks import CorruptChunkError, check_binding, chunk_info, decode_chunk
 
 
 @dataclass
@@ -55,7 +57,7 @@ def verify(snapshot: Snapshot, progress: Progress) -> VerifyResult:
         except FileNotFoundError:
             result.problems.append((full, "missing"))
             continue
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, StorageError) as exc:
             result.problems.append((full, f"cannot be read: {exc}"))
             continue
         result.files += 1
@@ -71,15 +73,15 @@ def verify(snapshot: Snapshot, progress: Progress) -> VerifyResult:
 def _check_chunk(path: str, data: bytes, entries: list[dict[str, Any]]) -> list[str]:
     try:
         chunk = decode_chunk(path, data)
+        info = chunk_info(path, data)
     except CorruptChunkError as exc:
         return [exc.problem]
-    count = sum(len(s) for s in chunk.sections.values())
     problems = []
     for entry in entries:
-        expected = {"key_groups": chunk.key_groups.to_json(), "sqn": chunk.sqn, "size": len(data), "entries": count}
-        for name, actual in expected.items():
-            if name in entry and entry[name] != actual:
-                problems.append(f"the handle records {name} {entry[name]!r}, the chunk has {actual!r}")
+        try:
+            check_binding(path, data, info, entry)
+        except CorruptChunkError as exc:
+            problems.append(exc.problem)
         try:
             scope = KeyGroupRange.from_json(entry.get("scope", entry.get("key_groups")))
         except ValueError as exc:

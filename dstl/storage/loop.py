@@ -100,13 +100,12 @@ class StorageLoop:
         """On the loop: let every other task end, so none is destroyed pending with the loop.
 
         Besides uploads (drained already, unless the drain timed out): reads a reader abandoned
-        (it stopped early and cancelled its read-ahead fetches, but a cancelled local read still
-        waits for its thread), ``run`` calls whose caller timed out, and whatever those start
-        (deletions, hedges). They get ``timeout`` in all to finish, then are cancelled, up to
-        ``CANCEL_ROUNDS`` times ``CANCEL_WAIT_S`` apart: the first cancel of a local read or write
-        waits for its thread (so a cancelled put never lands behind its caller's back), the second
-        abandons that wait (the thread may finish after close). Never raises for these tasks; it
-        logs them.
+        (it stopped early and cancelled its read-ahead fetches), ``run`` calls whose caller timed
+        out, and whatever those start (deletions, hedges). They get ``timeout`` in all to finish,
+        then are cancelled, up to ``CANCEL_ROUNDS`` times ``CANCEL_WAIT_S`` apart. A cancelled call
+        returns at once even when its I/O runs in a thread (``dstl.uploaders.fsspec``): the thread
+        ends in the background, and a write it lands after a delete of its path removes itself.
+        Never raises for these tasks; it logs them.
         """
         loop = asyncio.get_running_loop()
         deadline = math.inf if timeout is None else loop.time() + timeout

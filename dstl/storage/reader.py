@@ -5,7 +5,8 @@ reader skips segments whose key-group bounds miss the requested range (a rescale
 only what it owns), fetches the others ``READ_AHEAD`` at a time on the storage's loop, and decodes
 them on the caller's thread in SQN order. Anything inconsistent raises ``CorruptChangelogError``
 naming the file: a path leaving the base directory, an SQN outside the handle, a missing file, a
-segment whose key groups lie outside its index.
+segment whose key groups lie outside its index. Each fetch has the DFS calls' deadline and retries
+(``dstl.storage.calls``); one that fails for good raises ``StorageError``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from dstl.errors import CorruptChangelogError
 from dstl.format import decode_segment, iter_records
 from dstl.paths import check_relative
+from dstl.storage.calls import CallPolicy, call_with_retries
 from dstl.storage.loop import StorageLoop
 from dstl.types import MAX_KEY_GROUP, ChangelogHandle, KeyGroupRange, SegmentRef
 from dstl.uploaders import Uploader
@@ -30,9 +32,10 @@ READ_AHEAD = 4
 class HandleReader:
     """Reads handles through the storage's uploader, on the storage's loop."""
 
-    def __init__(self, loop: StorageLoop, uploader: Uploader) -> None:
+    def __init__(self, loop: StorageLoop, uploader: Uploader, policy: CallPolicy) -> None:
         self._loop = loop
         self._uploader = uploader
+        self._policy = policy
 
     def read(self, handle: ChangelogHandle, key_groups: KeyGroupRange | None = None) -> Iterator[tuple[int, bytes]]:
         """The changes of ``handle`` in SQN order, restricted to ``key_groups`` (all if None)."""
@@ -62,7 +65,9 @@ class HandleReader:
 
     async def _fetch(self, seg: SegmentRef) -> bytes:
         try:
-            return await self._uploader.get(seg.path, seg.offset, seg.length)
+            return await call_with_retries(
+                self._policy, "read", seg.path, lambda: self._uploader.get(seg.path, seg.offset, seg.length)
+            )
         except FileNotFoundError:
             raise CorruptChangelogError(seg.path, "file is missing") from None
 

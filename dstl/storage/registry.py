@@ -8,6 +8,15 @@ and no confirmed checkpoint owns the file, it is deleted (unless the storage doe
 files). Once a handle is confirmed, its files belong to the checkpoint (the shared-state registry
 deletes them when no retained checkpoint references them).
 
+Deletion runs in the background on the loop (``delete_later``, also used for superseded
+materialized chunks): a refused DELETE is retried with the DFS calls' policy (``max_attempts``,
+doubling backoff, a deadline per attempt: ``dstl.storage.calls``), and the storage's ``flush`` and
+``close`` wait for the retries (close within its timeout). A file whose every attempt failed, or
+whose deletion close had to cancel, is unreferenced: it is counted (``deletions_failed``),
+logged, listed by ``undeleted`` (the most recent ``MAX_UNDELETED``; the log, not memory, keeps the
+rest) and left to the orphan scan of the next recovery, which deletes every file no retained
+checkpoint names.
+
 The counts are touched from the loop thread (uploads finishing) and from writer threads
 (truncation, confirmation), always under ``lock``.
 """
@@ -16,9 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
+import logging
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from dstl.api import StateChangelogWriter
@@ -26,12 +35,19 @@ from dstl.errors import ChangelogError, StorageClosedError, WriterClosedError
 from dstl.hedging import UploadExecutor
 from dstl.metrics import ChangelogMetrics
 from dstl.scheduler import UploadEntry
+from dstl.storage.calls import CallPolicy, call_with_retries
 from dstl.storage.loop import StorageLoop
 from dstl.types import ChangelogHandle, SegmentRef
 from dstl.uploaders import Uploader
 from dstl.writer import ChangelogWriter
 
-__all__ = ["FileRegistry"]
+__all__ = ["MAX_UNDELETED", "FileRegistry"]
+
+_log = logging.getLogger(__name__)
+
+#: how many paths whose deletion failed for good ``undeleted`` lists (the newest): a DFS refusing
+#: deletions for hours must not grow memory; every one is logged and counted anyway
+MAX_UNDELETED = 1000
 
 
 @dataclass
@@ -51,6 +67,7 @@ class FileRegistry:
         metrics: ChangelogMetrics,
         *,
         owns_files: bool,
+        policy: CallPolicy,
     ) -> None:
         self.lock = threading.Lock()
         self.owns_files = owns_files
@@ -61,6 +78,8 @@ class FileRegistry:
         self._files: dict[str, _FileState] = {}
         self._holds: Counter[ChangelogHandle] = Counter()
         self._writers: dict[str, ChangelogWriter] = {}
+        self._policy = policy
+        self._undeleted: OrderedDict[str, None] = OrderedDict()  # under ``lock``
 
     # -- writers --------------------------------------------------------------------------
 
@@ -151,6 +170,16 @@ class FileRegistry:
         with self.lock:
             self._drop_hold(handle)
 
+    def delete_later(self, path: str) -> None:
+        """Delete ``path`` in the background with retries (any thread; see the module doc). Once the
+        storage is closing it is skipped and left to the orphan scan, as a failed deletion is."""
+        self._loop.call_or_drop(self._delete_soon, path)
+
+    def undeleted(self) -> list[str]:
+        """Paths whose deletion failed for good (the newest ``MAX_UNDELETED``), oldest first."""
+        with self.lock:
+            return list(self._undeleted)
+
     def tracked_files(self) -> dict[str, tuple[int, bool]]:
         """Files still tracked: path -> (references, confirmed). For tests and tools."""
         with self.lock:
@@ -178,15 +207,28 @@ class FileRegistry:
         if state.refs <= 0:
             del self._files[path]
             if not state.confirmed and self.owns_files:
-                self._loop.call_or_drop(self._delete_soon, path)
+                self.delete_later(path)
 
     def _delete_soon(self, path: str) -> None:
-        """On the loop: delete ``path`` in the background (``drain`` waits for it); best effort,
-        an object left behind is unreferenced and removed by orphan cleanup."""
+        """On the loop: delete ``path`` in the background, retried (``drain`` waits for it)."""
+        self._executor.track(asyncio.ensure_future(self._delete(path)))
 
-        async def delete() -> None:
-            with contextlib.suppress(Exception):
-                await self._uploader.delete(path)
-                self._metrics.files_deleted += 1
+    async def _delete(self, path: str) -> None:
+        try:
+            await call_with_retries(self._policy, "delete", path, lambda: self._uploader.delete(path))
+        except asyncio.CancelledError:  # by a close whose timeout ran out
+            self._record_undeleted(path, "cancelled by close")
+            raise
+        except Exception as exc:
+            self._record_undeleted(path, str(exc))
+        else:
+            self._metrics.files_deleted += 1
 
-        self._executor.track(asyncio.ensure_future(delete()))
+    def _record_undeleted(self, path: str, why: str) -> None:
+        _log.warning("could not delete %s (left to the orphan scan of the next recovery): %s", path, why)
+        self._metrics.deletions_failed += 1
+        with self.lock:
+            self._undeleted[path] = None
+            self._undeleted.move_to_end(path)
+            while len(self._undeleted) > MAX_UNDELETED:
+                self._undeleted.popitem(last=False)

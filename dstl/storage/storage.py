@@ -22,7 +22,7 @@ import asyncio
 import concurrent.futures
 import threading
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from dstl.api import StateChangelogWriter
@@ -32,6 +32,7 @@ from dstl.hedging import UploadExecutor
 from dstl.metrics import ChangelogMetrics
 from dstl.paths import LOG_DIRECTORY, check_relative, new_file_name
 from dstl.scheduler import BatchingScheduler, UploadEntry
+from dstl.storage.calls import CallPolicy, call_with_retries
 from dstl.storage.loop import StorageLoop
 from dstl.storage.reader import HandleReader
 from dstl.storage.registry import FileRegistry
@@ -61,18 +62,28 @@ class StateChangelogStorage:
         self._executor = UploadExecutor(
             self._uploader, config, self.metrics, lambda: new_file_name(config.prefix_count)
         )
-        self._registry = FileRegistry(self._loop, self._uploader, self._executor, self.metrics, owns_files=owns_files)
-        self._in_flight = InFlightBytes(config.max_in_flight_bytes, self.metrics)
+        self._call_policy = CallPolicy.of(config)
+        self._registry = FileRegistry(
+            self._loop, self._uploader, self._executor, self.metrics, owns_files=owns_files, policy=self._call_policy
+        )
+        self._in_flight = InFlightBytes(config.max_in_flight_bytes, self.metrics, self._registry.lock)
         self._scheduler = BatchingScheduler(
             config,
             self._executor,
             self.metrics,
             on_uploaded=self._registry.on_uploaded,
             on_failed=self._registry.on_failed,
-            release_in_flight=self._in_flight.release,
+            in_flight=self._in_flight,
         )
-        self._reader = HandleReader(self._loop, self._uploader)
-        monitor = WriterMonitor(self._registry.writers, self._in_flight, self._scheduler, self.metrics)
+        self._reader = HandleReader(self._loop, self._uploader, self._call_policy)
+        monitor = WriterMonitor(
+            self._registry.writers,
+            self._in_flight,
+            self._scheduler,
+            self.metrics,
+            retry_delay_s=config.retry_delay_ms / 1000,
+            round_bytes=config.persist_size_threshold,
+        )
         self._monitor = self._loop.submit(monitor.run())
 
     @property
@@ -101,13 +112,13 @@ class StateChangelogStorage:
         self._loop.call(self._scheduler.register, log_id)
         return writer
 
-    def reserve_in_flight(self, size: int) -> None:
-        """Backpressure: block while other uploads would push the bytes in flight past the bound."""
-        self._in_flight.reserve(size)
+    def reserve_in_flight(self, writer: StateChangelogWriter, size: int, retried: int) -> None:
+        """Backpressure: block while other uploads would push the bytes uploading past the bound."""
+        self._in_flight.reserve(writer, size, retried)
 
-    def wait_for_capacity(self) -> None:
-        """Backpressure for appends: block while more than the bound is in flight."""
-        self._in_flight.wait_for_capacity()
+    def wait_for_capacity(self, writer: StateChangelogWriter) -> None:
+        """Backpressure for appends: block while more than the bound is not yet durable."""
+        self._in_flight.wait_for_capacity(writer)
 
     def submit_persist(
         self,
@@ -146,6 +157,7 @@ class StateChangelogStorage:
 
     def close_writer(self, writer: StateChangelogWriter) -> None:
         self._registry.close_writer(writer)
+        self._in_flight.wake()  # an append or persist of the writer waiting for capacity ends
         self._loop.call_or_drop(self._scheduler.unregister, writer.log_id)
 
     def tracked_files(self) -> dict[str, tuple[int, bool]]:
@@ -163,24 +175,40 @@ class StateChangelogStorage:
         return self._reader.read(handle, key_groups)
 
     async def list_files(self) -> list[str]:
-        return await self._uploader.list(LOG_DIRECTORY)
+        return await self._call("list", LOG_DIRECTORY, lambda: self._uploader.list(LOG_DIRECTORY))
 
     # -- other files under the base path (materialized chunks, metadata) -------------------
+    # Each call has a deadline per attempt and retries (``dstl.storage.calls``); it fails with a
+    # ``StorageError`` naming the operation, the path and the attempts, except that a missing
+    # file stays ``FileNotFoundError``. ``timeout`` (seconds) bounds the caller's wait on top.
 
     def put_file(self, path: str, data: bytes, timeout: float | None = None) -> None:
-        """Write a whole file under the base path (no hedging: callers retry at their level)."""
-        self.run(self._uploader.put(check_relative(path), data), timeout)
+        """Write a whole file under the base path (no hedging)."""
+        rel = check_relative(path)
+        self.run(self._call("put", rel, lambda: self._uploader.put(rel, data)), timeout)
 
     def get_file(self, path: str, timeout: float | None = None) -> bytes:
         """Read a whole file under the base path; a missing file raises ``FileNotFoundError``."""
-        return self.run(self._uploader.get(check_relative(path)), timeout)
+        rel = check_relative(path)
+        return self.run(self._call("get", rel, lambda: self._uploader.get(rel)), timeout)
 
     def read_range(self, path: str, offset: int, length: int, timeout: float | None = None) -> bytes:
         """Read part of a file under the base path; a missing file raises ``FileNotFoundError``."""
-        return self.run(self._uploader.get(check_relative(path), offset, length), timeout)
+        rel = check_relative(path)
+        return self.run(self._call("read", rel, lambda: self._uploader.get(rel, offset, length)), timeout)
 
     def delete_file(self, path: str, timeout: float | None = None) -> None:
-        self.run(self._uploader.delete(check_relative(path)), timeout)
+        rel = check_relative(path)
+        self.run(self._call("delete", rel, lambda: self._uploader.delete(rel)), timeout)
+
+    def delete_later(self, path: str) -> None:
+        """Delete a file under the base path in the background, retried; never raises (see
+        ``registry``: ``flush`` and ``close`` wait for it, a failure is left to orphan cleanup)."""
+        self._registry.delete_later(check_relative(path))
+
+    def undeleted_files(self) -> list[str]:
+        """Files whose background deletion failed for good (left to the next recovery's orphan scan)."""
+        return self._registry.undeleted()
 
     def remove_empty_directory(self, path: str) -> None:
         """Remove an empty directory under a local base path (object stores have none)."""
@@ -189,7 +217,10 @@ class StateChangelogStorage:
             remove(check_relative(path))
 
     def list_all(self, prefix: str = "") -> list[str]:
-        return self.run(self._uploader.list(prefix))
+        return self.run(self._call("list", prefix or ".", lambda: self._uploader.list(prefix)))
+
+    def _call(self, op: str, path: str, call: Callable[[], Coroutine[Any, Any, T]]) -> Coroutine[Any, Any, T]:
+        return call_with_retries(self._call_policy, op, f"{self.config.base_path}/{path}", call)
 
     def prometheus(self) -> str:
         return self.metrics.prometheus()
@@ -209,6 +240,7 @@ class StateChangelogStorage:
             if self._closed:
                 return
             self._closed = True
+        self._in_flight.close()  # appends and persists waiting for capacity end
         for writer in self._registry.writers():
             writer.close()
         self._monitor.cancel()

@@ -7,10 +7,12 @@ it, and ``dstl.uploaders.make_uploader`` picks one by the base path's URL scheme
 Every path given to an uploader is relative to the storage's base path; implementations resolve it
 through ``dstl.paths.check_relative``, so a crafted handle cannot reach a foreign file.
 
-Cancellation matters for hedging: a cancelled attempt may still have written its object. An
-implementation either abandons the request (the caller then deletes the object) or, when its I/O
-runs in a thread that cannot be interrupted, waits for that thread before re-raising, so that the
-caller's deletion of the loser's object really finds it and it cannot reappear afterwards.
+Cancellation matters for hedging and deadlines: a cancelled call returns at once, never held by
+its I/O (a stalled store must not hold the caller past its deadline), yet a cancelled write may
+still land. An implementation abandons the request, and the caller deletes what it may have
+written; where I/O runs in a thread that cannot be interrupted, a write that lands after a delete
+of its path was issued removes itself (``dstl.uploaders.fsspec``), so a hedge's loser cannot
+reappear after its deletion.
 """
 
 from __future__ import annotations

@@ -1,39 +1,41 @@
 """Any fsspec file system as an ``Uploader``, local directories included (the embedded default).
 
-fsspec's calls block, so they run in the loop's default thread pool. A thread cannot be
-interrupted: on cancellation (a hedge's loser) the call first waits for its thread to finish, so
-the caller's deletion of the loser's object finds it and it cannot reappear afterwards.
+fsspec's calls block, so they run in a thread pool of the uploader's own (a stalled store must not
+take the threads the loop's default pool lends to encoding). A thread cannot be interrupted, and
+its caller must not wait for it: a cancelled call (a hedge's loser, an attempt past its deadline)
+returns at once and the thread finishes in the background. What a write that lands late means is
+settled here, where both sides are seen: every write still running is known by its path, and a
+``delete`` of that path dooms it, so a write that lands after the delete was issued removes what it
+wrote. Without a delete, a write abandoned by its caller may land later, as on an object store.
 
 Local files (``file://`` or plain paths) are written to a temporary name, fsynced and renamed, so a
-crash never leaves a partial file under a final name.
+crash never leaves a partial file under a final name. Local paths are confined after resolving
+symbolic links: a link inside the base directory never makes us read or write outside it, and a
+delete removes a link itself, never what it points to.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import fsspec
 
+from dstl.errors import ConfigurationError
 from dstl.paths import check_relative
 
 __all__ = ["FsspecUploader"]
 
 T = TypeVar("T")
 
-
-async def _finish_even_if_cancelled(fut: asyncio.Future[T]) -> T:
-    """Await a thread's future; if we are cancelled, let the thread finish before re-raising."""
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        with contextlib.suppress(BaseException):
-            await fut
-        raise
+#: threads of one uploader: a stalled store holds one per stuck call, the rest keep working
+MAX_THREADS = 32
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
@@ -41,31 +43,87 @@ def _protocols(fs: Any) -> tuple[str, ...]:
     return (proto,) if isinstance(proto, str) else tuple(proto)
 
 
+class _Write:
+    """A write still running in a thread; ``doomed`` once a delete of its path was issued."""
+
+    __slots__ = ("doomed",)
+
+    def __init__(self) -> None:
+        self.doomed = False
+
+
 class FsspecUploader:
-    """Any fsspec file system; blocking calls run in the default thread pool."""
+    """Any fsspec file system; blocking calls run in the uploader's thread pool."""
 
     def __init__(self, base_path: str) -> None:
         self._fs, root = fsspec.core.url_to_fs(base_path)
         self._root = root.rstrip("/")
         self._local = "file" in _protocols(self._fs)
+        self._real_root = os.path.realpath(self._root) if self._local else self._root
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._writes: dict[str, list[_Write]] = {}
+        self._writes_lock = threading.Lock()
 
     def _full(self, path: str) -> str:
         return f"{self._root}/{check_relative(path)}"
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await _finish_even_if_cancelled(loop.run_in_executor(None, fn, *args))
+    def _confine(self, path: str, full: str, *, follow_last: bool) -> None:
+        """Refuse a local path that resolves outside the base directory through a symbolic link;
+        ``follow_last=False`` resolves only the directories (the operation acts on a final link
+        itself: a rename replaces it, an unlink removes it)."""
+        if not self._local:
+            return
+        real = os.path.realpath(full if follow_last else os.path.dirname(full))
+        if real != self._real_root and not real.startswith(self._real_root + os.sep):
+            raise ConfigurationError(
+                f"path {path!r} resolves outside the changelog base path {self._root!r} (a symbolic link)"
+            )
 
-    def _put_sync(self, full: str, data: bytes) -> None:
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.wrap_future(self._submit(fn, *args))
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="dstl-fsspec")
+        return self._pool.submit(fn, *args)
+
+    # -- put --------------------------------------------------------------------------------
+
+    async def put(self, path: str, data: bytes) -> None:
+        full = self._full(path)
+        self._confine(path, full, follow_last=False)
+        write = _Write()
+        with self._writes_lock:
+            self._writes.setdefault(full, []).append(write)
+        future = self._submit(self._put_sync, full, data, write)
+        # Also when the call is cancelled before its thread started (it then never runs).
+        future.add_done_callback(lambda _: self._forget(full, write))
+        await asyncio.wrap_future(future)
+
+    def _forget(self, full: str, write: _Write) -> None:
+        with self._writes_lock:
+            writes = self._writes.get(full)
+            if writes is not None:
+                writes.remove(write)
+                if not writes:
+                    del self._writes[full]
+
+    def _doomed(self, write: _Write) -> bool:
+        with self._writes_lock:
+            return write.doomed
+
+    def _put_sync(self, full: str, data: bytes, write: _Write) -> None:
         if self._local:
-            directory = os.path.dirname(full)
-            os.makedirs(directory, exist_ok=True)
+            os.makedirs(os.path.dirname(full), exist_ok=True)
             tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
             try:
                 with open(tmp, "wb") as f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
+                if self._doomed(write):  # deleted while we wrote: never show it under its name
+                    os.unlink(tmp)
+                    return
                 os.replace(tmp, full)
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -73,9 +131,10 @@ class FsspecUploader:
                 raise
         else:
             self._fs.pipe_file(full, data)
+        if self._doomed(write):  # the delete ran before this write landed: undo it
+            self._delete_sync(full)
 
-    async def put(self, path: str, data: bytes) -> None:
-        await self._run(self._put_sync, self._full(path), data)
+    # -- the other calls --------------------------------------------------------------------
 
     def _get_sync(self, full: str, offset: int, length: int | None) -> bytes:
         end = None if length is None else offset + length
@@ -83,30 +142,61 @@ class FsspecUploader:
         return data
 
     async def get(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
-        return await self._run(self._get_sync, self._full(path), offset, length)
+        full = self._full(path)
+        self._confine(path, full, follow_last=True)
+        return await self._run(self._get_sync, full, offset, length)
 
     def _delete_sync(self, full: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self._fs.rm_file(full)
+            if self._local:
+                os.unlink(full)  # a link itself, never its target
+            else:
+                self._fs.rm_file(full)
 
     async def delete(self, path: str) -> None:
-        await self._run(self._delete_sync, self._full(path))
+        full = self._full(path)
+        self._confine(path, full, follow_last=False)
+        with self._writes_lock:
+            for write in self._writes.get(full, ()):
+                write.doomed = True
+        await self._run(self._delete_sync, full)
 
     def _list_sync(self, prefix: str) -> list[str]:
         base = f"{self._root}/{prefix}".rstrip("/") if prefix else self._root
+        offset = len(self._root) + 1
+        if self._local:
+            # os.walk does not descend into linked directories: a link is not followed out of the root
+            names = [
+                os.path.join(directory, name)
+                for directory, _, files in os.walk(base, followlinks=False)
+                for name in files
+            ]
+            return sorted(n[offset:] for n in names)
         if not self._fs.exists(base):
             return []
-        names = self._fs.find(base)
-        offset = len(self._root) + 1
-        return sorted(n[offset:] if n.startswith(self._root) else n for n in names)
+        return sorted(n[offset:] if n.startswith(self._root) else n for n in self._fs.find(base))
 
     async def list(self, prefix: str = "") -> list[str]:
+        if prefix:
+            self._confine(prefix, self._full(prefix), follow_last=True)
         return await self._run(self._list_sync, prefix)
 
     def remove_empty_directory(self, path: str) -> None:
         if self._local:
+            full = self._full(path)
+            self._confine(path, full, follow_last=False)
             with contextlib.suppress(OSError):
-                os.rmdir(self._full(path))
+                os.rmdir(full)
+
+    def wait_for_threads(self) -> None:
+        """Block until every call handed to a thread has ended, abandoned ones included (for tests
+        and tools that must see the store settled; the storage itself never waits for them)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     async def close(self) -> None:
-        return None
+        """Let go of the threads; one stuck in a call that never returns ends in the background."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)

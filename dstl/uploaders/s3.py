@@ -1,8 +1,14 @@
 """S3, or any S3-compatible store, as an ``Uploader``: aiobotocore, natively async.
 
-Retries and timeouts belong to the log (per attempt, with hedging, ``dstl.hedging``), so the
-client is configured to make exactly one request per call. A cancelled request is simply
-abandoned: the caller deletes the key that attempt may still have written.
+Retries and timeouts belong to the log (per attempt, with hedging, ``dstl.hedging``, and
+``dstl.storage.calls`` for the other calls), so the client is configured to make exactly one request
+per call. A cancelled request is simply abandoned: the caller deletes the key that attempt may
+still have written.
+
+Credentials never reach a log: at DEBUG botocore logs request headers (the session token, the
+Authorization header) and signing inputs. A filter on a logger misses records of its children and
+a filter on handlers misses handlers added later, so the redaction sits in the log record factory,
+which every record of the process passes through (``dstl.uploaders.redact``).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from dstl.config import S3Options
 from dstl.errors import ConfigurationError
 from dstl.paths import check_relative
 from dstl.uploaders.base import USER_AGENT
+from dstl.uploaders.redact import install_redaction
 
 __all__ = ["S3Uploader"]
 
@@ -69,7 +76,14 @@ class S3Uploader:
             # It also names this library in the store's access logs.
             user_agent=USER_AGENT,
         )
+        install_redaction(opts.access_key_id, opts.secret_access_key, opts.session_token)
         session = get_session()
+        # Credentials the chain resolves (environment, profile): known only once resolved. With
+        # explicit keys the client never asks the chain, and neither do we (it may go to the network).
+        credentials = await session.get_credentials() if opts.access_key_id is None else None
+        if credentials is not None:
+            frozen = await credentials.get_frozen_credentials()
+            install_redaction(frozen.access_key, frozen.secret_key, frozen.token)
         client = await self._stack.enter_async_context(
             session.create_client(
                 "s3",

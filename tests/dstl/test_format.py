@@ -432,9 +432,9 @@ def held_storage(tmp_path: Path) -> tuple[StateChangelogStorage, _HeldReads, Cha
 def test_close_leaves_no_task_pending_behind_abandoned_reads(
     tmp_path: Path, abandoned_by: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A read nobody awaits any more (a cancelled read-ahead fetch, whose local read still waits
-    for its thread; a ``run`` that timed out) gets close's timeout to finish, is then cancelled,
-    and close returns: no task is left to be destroyed pending with the loop."""
+    """A read nobody awaits any more (a cancelled read-ahead fetch, which ends at once while its
+    thread stays blocked; a ``run`` that timed out, which gets close's timeout to finish and is
+    then cancelled) does not hold close: no task is left to be destroyed pending with the loop."""
     storage, uploader, handle = held_storage(tmp_path)
     first, second = handle.segments
     try:
@@ -448,7 +448,8 @@ def test_close_leaves_no_task_pending_behind_abandoned_reads(
                 storage.read_range(second.path, second.offset, second.length, timeout=0.05)
         storage.close(timeout=0.2)
         assert not asyncio.all_tasks(storage._loop.loop)
-        assert "cancelling 1 task(s) still running after 0.2 s" in caplog.text
+        if abandoned_by.startswith("a caller"):
+            assert "cancelling 1 task(s) still running after 0.2 s" in caplog.text
     finally:
         uploader.release.set()
         storage.close()

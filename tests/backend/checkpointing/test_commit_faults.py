@@ -1,0 +1,186 @@
+"""The commit point under DFS faults and damaged checkpoints (issue 16: 1, 2, 5, 9, 10).
+
+Faults come from the fault layer (``benchmarks.support.faulty_fs``): the job's DFS is a
+``faulty://`` file system over a local directory, and each test makes exactly the calls of its
+defect fail. What every test checks is what a user relies on: ``checkpoint()`` reports success only
+for a checkpoint a restart resumes, a restart resumes the last checkpoint reported complete, and
+nothing a retained checkpoint names is deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.checkpointing.metadata import aborted_path, metadata_path
+from backend.core.errors import CheckpointError
+from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
+from tests.backend.checkpointing.test_checkpoints import NEVER, Workload, files_on_dfs, materialize, read_state
+
+State = dict[str, tuple[int, list[int], dict[str, int]]]
+
+
+def make_job(root: str | Path, local: Path, **options: Any) -> LocalJob:
+    options.setdefault("materialization", MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None))
+    return LocalJob(root, "job", [OperatorSpec("op", 2)], local, JobOptions(**options))
+
+
+def snapshot_of(work: Workload) -> State:
+    return {k: (t, list(s), dict(m)) for k, (t, s, m) in work.model.items()}
+
+
+@pytest.fixture
+def plan() -> FaultPlan:
+    return FaultPlan()
+
+
+@pytest.mark.parametrize("fence_fails", [False, True])
+def test_a_metadata_write_whose_removal_fails_is_not_reported_complete(
+    tmp_path: Path, plan: FaultPlan, fence_fails: bool
+) -> None:
+    """Defect 1: the _metadata PUT fails and so does its clean-up DELETE (two 503s in a row)."""
+    root = faulty_base_path(tmp_path / "dfs", plan)
+    work = Workload()
+    job = make_job(root, tmp_path / "local")
+    work.run(job, 200)
+    job.checkpoint()
+    expected = snapshot_of(work)
+    work.run(job, 200)
+    plan.add(Fault(op="put", path="job/chk-2/_metadata", action="fail"))
+    plan.add(Fault(op="delete", path="job/chk-2/_metadata", action="fail"))
+    if fence_fails:
+        plan.add(Fault(op="put", path="job/chk-2/_aborted", action="fail", times=1))
+    with pytest.raises(CheckpointError, match="chk-2/_metadata") as failed:
+        job.checkpoint()
+    assert "failed too" in str(failed.value)  # the removal of the possibly written object
+    assert [m.checkpoint_id for m in job.coordinator.completed] == [1]  # nothing older subsumed
+    assert (tmp_path / "dfs" / "job" / metadata_path(1)).exists()
+    plan.clear()
+    if fence_fails:  # the fence is written before the next commit
+        job.checkpoint()
+        assert (tmp_path / "dfs" / "job" / aborted_path(2)).exists()
+        expected = snapshot_of(work)
+    job.close()
+    job = make_job(root, tmp_path / "local")
+    assert read_state(job) == expected
+    assert job.checkpoint().checkpoint_id == (4 if fence_fails else 3)
+    job.close()
+
+
+@pytest.mark.parametrize("fence_fails", [False, True])
+def test_a_metadata_write_landing_after_its_abort_does_not_come_back(
+    tmp_path: Path, plan: FaultPlan, fence_fails: bool
+) -> None:
+    """Defect 2: the client gives up on the _metadata PUT, the coordinator's DELETE finds nothing,
+    the PUT lands afterwards; a materialization then deletes the chunks that _metadata names."""
+    root = faulty_base_path(tmp_path / "dfs", plan)
+    work = Workload()
+    job = make_job(root, tmp_path / "local")
+    work.run(job, 200)
+    job.checkpoint()
+    expected = snapshot_of(work)
+    work.run(job, 200)
+    materialize(job)  # chunks only checkpoint 2 will name
+    work.run(job, 50)
+    plan.add(Fault(op="put", path="job/chk-2/_metadata", action="late"))
+    if fence_fails:
+        plan.add(Fault(op="put", path="job/chk-2/_aborted", action="fail"))
+    with pytest.raises(Exception) as failed:
+        job.checkpoint()
+    plan.land_late()
+    assert (tmp_path / "dfs" / "job" / metadata_path(2)).exists()  # the late write landed
+    work.run(job, 50)
+    materialize(job)  # supersedes (deletes) the chunks of the aborted checkpoint
+    job.close()
+    plan.clear()
+
+    job = make_job(root, tmp_path / "local")
+    assert read_state(job) == expected
+    assert [m.checkpoint_id for m in job.coordinator.completed] == [1]
+    if fence_fails:  # no fence: recovery's own check (every file named exists) keeps it out
+        assert "missing file" in job.coordinator.store.damaged["chk-2/_metadata"]
+    assert not (tmp_path / "dfs" / "job" / "chk-2").exists()  # neither the late write nor its fence
+    assert job.checkpoint().checkpoint_id == 3  # the aborted id is not used again
+    job.close()
+    assert isinstance(failed.value, CheckpointError), failed.value
+    assert "chk-2/_metadata" in str(failed.value)
+
+
+def test_a_failed_delete_after_the_commit_point_does_not_fail_the_checkpoint(tmp_path: Path, plan: FaultPlan) -> None:
+    """Defect 5: a superseded chunk's DELETE fails inside notify_checkpoint_complete."""
+    root = faulty_base_path(tmp_path / "dfs", plan)
+    work = Workload()
+    job = make_job(root, tmp_path / "local", num_retained=2)
+    work.run(job, 200)
+    job.checkpoint()
+    work.run(job, 100)
+    materialize(job)
+    first = job.trigger_checkpoint()  # names the chunks of this materialization
+    work.run(job, 100)
+    materialize(job)  # supersedes them while the first checkpoint still needs them
+    work.run(job, 50)  # a log after the materialization: each subtask's handle names log files
+    second = job.trigger_checkpoint()
+    expected = snapshot_of(work)
+    chunk_deletes = plan.add(Fault(op="delete", path="job/shared/*", action="fail"))
+    meta = job.complete_checkpoint(second)  # aborts the first: its chunks are garbage now
+    assert meta.checkpoint_id == second.checkpoint_id
+    # every subtask heard of the completion: the log files its handle names are confirmed
+    tracked = job.storage.tracked_files()
+    logs = {p for p in meta.referenced_files() if p.startswith("dstl/")}
+    assert logs and all(tracked[p][1] for p in logs if p in tracked), {p: tracked.get(p) for p in logs}
+    with pytest.raises(CheckpointError, match="not pending"):
+        job.complete_checkpoint(first)
+    job.close()
+    # the DELETEs were tried and failed (whether inline or by the storage's background deletions)
+    assert plan.hits(chunk_deletes) > 0
+    plan.clear()
+    job = make_job(root, tmp_path / "local", num_retained=2)
+    assert read_state(job) == expected
+    job.close()
+
+
+def test_a_renamed_checkpoint_directory_is_refused_and_nothing_deleted(tmp_path: Path) -> None:
+    """Defect 9: chk-2 renamed to chk-5 (nothing forged)."""
+    work = Workload()
+    job = make_job(tmp_path / "dfs", tmp_path / "local")
+    work.run(job, 200)
+    job.checkpoint()
+    work.run(job, 200)
+    job.checkpoint()
+    job.close()
+    job_dir = tmp_path / "dfs" / "job"
+    (job_dir / "chk-2").rename(job_dir / "chk-5")
+    before = files_on_dfs(job_dir)
+    with pytest.raises(CheckpointError, match=r"chk-5/_metadata holds checkpoint 2") as refused:
+        make_job(tmp_path / "dfs", tmp_path / "local")
+    assert "chk-2" in str(refused.value)
+    assert files_on_dfs(job_dir) == before
+
+
+def test_a_damaged_older_checkpoint_does_not_stop_the_restart(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Defect 10: two retained checkpoints, the older one's _metadata damaged."""
+    work = Workload()
+    job = make_job(tmp_path / "dfs", tmp_path / "local", num_retained=2)
+    work.run(job, 200)
+    job.checkpoint()
+    work.run(job, 200)
+    job.checkpoint()
+    expected = snapshot_of(work)
+    job.close()
+    older = tmp_path / "dfs" / "job" / metadata_path(1)
+    data = bytearray(older.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    older.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="backend.checkpointing"):
+        job = make_job(tmp_path / "dfs", tmp_path / "local", num_retained=2)
+    assert read_state(job) == expected
+    assert [m.checkpoint_id for m in job.coordinator.completed] == [2]
+    assert list(job.coordinator.store.damaged) == ["chk-1/_metadata"]
+    assert "chk-1/_metadata" in caplog.text
+    assert older.exists()  # left for the operator, not deleted
+    assert job.checkpoint().checkpoint_id == 3
+    job.close()

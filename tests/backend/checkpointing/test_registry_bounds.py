@@ -1,0 +1,71 @@
+"""The shared-state registry's memory of deleted files is bounded over a long run, and still
+refuses a checkpoint that names a file given up with a subsumed checkpoint.
+
+Each checkpoint names one new chunk; with one retained checkpoint, every completion subsumes the
+previous checkpoint and deletes its chunk, as a long-running job does with its materializations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from backend.checkpointing.coordinator import CheckpointCoordinator
+from backend.checkpointing.registry import REMEMBERED_COMPLETIONS
+from backend.core.errors import CheckpointError
+from backend.core.handles import KeyedStateHandle
+from dstl import ChangelogConfig, StateChangelogStorage
+
+ROUNDS = 60
+
+
+def _handle(path: str) -> KeyedStateHandle:
+    chunk = {"path": path, "key_groups": [0, 127], "scope": [0, 127], "sqn": 0, "size": 1, "entries": 1}
+    return KeyedStateHandle.from_json(
+        {"version": 1, "operator_id": "op", "checkpoint_id": 1, "max_parallelism": 128, "key_group_range": [0, 127],
+         "states": {}, "materialized": [chunk], "changelog": []}
+    )  # fmt: skip
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[CheckpointCoordinator]:
+    storage = StateChangelogStorage(ChangelogConfig.local(tmp_path / "job"))
+    c = CheckpointCoordinator(storage, num_retained=1)
+    c.recover()
+    try:
+        yield c
+    finally:
+        storage.close()
+
+
+def checkpoint_naming(coordinator: CheckpointCoordinator, path: str) -> int:
+    cid = coordinator.trigger()
+    coordinator.acknowledge(cid, "op", 0, _handle(path))
+    coordinator.complete(cid)
+    return cid
+
+
+def run(coordinator: CheckpointCoordinator, rounds: int) -> None:
+    for i in range(rounds):
+        path = f"shared/{i}.chunk"
+        coordinator.storage.put_file(path, b"x")
+        checkpoint_naming(coordinator, path)
+
+
+def test_the_memory_of_deleted_files_stays_bounded_over_a_long_run(
+    coordinator: CheckpointCoordinator, tmp_path: Path
+) -> None:
+    run(coordinator, ROUNDS)
+    assert sorted(p.name for p in (tmp_path / "job" / "shared").iterdir()) == [f"{ROUNDS - 1}.chunk"]
+    assert len(coordinator.registry.deleted) <= REMEMBERED_COMPLETIONS < ROUNDS - 1
+
+
+def test_a_file_given_up_recently_or_long_ago_is_never_named_again(coordinator: CheckpointCoordinator) -> None:
+    run(coordinator, ROUNDS)
+    with pytest.raises(CheckpointError, match="deleted with a subsumed checkpoint"):
+        checkpoint_naming(coordinator, f"shared/{ROUNDS - 2}.chunk")  # given up by the last completion
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint_naming(coordinator, "shared/0.chunk")  # given up ROUNDS completions ago
+    assert [m.checkpoint_id for m in coordinator.completed] == [ROUNDS]

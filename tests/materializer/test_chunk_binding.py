@@ -1,0 +1,188 @@
+"""A restore checks every materialized chunk against its handle entry before loading it.
+
+A chunk file replaced by another *valid* chunk (other key groups of the same operator, or the same
+key groups from an older materialization) passes every checksum of the chunk format; only the
+handle can tell it is not the chunk it names. Handles record each chunk's key groups, SQN, size,
+entry count and (since handle version 2) its SHA-256; handles of version 1 (written before the
+hash) are checked on what they have. The files are replaced on the local DFS as a damaged or
+misplaced upload would leave them; no code of ours is patched.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backend.core.descriptors import ValueStateDescriptor
+from backend.core.errors import StateRestoreError
+from backend.core.handles import KeyedStateHandle
+from backend.core.keygroups import assign_key_group
+from backend.core.serializers import Int64Serializer, serialize_key
+from backend.state.keyed_backend import ChangelogKeyedStateBackend
+from dstl import ChangelogConfig, CorruptDataError, KeyGroupRange, StateChangelogStorage
+from materializer.periodic import PeriodicMaterializer, restore
+
+MAX_P = 4
+FULL = KeyGroupRange(0, MAX_P - 1)
+COUNT = ValueStateDescriptor("count", Int64Serializer())
+NEVER = 10**12
+
+
+class World:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.dfs = tmp / "dfs"
+        self.storage = StateChangelogStorage(ChangelogConfig.local(self.dfs, persist_delay_ms=0))
+        self.backends: list[ChangelogKeyedStateBackend] = []
+        self.checkpoint_id = 0
+
+    def backend(self) -> ChangelogKeyedStateBackend:
+        b = ChangelogKeyedStateBackend(
+            "op", FULL, self.tmp / f"local-{len(self.backends)}", storage=self.storage, max_parallelism=MAX_P
+        )
+        self.backends.append(b)
+        return b
+
+    def materialize(self, b: ChangelogKeyedStateBackend) -> None:
+        m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None)
+        assert m.trigger()
+        m.wait(30)
+        m.close()
+        assert m.metrics.completed == 1
+
+    def checkpoint(self, b: ChangelogKeyedStateBackend) -> KeyedStateHandle:
+        self.checkpoint_id += 1
+        handle = b.snapshot(self.checkpoint_id).result(30)
+        return KeyedStateHandle.loads(handle.dumps())
+
+    def restored(self, handle: KeyedStateHandle) -> ChangelogKeyedStateBackend:
+        b = self.backend()
+        restore(b, [handle])
+        return b
+
+    def close(self) -> None:
+        for b in self.backends:
+            b.close()
+        self.storage.close()
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[World]:
+    w = World(tmp_path)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def keys_by_group() -> dict[int, int]:
+    """One int key per key group."""
+    found: dict[int, int] = {}
+    key = 0
+    while len(found) < MAX_P:
+        found.setdefault(assign_key_group(serialize_key(key), MAX_P), key)
+        key += 1
+    return found
+
+
+def write(b: ChangelogKeyedStateBackend, values: dict[int, int]) -> None:
+    for key, value in values.items():
+        b.set_current_key(key)
+        b.get_state(COUNT).update(value)
+
+
+def read(b: ChangelogKeyedStateBackend, keys: list[int]) -> dict[int, int | None]:
+    out = {}
+    for key in keys:
+        b.set_current_key(key)
+        out[key] = b.get_state(COUNT).value()
+    return out
+
+
+def chunk_path(world: World, handle: KeyedStateHandle, key_group: int) -> Path:
+    (entry,) = [c for c in handle.materialized if c["key_groups"] == [key_group, key_group]]
+    return world.dfs / str(entry["path"])
+
+
+def materialized_handle(world: World, values: dict[int, int]) -> tuple[ChangelogKeyedStateBackend, KeyedStateHandle]:
+    b = world.backend()
+    write(b, values)
+    world.materialize(b)
+    return b, world.checkpoint(b)
+
+
+def test_a_chunk_replaced_by_a_chunk_of_other_key_groups_is_refused(world: World) -> None:
+    keys = keys_by_group()
+    values = {key: 100 + kg for kg, key in keys.items()}
+    _, handle = materialized_handle(world, values)
+    chunk_path(world, handle, 0).write_bytes(chunk_path(world, handle, 1).read_bytes())
+    with pytest.raises(CorruptDataError) as info:
+        world.restored(handle)
+    assert str(chunk_path(world, handle, 0).relative_to(world.dfs)) in str(info.value)
+    assert "key groups" in str(info.value)
+
+
+def test_a_chunk_replaced_by_an_older_chunk_of_the_same_key_groups_is_refused(world: World) -> None:
+    keys = keys_by_group()
+    b, old_handle = materialized_handle(world, {key: 1 for key in keys.values()})
+    old_bytes = chunk_path(world, old_handle, 2).read_bytes()
+    write(b, {keys[2]: 2})
+    world.materialize(b)
+    handle = world.checkpoint(b)
+    assert read(world.restored(handle), [keys[2]]) == {keys[2]: 2}
+    chunk_path(world, handle, 2).write_bytes(old_bytes)
+    with pytest.raises(CorruptDataError, match="sqn"):
+        world.restored(handle)
+
+
+def test_a_version_1_handle_is_checked_on_what_it_records(world: World) -> None:
+    """Handles written before the hash existed: key groups, SQN, size and entries still bind."""
+    keys = keys_by_group()
+    _, handle = materialized_handle(world, {key: 7 for key in keys.values()})
+    legacy = json.loads(handle.dumps())
+    legacy["version"] = 1
+    for entry in legacy["materialized"]:
+        del entry["sha256"]
+    old = KeyedStateHandle.from_json(json.loads(json.dumps(legacy)))
+    assert read(world.restored(old), list(keys.values())) == {key: 7 for key in keys.values()}
+    chunk_path(world, handle, 3).write_bytes(chunk_path(world, handle, 1).read_bytes())
+    with pytest.raises(CorruptDataError, match="key groups"):
+        world.restored(old)
+
+
+def test_a_version_2_handle_without_a_hash_is_refused(world: World) -> None:
+    keys = keys_by_group()
+    _, handle = materialized_handle(world, {key: 7 for key in keys.values()})
+    value: dict[str, Any] = handle.to_json()
+    del value["materialized"][0]["sha256"]
+    with pytest.raises(StateRestoreError, match="sha256"):
+        KeyedStateHandle.from_json(value)
+
+
+def test_a_chunk_whose_bytes_differ_from_the_recorded_hash_is_refused(world: World) -> None:
+    """Same key groups, SQN, size and entry count, other bytes: only the hash can tell."""
+    keys = keys_by_group()
+    _, handle = materialized_handle(world, {key: 7 for key in keys.values()})
+    value: dict[str, Any] = handle.to_json()
+    value["materialized"][0]["sha256"] = "0" * 64
+    forged = KeyedStateHandle.from_json(value)
+    with pytest.raises(CorruptDataError, match="sha256"):
+        world.restored(forged)
+
+
+def test_restoring_a_version_1_handle_records_the_hash_of_the_chunks_it_checked(world: World) -> None:
+    """Later snapshots carry the restored chunks: they must be version-2 entries, hash included."""
+    keys = keys_by_group()
+    _, handle = materialized_handle(world, {key: 7 for key in keys.values()})
+    legacy = json.loads(handle.dumps())
+    legacy["version"] = 1
+    for entry in legacy["materialized"]:
+        del entry["sha256"]
+    b = world.restored(KeyedStateHandle.from_json(legacy))
+    again = world.checkpoint(b)
+    assert again.to_json()["version"] == 2
+    assert [c["sha256"] for c in again.materialized] == [c["sha256"] for c in handle.materialized]
