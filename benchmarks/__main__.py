@@ -20,6 +20,7 @@ BENCHMARKS = {
     "incremental": "benchmarks.incremental",
     "spark": "benchmarks.spark",
     "backpressure": "benchmarks.backpressure",
+    "soak": "benchmarks.soak",
 }
 
 

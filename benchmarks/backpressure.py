@@ -2,19 +2,26 @@
 
 An operator thread appends distinct, incompressible changes as fast as it can while every PUT to
 the DFS stalls (``faulty_fs`` "stall": attempts time out, uploads fail after their retries) or is
-refused (``faulty_fs`` "fail"). Appends must block once the bytes not yet durable reach
-``max_in_flight_bytes``, so the process' RSS may grow by about that limit plus a fixed overhead
-(the active changeset up to the pre-emptive threshold, what is appended between two checks of
-the loop thread, the encoded file of each upload) and no more. The fault is then lifted and the
-run checks that the appends resume and that every change became durable.
+refused (``faulty_fs`` "fail"). Appends must block once the bytes the log holds for uploads
+(changesets not yet durable, failed ones included, and the encoded files of uploads in progress
+or pinned by a stuck write) reach ``max_in_flight_bytes``, so the process' RSS may grow by that
+limit plus a fixed overhead and no more. The fault is then lifted and the run checks that the
+appends resume and that every change became durable.
+
+The fixed overhead is measured, not assumed: the "baseline" scenario is the same run on a healthy
+DFS with the in-flight limit at its minimum (one byte: one upload at a time), so its RSS growth is
+what the log needs besides the bytes the limit counts (the active changeset up to the pre-emptive
+threshold, one file being encoded and uploaded, encoding buffers, threads, allocator slack). Each
+faulty scenario passes when its peak RSS growth stays within ``limit + overhead``.
 
 Each scenario runs in a fresh interpreter (``python -m benchmarks.backpressure --scenario ...``),
 so one scenario's freed memory does not hide the next one's growth; the base is the RSS after a
 warm-up without faults. RSS is read from ``/proc/self/statm`` every ``SAMPLE_S``.
 
 JSON metrics: ``rss_peak_over_base_mb_stalled``, ``rss_peak_over_base_mb_refusing``,
-``in_flight_limit_mb``. A PNG of RSS and bytes in flight over time is written when matplotlib
-(the ``bench`` extra) is installed.
+``in_flight_limit_mb``, ``rss_overhead_mb`` (the baseline's growth), ``rss_bound_mb`` and
+``within_bound_stalled`` / ``within_bound_refusing``. A PNG of RSS and of the bytes counted
+against the limit over time is written when matplotlib (the ``bench`` extra) is installed.
 """
 
 from __future__ import annotations
@@ -22,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -31,24 +37,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import BenchResult, progress
-from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
+from benchmarks.common import BenchResult, MiB, progress, rss_mb
+from benchmarks.support.faulty_fs import Action, Fault, FaultPlan, faulty_base_path
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
 
-MiB = 1 << 20
 SAMPLE_S = 0.02
 PAYLOAD = 1000
 RANGE = KeyGroupRange(0, 127)
-SCENARIOS = ("stalled", "refusing")
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _rss_mb() -> float:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE / MiB
-    except OSError:  # not Linux: the peak so far is the best there is
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+SCENARIOS = ("baseline", "stalled", "refusing")
+FAULTS: dict[str, Action] = {"stalled": "stall", "refusing": "fail"}
 
 
 class _Operator:
@@ -76,35 +73,40 @@ class _Operator:
             self.error = exc
 
 
-def scenario(name: str, limit_mb: int, fault_s: float) -> dict[str, Any]:
+def scenario(name: str, limit_bytes: int, fault_s: float) -> dict[str, Any]:
     """One run in this process: warm up, append under the fault for ``fault_s``, lift it, drain."""
     plan = FaultPlan()
     with tempfile.TemporaryDirectory(prefix="dstl-backpressure-") as tmp:
         base_path = faulty_base_path(Path(tmp) / "dfs", plan)
-        config = ChangelogConfig(base_path=base_path, max_in_flight_bytes=limit_mb * MiB)
+        config = ChangelogConfig(base_path=base_path, max_in_flight_bytes=limit_bytes)
         storage = StateChangelogStorage(config)
         op = _Operator(storage)
         for i in range(20_000):  # warm-up without faults: the writer's and uploader's steady state
             op.writer.append(i % 128, os.urandom(PAYLOAD))
         op.writer.persist_durably(0).result(60)
-        base = _rss_mb()
-        fault = plan.add(Fault(op="put", action="stall" if name == "stalled" else "fail"))
+        base = rss_mb()
+        fault = plan.add(Fault(op="put", action=FAULTS[name])) if name in FAULTS else None
         samples: list[tuple[float, float, float]] = []
         metrics = storage.metrics
+
+        def counted() -> float:
+            return (metrics.bytes_in_flight + metrics.bytes_encoded) / MiB
+
         start = time.monotonic()
         op.thread.start()
         while (now := time.monotonic() - start) < fault_s:
-            samples.append((now, _rss_mb(), metrics.bytes_in_flight / MiB))
+            samples.append((now, rss_mb(), counted()))
             time.sleep(SAMPLE_S)
         blocked_at = op.appended
         peak = max(rss for _, rss, _ in samples)
-        in_flight_peak = max(f for _, _, f in samples)
+        counted_peak = max(f for _, _, f in samples)
         waits = metrics.backpressure_waits
         lifted = time.monotonic() - start
         plan.release()
-        plan.remove(fault)
+        if fault is not None:
+            plan.remove(fault)
         while metrics.bytes_in_flight > config.max_in_flight_bytes or op.appended == blocked_at:
-            samples.append((time.monotonic() - start, _rss_mb(), metrics.bytes_in_flight / MiB))
+            samples.append((time.monotonic() - start, rss_mb(), counted()))
             if time.monotonic() - start > lifted + 120 or op.error is not None:
                 break
             time.sleep(SAMPLE_S)
@@ -120,7 +122,7 @@ def scenario(name: str, limit_mb: int, fault_s: float) -> dict[str, Any]:
         "base_mb": round(base, 1),
         "peak_mb": round(peak, 1),
         "peak_over_base_mb": round(peak - base, 1),
-        "in_flight_peak_mb": round(in_flight_peak, 1),
+        "counted_peak_mb": round(counted_peak, 1),
         "appended_under_fault_mb": round(blocked_at * PAYLOAD / MiB, 1),
         "backpressure_waits": waits,
         "failed_uploads": metrics.upload_failures,
@@ -131,16 +133,17 @@ def scenario(name: str, limit_mb: int, fault_s: float) -> dict[str, Any]:
     }
 
 
-def _run_child(name: str, limit_mb: int, fault_s: float) -> dict[str, Any]:
+def _run_child(name: str, limit_bytes: int, fault_s: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "benchmarks.backpressure", "--scenario", name]
-    cmd += ["--limit-mb", str(limit_mb), "--fault-s", str(fault_s)]
+    cmd += ["--limit-bytes", str(limit_bytes), "--fault-s", str(fault_s)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=fault_s + 600)
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 
-def _plot(runs: dict[str, dict[str, Any]], limit_mb: int, path: Path) -> bool:
-    """RSS and bytes in flight over time, one panel per scenario; False without matplotlib."""
+def _plot(runs: dict[str, dict[str, Any]], limit_mb: int, bound_mb: float, path: Path) -> bool:
+    """RSS and bytes counted against the limit over time, one panel per scenario; False without
+    matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -153,13 +156,15 @@ def _plot(runs: dict[str, dict[str, Any]], limit_mb: int, path: Path) -> bool:
     for ax, (name, run) in zip(axes, runs.items(), strict=True):
         t = [s[0] for s in run["samples"]]
         ax.plot(t, [s[1] - run["base_mb"] for s in run["samples"]], label="RSS over base (MiB)")
-        ax.plot(t, [s[2] for s in run["samples"]], label="bytes not durable (MiB)")
-        ax.axhline(limit_mb, color="grey", linestyle=":", label="in-flight limit")
-        ax.set_title(f"{name} DFS")
+        ax.plot(t, [s[2] for s in run["samples"]], label="bytes counted against the limit (MiB)")
+        if name in FAULTS:
+            ax.axhline(limit_mb, color="grey", linestyle=":", label="in-flight limit")
+            ax.axhline(bound_mb, color="red", linestyle="--", label="limit + baseline overhead")
+        ax.set_title(f"{name} DFS" if name in FAULTS else "baseline: healthy DFS, limit 1 byte")
         ax.set_xlabel("seconds (fault lifted at the end)")
         ax.grid(True, linewidth=0.3)
     axes[0].set_ylabel("MiB")
-    axes[0].legend()
+    axes[-1].legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -172,29 +177,48 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
     fault_s = 6.0 if quick else 30.0
     runs: dict[str, dict[str, Any]] = {}
     for name in SCENARIOS:
-        progress(f"backpressure: {name} DFS for {fault_s:.0f} s, limit {limit_mb} MiB")
-        runs[name] = _run_child(name, limit_mb, fault_s)
+        limit = 1 if name == "baseline" else limit_mb * MiB
+        what = "healthy DFS, limit 1 byte" if name == "baseline" else f"{name} DFS, limit {limit_mb} MiB"
+        progress(f"backpressure: {what}, {fault_s:.0f} s")
+        runs[name] = _run_child(name, limit, fault_s)
+    overhead = runs["baseline"]["peak_over_base_mb"]
+    bound = round(limit_mb + overhead, 1)
+    within = {name: runs[name]["peak_over_base_mb"] <= bound for name in FAULTS}
     metrics: dict[str, Any] = {
         "rss_peak_over_base_mb_stalled": runs["stalled"]["peak_over_base_mb"],
         "rss_peak_over_base_mb_refusing": runs["refusing"]["peak_over_base_mb"],
         "in_flight_limit_mb": limit_mb,
+        "rss_overhead_mb": overhead,
+        "rss_bound_mb": bound,
     }
+    for name in FAULTS:
+        metrics[f"within_bound_{name}"] = within[name]
     for name, r in runs.items():
-        for key in ("in_flight_peak_mb", "appended_under_fault_mb", "resumed_after_s", "all_durable"):
+        for key in ("counted_peak_mb", "appended_under_fault_mb", "resumed_after_s", "all_durable"):
             metrics[f"{key}_{name}"] = r[key]
     plot = out_dir / "backpressure.png"
-    plotted = _plot(runs, limit_mb, plot)
+    plotted = _plot(runs, limit_mb, bound, plot)
+    b = runs["baseline"]
     table = [
         ("in-flight limit", f"{limit_mb} MiB; {fault_s:.0f} s under each fault"),
+        (
+            "fixed overhead",
+            f"{overhead} MiB: RSS growth of the same run on a healthy DFS with the limit at 1 byte "
+            f"(RSS {b['base_mb']} -> {b['peak_mb']} MiB, counted peak {b['counted_peak_mb']} MiB, "
+            f"appended {b['appended_under_fault_mb']} MiB)",
+        ),
+        ("bound checked", f"RSS growth <= limit + overhead = {limit_mb} + {overhead} = {bound} MiB"),
         *(
             (
                 f"{name} DFS",
-                f"RSS {r['base_mb']} -> {r['peak_mb']} MiB (+{r['peak_over_base_mb']}), "
-                f"not durable peak {r['in_flight_peak_mb']} MiB, appended {r['appended_under_fault_mb']} MiB, "
-                f"{r['backpressure_waits']} waits, {r['failed_uploads']} failed uploads, "
-                f"resumed {r['resumed_after_s']} s after the fault, all durable: {r['all_durable']}",
+                f"{'PASS' if within[name] else 'FAIL'}: RSS {r['base_mb']} -> {r['peak_mb']} MiB "
+                f"(+{r['peak_over_base_mb']} of {bound}), counted peak {r['counted_peak_mb']} MiB, "
+                f"appended {r['appended_under_fault_mb']} MiB, {r['backpressure_waits']} waits, "
+                f"{r['failed_uploads']} failed uploads, resumed {r['resumed_after_s']} s after the fault, "
+                f"all durable: {r['all_durable']}",
             )
             for name, r in runs.items()
+            if name in FAULTS
         ),
     ]
     return BenchResult(
@@ -210,10 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     """The child process of one scenario: prints its result as one JSON line."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.backpressure")
     parser.add_argument("--scenario", choices=SCENARIOS, required=True)
-    parser.add_argument("--limit-mb", type=int, required=True)
+    parser.add_argument("--limit-bytes", type=int, required=True)
     parser.add_argument("--fault-s", type=float, required=True)
     args = parser.parse_args(argv)
-    print(json.dumps(scenario(args.scenario, args.limit_mb, args.fault_s)))
+    print(json.dumps(scenario(args.scenario, args.limit_bytes, args.fault_s)))
     return 0
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
+import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -11,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path("results")
+MiB = 1 << 20
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 @dataclass
@@ -63,3 +67,12 @@ def percentile(values: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def rss_mb() -> float:
+    """This process' resident set size now, MiB (from ``/proc/self/statm``; no psutil needed)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE / MiB
+    except OSError:  # not Linux: the peak so far is the best there is
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -177,6 +178,7 @@ class UploadExecutor:
                     exc = task.exception()
                     if exc is None:
                         return self._won(task, path, primary, start, tried, running, hedged, hedge_tasks)
+                    unpin(exc)
                     if isinstance(exc, TimeoutError):
                         metrics.attempt_timeouts += 1
                     if task is primary and policy.enabled:
@@ -247,6 +249,11 @@ class UploadExecutor:
         async def cleanup() -> None:
             if tasks:
                 await asyncio.wait(tasks)
+                for task in tasks:
+                    try:
+                        task.result()
+                    except BaseException as exc:  # cancelled: its frames still hold the file
+                        unpin(exc)
             await self._delete_all(paths)
 
         self.track(asyncio.ensure_future(cleanup()))
@@ -264,10 +271,38 @@ class UploadExecutor:
                     await self._uploader.delete(path)
                 self._metrics.deleted_orphans += 1
 
+    def when_released(self, data: bytes, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the uploader holds ``data`` no more: at once, unless a write of
+        it still runs in a thread after its attempt gave up (``FsspecUploader.when_released``);
+        then later, from that thread."""
+        hook: Callable[[bytes, Callable[[], None]], None] | None = getattr(self._uploader, "when_released", None)
+        if hook is None:
+            callback()
+        else:
+            hook(data, callback)
+
     async def drain(self) -> None:
         """Wait for background deletions of losers (used on close and by tests)."""
         while self._cleanups:
             await asyncio.wait(list(self._cleanups))
+
+
+def unpin(exc: BaseException) -> None:
+    """Drop the locals of the finished frames in ``exc``'s tracebacks, its causes' included.
+
+    An attempt's error outlives the attempt (in the upload's error list, in a task, in a
+    reference cycle through a timeout's task that only the cyclic collector frees), and its
+    frames hold the file being uploaded: a failed or timed-out attempt would keep the encoded file
+    alive after its upload gave up, outside every byte count."""
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        error = pending.pop()
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        pending += [e for e in (error.__cause__, error.__context__) if e is not None]
 
 
 def _describe(exc: BaseException) -> str:

@@ -61,6 +61,10 @@ _GAUGES: Final[dict[str, tuple[str, str]]] = {
         "failed_upload_bytes",
         "Bytes of changesets whose upload failed, kept for the next attempt (part of in_flight_bytes).",
     ),
+    "bytes_encoded": (
+        "encoded_upload_bytes",
+        "Bytes of encoded files held while they upload; counted against the in-flight limit with in_flight_bytes.",
+    ),
 }
 
 _KIB = 1024
@@ -198,6 +202,7 @@ class ChangelogMetrics:
     upload_queue_size = _GaugeAttr()
     bytes_in_flight = _GaugeAttr()
     bytes_failed = _GaugeAttr()
+    bytes_encoded = _GaugeAttr()
 
     def __init__(self, registry: CollectorRegistry | None = None, namespace: str = NAMESPACE) -> None:
         self.registry = CollectorRegistry() if registry is None else registry

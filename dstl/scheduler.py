@@ -9,17 +9,23 @@ of all writers wait in one queue, and the queue is flushed as ONE file when
     so waiting longer would only add latency.
 
 Entries are the writer's closed changesets (``UploadEntry``). The scheduler encodes a batch into a
-file in a worker thread (zstd releases the GIL), hands the bytes to the ``UploadExecutor`` and
+file in a worker thread of its own (zstd releases the GIL), one batch at a time: encoding holds
+a few copies of a batch at once, and one thread keeps those multi-MiB buffers to one batch and to
+one allocator arena (several encoding threads left their freed buffers spread over as many glibc
+arenas, memory the process kept). It hands the bytes to the ``UploadExecutor`` and
 resolves each entry's future with its ``SegmentRef`` (or the upload's error). Every entry it is
 given was counted as not yet durable (``InFlightAccount``); it hands the bytes back when the
 upload ends: released when the file is durable, kept counted as failed when it is not (the
-changesets stay in memory for the next attempt, so they still weigh against the bound).
+changesets stay in memory for the next attempt, so they still weigh against the bound). The
+encoded file is counted too: from queueing (at its changesets' size until it exists) to the end of
+its upload, or later if a write stuck in a thread still holds it. A failed upload's file is let
+go: the next attempt encodes its changesets again rather than keeping them twice.
 """
 
 from __future__ import annotations
 
 import asyncio
-import traceback
+import concurrent.futures
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,7 +33,7 @@ from typing import Protocol
 from dstl.config import ChangelogConfig
 from dstl.errors import UploadFailedError
 from dstl.format import ChangeSet, encode_file
-from dstl.hedging import UploadExecutor
+from dstl.hedging import UploadExecutor, unpin
 from dstl.metrics import ChangelogMetrics
 from dstl.types import SegmentRef
 
@@ -67,6 +73,10 @@ class InFlightAccount(Protocol):
         """The upload of ``batch`` failed: keep counting what is still needed, as failed."""
         ...
 
+    def encoded(self, size: int) -> None:
+        """An encoded file of ``size`` bytes exists (> 0) or was let go (< 0)."""
+        ...
+
 
 class BatchingScheduler:
     def __init__(
@@ -91,6 +101,7 @@ class BatchingScheduler:
         self._waiting: set[str] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._uploads: set[asyncio.Task[None]] = set()
+        self._encoder: concurrent.futures.ThreadPoolExecutor | None = None
 
     # All methods below run on the loop thread.
 
@@ -104,6 +115,7 @@ class BatchingScheduler:
 
     def submit(self, log_id: str, entries: list[UploadEntry], persist_request: bool) -> None:
         loop = asyncio.get_running_loop()
+        queued = 0
         for entry in entries:
             if entry.future is not None and not entry.future.done():
                 # Already queued or uploading (defence in depth: never upload twice); the caller
@@ -113,7 +125,12 @@ class BatchingScheduler:
             entry.future = loop.create_future()
             entry.future.add_done_callback(_consume_exception)
             self._pending.append(entry)
-            self._pending_bytes += entry.size
+            queued += entry.size
+        self._pending_bytes += queued
+        # The file these entries go to is counted from now on, at their size until it exists
+        # (about its own size for incompressible data, more than it otherwise): counted only
+        # once encoded, appends would run on while the queued entries wait to be flushed.
+        self._in_flight.encoded(queued)
         # Rule (c) counts writers blocked on the pending batch; a request answered by earlier or
         # in-flight uploads waits for nothing here and must not stay marked until the next flush.
         if persist_request and any(e.changeset is not None and e.changeset.log_id == log_id for e in self._pending):
@@ -148,17 +165,23 @@ class BatchingScheduler:
         size = sum(e.size for e in batch)
         durable = False
         data = b""
+        encoded = size  # counted by submit until the file exists
         try:
             changesets = [e.changeset for e in batch if e.changeset is not None]
-            data, segments = await asyncio.to_thread(encode_file, changesets, self._config.compression_level)
+            if self._encoder is None:
+                self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dstl-encode")
+            data, segments = await asyncio.get_running_loop().run_in_executor(
+                self._encoder, encode_file, changesets, self._config.compression_level
+            )
+            self._in_flight.encoded(len(data) - encoded)
+            encoded = len(data)
             self._metrics.upload_sizes.observe(len(data))
             self._metrics.changesets_per_file.observe(len(batch))
             outcome = await self._executor.upload(data)
         except BaseException as exc:  # cancelled too (a close that timed out): nobody may wait forever
             # The error outlives this call (in the entries' futures, kept with the failed
             # changesets); its traceback's frames must not keep the encoded file alive with it.
-            data = b""
-            traceback.clear_frames(exc.__traceback__)
+            unpin(exc)
             self._on_failed(batch)
             error = (
                 exc
@@ -190,6 +213,10 @@ class BatchingScheduler:
                 assert entry.future is not None and entry.ref is not None
                 entry.future.set_result(entry.ref)
         finally:
+            # The file stops counting once nothing holds it: a write stuck in a thread after its
+            # attempt gave up still does, and stays counted until it ends.
+            self._executor.when_released(data, lambda: self._in_flight.encoded(-encoded))
+            data = b""
             # After on_failed (entries unscheduled) and before the futures' callbacks run, so a
             # persist woken by the failure finds the entries counted as failed.
             if durable:
@@ -202,6 +229,9 @@ class BatchingScheduler:
         self.flush()
         while self._uploads:
             await asyncio.wait(list(self._uploads))
+        encoder, self._encoder = self._encoder, None  # idle now; the next upload starts another
+        if encoder is not None:
+            encoder.shutdown(wait=False)
         await self._executor.drain()
 
 

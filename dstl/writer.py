@@ -9,10 +9,11 @@ no lock, no key-group check runs per call (each would cost as much as the append
   queues it for upload. A cut copies the first ``n`` items and deletes exactly those, two atomic
   list operations, so an append racing with it lands in the next changeset: nothing is lost or
   duplicated, and the list object ``append`` uses never changes.
-- *Backpressure.* When the bytes not yet durable (uploading or failed) exceed
-  ``max_in_flight_bytes``, the loop thread points ``_records`` at a gate whose ``+=`` blocks the
-  operator thread until they drain, then appends; if the writer or its storage closes meanwhile,
-  the append raises ``WriterClosedError`` (``dstl.storage.throttle`` says what ends a wait).
+- *Backpressure.* When the bytes held for uploads (changesets uploading or failed, and their
+  encoded files) exceed ``max_in_flight_bytes``, the loop thread points ``_records`` at a gate
+  whose ``+=`` blocks the operator thread until they drain, then appends; if the writer or its
+  storage closes meanwhile, the append raises ``WriterClosedError`` (``dstl.storage.throttle``
+  says what ends a wait).
 - *Validation.* Key groups (range) and payload types (``bytes``) are checked once per changeset,
   vectorized, when it is cut. A bad one fails the writer: the next ``last_appended_sqn`` or
   ``persist_durably`` raises an error naming the writer and the key group.

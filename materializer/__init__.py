@@ -1,7 +1,8 @@
 """Periodic and size-triggered snapshots of the LMDB tables to the DFS; truncation of the log.
 
 ``PeriodicMaterializer`` drives one backend; ``restore(backend, handles)`` restores handles that
-reference materialized chunks (``materializer.chunks`` is their file format).
+reference materialized chunks (``materializer.chunks`` is their file format, ``materializer.binding``
+checks a chunk against the handle entry naming it).
 """
 
 from materializer.chunks import CorruptChunkError

@@ -40,9 +40,8 @@ section's recorded bounds, which lie inside the chunk's range). Any failure rais
 ``CorruptChunkError`` naming the file. Nothing is unpickled; the only structured metadata is JSON,
 validated field by field.
 
-A restore also binds a chunk to the handle entry that names it (``bound_chunk_sections``): the
-entry's key groups, SQN, size, entry count and hash must be the chunk's, since another valid chunk
-in its place (other key groups, an older materialization) passes every check above.
+These checks say that a file is a well-formed chunk, not that it is the one a handle names:
+``materializer.binding`` compares it with the handle's entry before a restore uses it.
 
 Decompression is bounded by the footer's ``raw_length``: the frame's stated content size must equal
 it *before* anything is decompressed, because python-zstandard ignores ``max_output_size`` when a
@@ -68,7 +67,6 @@ from typing import Any
 
 import zstandard
 
-from backend.core.handles import CHUNK_HASH, chunk_digest
 from backend.core.tablekeys import KEY_GROUP_PREFIX_BYTES, key_group_prefix
 from backend.core.tablekeys import key_group_of as _key_group
 from dstl.errors import CorruptDataError
@@ -426,36 +424,6 @@ def decode_chunk(path: str, data: bytes) -> Chunk:
         values = _split(cols.raw, cols.values_start, cols.value_lens)
         sections[section.name] = list(zip(keys, values, strict=True))
     return Chunk(info.key_groups, info.sqn, sections)
-
-
-def check_binding(path: str, data: bytes, info: ChunkInfo, entry: Mapping[str, Any]) -> None:
-    """Raise ``CorruptChunkError`` unless the chunk is the one the handle ``entry`` names.
-
-    Size and hash first (the hash only if the entry records one: handles of version 1 do not),
-    then what the footer says: key groups, SQN, entries.
-    """
-    problems = []
-    if entry.get("size") != len(data):
-        problems.append(f"size {len(data)} (the handle records {entry.get('size')!r})")
-    digest = entry.get(CHUNK_HASH)
-    if digest is not None and digest != chunk_digest(data):
-        problems.append(f"{CHUNK_HASH} {chunk_digest(data)} (the handle records {digest!r})")
-    if entry.get("key_groups") != info.key_groups.to_json():
-        problems.append(f"key groups {info.key_groups.to_json()} (the handle records {entry.get('key_groups')!r})")
-    if entry.get("sqn") != info.sqn:
-        problems.append(f"sqn {info.sqn} (the handle records {entry.get('sqn')!r})")
-    if entry.get("entries") != info.entries:
-        problems.append(f"{info.entries} entries (the handle records {entry.get('entries')!r})")
-    if problems:
-        raise CorruptChunkError(path, "not the chunk the handle names: it has " + ", ".join(problems))
-
-
-def bound_chunk_sections(
-    path: str, data: bytes, entry: Mapping[str, Any], key_groups: KeyGroupRange
-) -> dict[str, list[tuple[bytes, bytes]]]:
-    """``chunk_sections`` of a chunk checked against the handle ``entry`` naming it (a restore's loader)."""
-    check_binding(path, data, chunk_info(path, data), entry)
-    return chunk_sections(path, data, key_groups)
 
 
 def chunk_sections(path: str, data: bytes, key_groups: KeyGroupRange) -> dict[str, list[tuple[bytes, bytes]]]:

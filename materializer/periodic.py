@@ -41,7 +41,8 @@ from backend.core.handles import CHUNK_HASH, KeyedStateHandle, chunk_digest
 from backend.core.tablekeys import key_group_prefix
 from backend.state.keyed_backend import ChangelogKeyedStateBackend, MaterializationPoint
 from dstl import ChangelogError, ConfigurationError, KeyGroupRange, StateChangelogStorage
-from materializer.chunks import bound_chunk_sections, encode_chunk
+from materializer.binding import bound_chunk_sections
+from materializer.chunks import encode_chunk
 from materializer.metrics import MaterializationMetrics
 
 

@@ -10,9 +10,15 @@ Flink users fell into closed):
   whatever files it uploaded. A put that failed may still land (a lost response, a PUT the client
   gave up on that the store completes later), so a failed put is never counted as committed: the
   checkpoint fails, nothing older is subsumed, and its id is **fenced** by ``chk-<n>/_aborted``
-  (written before the ``_metadata`` is deleted), which recovery honours whatever lands later. A
-  fence that could not be written is retried before the next commit; until then recovery's own
-  checks (every file named is there) keep a late ``_metadata`` whose files were released out.
+  (written before the ``_metadata`` is deleted), which recovery honours whatever lands later. The
+  fence stays until a checkpoint with a higher id of this run has committed (a late ``_metadata``
+  is then never the newest candidate), across restarts included. A fence that could not be
+  written is retried before the next commit and on shutdown; if it never gets written and the
+  late ``_metadata`` lands, recovery finds a newest checkpoint naming released files and refuses
+  the restart, naming them, rather than resuming older state in silence.
+- **An id is never used twice, across runs too** (``backend.checkpointing.ids``): automatic ids
+  come from a block reserved on the DFS, so a late write of a crashed run lands only on an id no
+  later run uses.
 - **Only files of confirmed checkpoints may be referenced by new ones.** A completing checkpoint
   may name a file the registry knows (some retained checkpoint owns it) or a new file; naming a file
   the registry has deleted, or a new file that does not exist, fails the completion with
@@ -27,13 +33,14 @@ import enum
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.checkpointing.ids import ID_BLOCK_SIZE, CheckpointIdCounter
 from backend.checkpointing.metadata import SnapshotMetadata, aborted_path, metadata_path
 from backend.checkpointing.registry import SharedStateRegistry
-from backend.checkpointing.store import CompletedCheckpointStore, StepHook
+from backend.checkpointing.store import CompletedCheckpointStore, Protect, StepHook
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
 from dstl import StateChangelogStorage, StorageClosedError
@@ -76,6 +83,7 @@ class CheckpointCoordinator:
         retention: CheckpointRetention = CheckpointRetention.RETAIN_ON_CANCELLATION,
         clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
         on_step: StepHook | None = None,
+        id_block_size: int = ID_BLOCK_SIZE,
     ) -> None:
         self.storage = storage
         self.job_id = job_id
@@ -84,7 +92,7 @@ class CheckpointCoordinator:
         self.pending: dict[int, PendingCheckpoint] = {}
         self._clock_ms = clock_ms
         self._step = on_step or (lambda _: None)
-        self._last_id = -1  # the highest checkpoint id used or seen; automatic ids start at 1
+        self.ids = CheckpointIdCounter(storage, id_block_size)
         self._recovered = False
         #: ids whose ``_metadata`` write failed and whose fence could not be written yet
         self.unfenced: set[int] = set()
@@ -111,10 +119,10 @@ class CheckpointCoordinator:
 
     # -- restart --------------------------------------------------------------------------
 
-    def recover(self, protect: Iterable[str] = ()) -> SnapshotMetadata | None:
+    def recover(self, protect: Protect | None = None) -> SnapshotMetadata | None:
         """``CompletedCheckpointStore.recover``; new ids then start after every id seen."""
         latest = self.store.recover(protect)
-        self._last_id = self.store.highest_id
+        self.ids.seen(self.store.highest_id)
         self._recovered = True
         return latest
 
@@ -125,13 +133,11 @@ class CheckpointCoordinator:
 
     def trigger(self, checkpoint_id: int | None = None) -> int:
         """A new pending checkpoint: the next id, or ``checkpoint_id`` (a Spark batch id) if it
-        is larger than every id used before."""
+        is larger than every id used or seen before. Raises ``CheckpointError`` otherwise, or when
+        the next id needs a new reservation of ids and it failed."""
         if not self._recovered:
             raise CheckpointError("call recover() before the first checkpoint: orphan files must be cleaned first")
-        if checkpoint_id is not None and checkpoint_id <= self._last_id:
-            raise CheckpointError(f"checkpoint id {checkpoint_id} is not after the last one ({self._last_id})")
-        checkpoint_id = max(1, self._last_id + 1) if checkpoint_id is None else checkpoint_id
-        self._last_id = checkpoint_id
+        checkpoint_id = self.ids.take(checkpoint_id)
         self.pending[checkpoint_id] = PendingCheckpoint(checkpoint_id, self._clock_ms())
         return checkpoint_id
 
@@ -207,8 +213,8 @@ class CheckpointCoordinator:
                 outcome = "not committed; its fence could not be written yet (retried before the next commit)"
             else:
                 outcome = (
-                    "outcome unknown, counted as failed: older checkpoints are kept, and recovery accepts "
-                    "this one only if every file it names is still there"
+                    "outcome unknown, counted as failed: older checkpoints are kept; its fence is retried "
+                    "before the next commit"
                 )
             raise CheckpointError(
                 f"checkpoint {checkpoint_id}: writing {path} failed ({exc}){removed}; {outcome}"
@@ -226,6 +232,7 @@ class CheckpointCoordinator:
             self.unfenced.add(checkpoint_id)
             return False
         self.unfenced.discard(checkpoint_id)
+        self.store.fences.add(checkpoint_id)
         return True
 
     def abort(self, checkpoint_id: int) -> None:
@@ -239,5 +246,7 @@ class CheckpointCoordinator:
         self.pending.clear()
         for unfenced in sorted(self.unfenced):  # a last try: the next run's recovery honours it
             self._fence(unfenced)
-        if cancelled and self.retention is CheckpointRetention.DELETE_ON_CANCELLATION:
+        discard = cancelled and self.retention is CheckpointRetention.DELETE_ON_CANCELLATION
+        if discard:
             self.store.discard_all()
+        self.ids.close(discard)

@@ -4,6 +4,7 @@ Layout of a job directory (the changelog storage's base path is ``<root>/<job>``
 
     <root>/<job>/chk-<n>/_metadata               one per completed checkpoint (JSON, relative paths)
     <root>/<job>/chk-<n>/_aborted                the fence of a checkpoint whose _metadata write failed
+    <root>/<job>/_ids/<start>-<end>               checkpoint ids start..end reserved by one run
     <root>/<job>/shared/<uuid>.chunk              materialized chunks
     <root>/<job>/dstl/<xx>/<uuid>                 changelog files
     <root>/<job>/pending/<b>/<uid>/<i>.json       Spark: a subtask's handle of batch b, until chk-<b>
@@ -35,19 +36,23 @@ from dstl.paths import check_relative
 __all__ = [
     "ABORTED_NAME",
     "CHECKPOINT_PREFIX",
+    "IDS_DIR",
     "METADATA_FORMAT",
     "METADATA_NAME",
     "METADATA_VERSION",
+    "PENDING_DIR",
     "Progress",
     "SnapshotMetadata",
     "aborted_path",
     "checked_path",
     "checkpoint_dir",
+    "id_block_path",
     "in_checkpoint_dir",
     "is_inside",
     "metadata_path",
     "no_progress",
     "parse_checkpoint_dir",
+    "parse_id_block_path",
     "parse_metadata_path",
     "parse_pending_path",
     "pending_dir",
@@ -62,9 +67,11 @@ METADATA_NAME = "_metadata"
 ABORTED_NAME = "_aborted"
 CHECKPOINT_PREFIX = "chk-"
 PENDING_DIR = "pending"
+IDS_DIR = "_ids"
 
 _CHECKPOINT_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 _PENDING_PATH = re.compile(rf"^{PENDING_DIR}/(\d+)/([^/]+)/(\d+)\.json$")
+_ID_BLOCK_PATH = re.compile(rf"^{IDS_DIR}/(\d+)-(\d+)$")
 
 #: A progress report: ``(what, done, total)``, e.g. ``("copy", 3, 10)``; called after each unit.
 Progress = Callable[[str, int, int], None]
@@ -104,6 +111,18 @@ def parse_metadata_path(path: str) -> int | None:
     """The ``n`` of a ``chk-<n>/_metadata`` path, or None for any other path."""
     head, _, rest = path.partition("/")
     return parse_checkpoint_dir(head) if rest == METADATA_NAME else None
+
+
+def id_block_path(start: int, end: int) -> str:
+    """``_ids/<start>-<end>``: the reservation of checkpoint ids ``start..end`` by one run
+    (``backend.checkpointing.ids``)."""
+    return f"{IDS_DIR}/{start}-{end}"
+
+
+def parse_id_block_path(path: str) -> tuple[int, int] | None:
+    """``(start, end)`` of an ``id_block_path``, or None for any other path."""
+    match = _ID_BLOCK_PATH.match(path)
+    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def in_checkpoint_dir(path: str) -> bool:

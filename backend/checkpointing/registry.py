@@ -15,10 +15,12 @@ files without end and the guarantee does not need more:
   path is still remembered.
 - Any other completing checkpoint (say, of a task attempt that restored from an old checkpoint)
   is still checked against the DFS: ``CompletedCheckpointStore.check_references`` refuses a file
-  no retained checkpoint names unless it exists. The deletion of a file given up earlier has
-  finished by then (the store deletes synchronously); if it failed, the file is still there and
-  nothing deletes it before the next recovery, which keeps every file a retained checkpoint names:
-  a checkpoint naming it again owns it again and can be restored.
+  no retained checkpoint names unless it exists. That check is sound only once the file's
+  deletion has settled: a DELETE that timed out may still land, after a new checkpoint was
+  checked and committed. So a file given up is also remembered until its deletion is known to have
+  succeeded (``settle``); one whose deletion failed or never ran is remembered until the next
+  recovery (a new registry), which keeps every file a retained checkpoint names. Those are few:
+  only deletions that failed on every attempt (``len`` counts them with the rest).
 """
 
 from __future__ import annotations
@@ -37,29 +39,44 @@ REMEMBERED_COMPLETIONS = 4
 
 
 class RecentlyDeleted:
-    """The files given up during the last ``completions`` completions (see the module doc)."""
+    """The files given up during the last ``completions`` completions, and those whose deletion has
+    not settled (see the module doc). ``settle`` may be called from another thread (the storage's
+    loop): the set operations it races with are atomic."""
 
     def __init__(self, completions: int = REMEMBERED_COMPLETIONS) -> None:
         if completions < 1:
             raise ConfigurationError(f"completions must be >= 1, got {completions}")
         self._generations: deque[set[str]] = deque([set()], maxlen=completions)
+        self._unsettled: set[str] = set()
 
     def next_completion(self) -> None:
         """A checkpoint completed: what it gives up from now on is remembered anew; the oldest
-        completion's files are forgotten."""
+        completion's files are forgotten (unless their deletion has not settled)."""
         self._generations.append(set())
 
     def add(self, path: str) -> None:
         self._generations[-1].add(path)
+        self._unsettled.add(path)
 
     def update(self, paths: Iterable[str]) -> None:
+        paths = list(paths)
         self._generations[-1].update(paths)
+        self._unsettled.update(paths)
+
+    def settle(self, path: str) -> None:
+        """``path`` is known to be deleted: a late duplicate of its DELETE finds nothing to delete."""
+        self._unsettled.discard(path)
+
+    @property
+    def unsettled(self) -> int:
+        """Files given up whose deletion is in flight or failed."""
+        return len(self._unsettled)
 
     def __contains__(self, path: object) -> bool:
-        return any(path in generation for generation in self._generations)
+        return path in self._unsettled or any(path in generation for generation in self._generations)
 
     def __len__(self) -> int:
-        return sum(len(generation) for generation in self._generations)
+        return len(self._unsettled.union(*self._generations))
 
 
 class SharedStateRegistry:

@@ -5,29 +5,36 @@ coordinator decides *when* a checkpoint is complete; this store decides what sta
 It owns the completed checkpoints and the shared-state registry, because deleting a file is only
 safe when the registry says no retained checkpoint names it:
 
-- **Subsumption** (dropping checkpoints beyond ``num_retained``) first deletes the old
-  ``_metadata``, then the files whose count fell to zero, so a crash in between leaves
-  unreferenced files, never a checkpoint naming a deleted file. Deletion is best effort: the new
-  checkpoint is committed already, so a failed deletion is recorded in ``cleanup_errors`` and
-  left to the next ``recover()``.
+- **Subsumption** (dropping checkpoints beyond ``num_retained``) deletes the old ``_metadata``,
+  then, once that deletion succeeded, the files whose count fell to zero, so a crash in between
+  leaves unreferenced files, never a checkpoint naming a deleted file. It runs in the background
+  (``StateChangelogStorage.delete_later``, retried): the new checkpoint is committed already, and a
+  stalled DFS must not hold ``complete()``. A failed deletion is recorded in ``cleanup_errors`` and
+  left to the next ``recover()``; a file given up stays refused (``SharedStateRegistry.deleted``)
+  until its deletion is known to have succeeded, since a DELETE that timed out may still land.
 - **Restart validates, then rebuilds, then cleans.** ``recover()`` reads every ``chk-*/_metadata``
   and accepts a candidate only when it is not fenced (``chk-<n>/_aborted``: its write failed and
-  may have landed late), its id is its directory's, it parses, and every file it names is listed.
-  A directory/id mismatch refuses the restart before anything is deleted (a renamed directory is
-  a human's doing, not ours to clean). A candidate that does not parse refuses the restart too if
-  it is the newest (resuming older state silently would lose what the caller was told is
-  committed); an older one is skipped, reported in ``damaged`` and left in place for a human. One
-  naming a missing file is reported and deleted (it can never be restored: typically a late write
-  of an aborted checkpoint whose files are gone). The newest ``num_retained`` intact ones are kept.
-  Only then are the counts rebuilt and every other file under the job directory deleted (fences,
-  pending checkpoints' uploads, subsumed leftovers, tmp files) before a new checkpoint starts
-  (Flink's changelog backend leaked these: FLINK-25511). A fence outlives its process only until
-  this recovery: a write landing later still names files recovery has just deleted, so the check
-  of every file keeps it out.
+  may have landed late), its id is its directory's, it parses, and every file it names exists.
+  Nothing is deleted when the restart is refused: for a directory/id mismatch (a renamed
+  directory is a human's doing, not ours to clean), and when the newest unfenced candidate does
+  not parse or names a missing file (resuming older state silently would lose what the caller
+  was told is committed; a late ``_metadata`` of a failed checkpoint whose fence could never be
+  written ends here too, for a human to remove). An older candidate naming a missing file is
+  reported in ``damaged`` and deleted; an older one that does not parse is reported and its
+  ``_metadata`` left in place for a human, but the files it names go with the orphans (they cannot
+  be known). The newest ``num_retained`` intact ones are kept. Only then are the counts rebuilt
+  and every other file under the job directory deleted (fenced ``_metadata`` first; pending
+  checkpoints' uploads, subsumed leftovers, tmp files, reservations of checkpoint ids below the
+  highest) before a new checkpoint starts (Flink's changelog backend leaked these: FLINK-25511).
+- **Fences are tombstones.** Recovery keeps every fence, and ``add`` deletes a fence only once a
+  checkpoint with a higher id of this run has committed: until then a late ``_metadata`` of the
+  fenced id could be the newest candidate. Ids are never reused across runs
+  (``backend.checkpointing.ids``), so no late write of an old run can land on a new checkpoint.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -36,20 +43,26 @@ from backend.checkpointing.metadata import (
     ABORTED_NAME,
     METADATA_NAME,
     SnapshotMetadata,
+    aborted_path,
     checkpoint_dir,
     metadata_path,
     parse_checkpoint_dir,
+    parse_id_block_path,
+    parse_metadata_path,
 )
 from backend.checkpointing.registry import SharedStateRegistry
 from backend.core.errors import CheckpointError
 from dstl import ConfigurationError, StateChangelogStorage
 
-__all__ = ["CompletedCheckpointStore", "StepHook"]
+__all__ = ["CompletedCheckpointStore", "Protect", "StepHook"]
 
 _log = logging.getLogger(__name__)
 
 #: A hook the tests of the checkpoint protocol use to stop the process at a named step.
 StepHook = Callable[[str], None]
+
+#: Files ``recover()`` must not delete, given the id of the latest checkpoint it accepted (-1: none).
+Protect = Callable[[int], Iterable[str]]
 
 
 @dataclass(frozen=True)
@@ -72,23 +85,32 @@ class CompletedCheckpointStore:
         self.completed: list[SnapshotMetadata] = []
         #: deletions that failed after a commit (left to the next ``recover()``), for logs and metrics
         self.cleanup_errors: list[str] = []
-        #: the highest checkpoint id found by ``recover()`` (-1: none), completed or not
+        #: the highest checkpoint id found by ``recover()`` (-1: none): of a ``chk-<n>`` directory,
+        #: fenced or not, or the end of a reservation of ids
         self.highest_id = -1
         #: ``_metadata`` paths ``recover()`` skipped (damaged or naming missing files), with the reason
         self.damaged: dict[str, str] = {}
+        #: ids whose fence is on the DFS, kept until a checkpoint with a higher id commits
+        self.fences: set[int] = set()
         self._step = on_step or (lambda _: None)
 
-    def recover(self, protect: Iterable[str] = ()) -> SnapshotMetadata | None:
+    def recover(self, protect: Protect | None = None) -> SnapshotMetadata | None:
         """Validate every ``chk-*/_metadata``, keep the newest ``num_retained`` intact ones, rebuild
         the registry from them and delete every unreferenced file under the job directory (except
-        ``protect`` and ``_metadata`` files that do not parse); returns the latest kept checkpoint (None
-        for a new job). Raises ``CheckpointError``, deleting nothing, when a ``_metadata`` names
-        another checkpoint than its directory."""
+        fences, the highest reservation of ids, ``_metadata`` files that do not parse and what
+        ``protect`` names); returns the latest kept checkpoint (None for a new job). Raises
+        ``CheckpointError``, deleting nothing, when a ``_metadata`` names another checkpoint than its
+        directory, or when the newest unfenced one is damaged or names a missing file."""
         all_files = self.storage.list_all("")
-        listed = set(all_files)
         candidates: dict[int, str] = {}
         fenced: set[int] = set()
+        reservations: dict[str, int] = {}
         for path in all_files:
+            block = parse_id_block_path(path)
+            if block is not None:
+                reservations[path] = block[1]
+                self.highest_id = max(self.highest_id, block[1])
+                continue
             head, _, rest = path.partition("/")
             checkpoint_id = parse_checkpoint_dir(head)
             if checkpoint_id is None:
@@ -99,42 +121,59 @@ class CompletedCheckpointStore:
             elif rest == ABORTED_NAME:
                 fenced.add(checkpoint_id)
         self.damaged = {}
+        intact, unreadable = self._select({c: p for c, p in candidates.items() if c not in fenced}, set(all_files))
+        self.completed = intact[: self.num_retained][::-1]
+        for meta in self.completed:
+            self.registry.register(meta.checkpoint_id, meta.referenced_files())
+        self.fences = fenced
+        latest = self.latest()
+        keep = self.registry.files() | {metadata_path(m.checkpoint_id) for m in self.completed} | unreadable
+        keep |= {aborted_path(c) for c in fenced}
+        if reservations:
+            keep.add(max(reservations, key=reservations.__getitem__))
+        if protect is not None:
+            keep |= set(protect(-1 if latest is None else latest.checkpoint_id))
+        # A fenced _metadata goes first (and its fence never here): stopped halfway, this recovery
+        # must not leave it unfenced for the next one.
+        for path in sorted((p for p in all_files if p not in keep), key=lambda p: (parse_metadata_path(p) is None, p)):
+            self.storage.delete_file(path)
+            head = path.partition("/")[0]
+            if parse_checkpoint_dir(head) is not None:
+                self.storage.remove_empty_directory(head)
+        return latest
+
+    def _select(self, candidates: dict[int, str], listed: set[str]) -> tuple[list[SnapshotMetadata], set[str]]:
+        """The intact checkpoints among the unfenced ``candidates``, newest first, and the paths of
+        older ones that do not parse (left in place)."""
         intact: list[SnapshotMetadata] = []
         unreadable: set[str] = set()
-        for checkpoint_id in sorted(candidates.keys() - fenced, reverse=True):
+        for checkpoint_id in sorted(candidates, reverse=True):
             path = candidates[checkpoint_id]
             meta, problem = self._validate(checkpoint_id, path, listed)
             if meta is not None:
                 intact.append(meta)
-                continue
-            if problem.readable:
-                self._skip(path, problem.reason, "deleted")
-                continue
-            if not intact:
+            elif not intact:
+                remedy = (
+                    f"if checkpoint {checkpoint_id} was reported failed, its _metadata landed late: remove {path}"
+                    if problem.readable
+                    else f"repair or remove {path}"
+                )
                 raise CheckpointError(
                     f"{problem.reason}; it is the newest checkpoint, so the job does not silently resume "
-                    f"from an older one: repair or remove {path} (nothing was deleted)"
+                    f"from an older one: {remedy} (nothing was deleted)"
                 )
-            unreadable.add(path)  # left for a human: it may be repairable
-            self._skip(path, problem.reason, "left in place")
-        self.completed = intact[: self.num_retained][::-1]
-        for meta in self.completed:
-            self.registry.register(meta.checkpoint_id, meta.referenced_files())
-        keep = (
-            self.registry.files() | {metadata_path(m.checkpoint_id) for m in self.completed} | unreadable | set(protect)
-        )
-        for path in all_files:
-            if path not in keep:
-                self.storage.delete_file(path)
-                head = path.partition("/")[0]
-                if parse_checkpoint_dir(head) is not None:
-                    self.storage.remove_empty_directory(head)
-        return self.latest()
+            elif problem.readable:
+                self._skip(path, problem.reason, "deleted")
+            else:
+                unreadable.add(path)  # left for a human; the files it names cannot be known and go
+                self._skip(path, problem.reason, "left in place; the files it names are deleted as orphans")
+        return intact, unreadable
 
     def _validate(self, checkpoint_id: int, path: str, listed: set[str]) -> tuple[SnapshotMetadata | None, _Problem]:
         """The checkpoint at ``path`` if it is intact, else what is wrong with it: it does not parse
-        (a ``CheckpointError``) or it names a file that is not listed. A read error of the DFS
-        propagates: skipping a checkpoint for a transient error would resume from older state."""
+        (a ``CheckpointError``) or it names a file that does not exist (not listed, and not found
+        when asked for: a listing may lag). A read error of the DFS propagates: skipping a
+        checkpoint for a transient error would resume from older state."""
         try:
             meta = self.read(path)
             files = meta.referenced_files()
@@ -146,9 +185,10 @@ class CompletedCheckpointStore:
                 f"{checkpoint_dir(checkpoint_id)} says (renamed or copied?): refusing to recover; nothing "
                 f"was deleted. Move it back to {checkpoint_dir(meta.checkpoint_id)} or remove it."
             )
-        missing = sorted(files - listed)
+        missing = [p for p in sorted(files - listed) if not self._exists(p)]
         if missing:
-            reason = f"checkpoint {checkpoint_id} references {len(missing)} missing file(s), e.g. {missing[0]}"
+            shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+            reason = f"checkpoint {checkpoint_id} references {len(missing)} missing file(s): {shown}"
             return None, _Problem(reason, readable=True)
         return meta, _Problem("", readable=True)
 
@@ -186,24 +226,45 @@ class CompletedCheckpointStore:
         return True
 
     def add(self, meta: SnapshotMetadata, files: Iterable[str]) -> None:
-        """Retain a committed checkpoint that names ``files``, then subsume the oldest beyond
-        ``num_retained``. Never raises for a failed deletion (see ``cleanup_errors``)."""
+        """Retain a committed checkpoint that names ``files``, drop the fences below it, then
+        subsume the oldest beyond ``num_retained``. Deletes in the background; never raises for a
+        failed deletion (see ``cleanup_errors``)."""
         self.registry.register(meta.checkpoint_id, files)
         self.completed.append(meta)
+        for fenced in sorted(c for c in self.fences if c < meta.checkpoint_id):
+            self.fences.discard(fenced)
+            self.storage.delete_later(aborted_path(fenced), functools.partial(self._directory_emptied, fenced))
         while len(self.completed) > self.num_retained:
             old = self.completed.pop(0)
             self._step("before-subsume")
             unused = self.registry.unregister(old.checkpoint_id)
-            try:
-                self.storage.delete_file(metadata_path(old.checkpoint_id))
-            except Exception as exc:
-                # The old _metadata still names its files: keep them (recover() drops both).
-                self.cleanup_errors.append(f"subsuming checkpoint {old.checkpoint_id}: {exc}")
-                self.registry.deleted.update(unused)  # never referenced again by a new checkpoint
-                continue
-            self.storage.remove_empty_directory(checkpoint_dir(old.checkpoint_id))
-            self._step("after-subsume-metadata")
-            self._delete(unused)
+            self.registry.deleted.update(unused)  # never to be named again, in doubt until deleted
+            after = functools.partial(self._subsumed_metadata_deleted, old.checkpoint_id, unused)
+            self.storage.delete_later(metadata_path(old.checkpoint_id), after)
+
+    def _directory_emptied(self, checkpoint_id: int, deleted: bool) -> None:
+        if deleted:
+            self.storage.remove_empty_directory(checkpoint_dir(checkpoint_id))
+
+    def _subsumed_metadata_deleted(self, checkpoint_id: int, unused: Sequence[str], deleted: bool) -> None:
+        """On the storage's loop: the old ``_metadata`` is gone, so its files may go; if its deletion
+        failed, it still names them: both stay for the next ``recover()``."""
+        if not deleted:
+            path = metadata_path(checkpoint_id)
+            self.cleanup_errors.append(f"subsuming checkpoint {checkpoint_id}: deleting {path} failed")
+            return
+        self.storage.remove_empty_directory(checkpoint_dir(checkpoint_id))
+        self._step("after-subsume-metadata")
+        for i, path in enumerate(unused):
+            self.storage.delete_later(path, functools.partial(self._file_deleted, path, i == 0))
+
+    def _file_deleted(self, path: str, first: bool, deleted: bool) -> None:
+        if deleted:
+            self.registry.deleted.settle(path)
+        else:
+            self.cleanup_errors.append(f"deleting {path} failed")  # an orphan for the next recover()
+        if first:
+            self._step("during-file-deletion")
 
     def discard_all(self) -> None:
         """Delete every retained checkpoint and the files only they name (a cancelled job with
@@ -212,14 +273,11 @@ class CompletedCheckpointStore:
             old = self.completed.pop(0)
             self.storage.delete_file(metadata_path(old.checkpoint_id))
             self.storage.remove_empty_directory(checkpoint_dir(old.checkpoint_id))
-            self._delete(self.registry.unregister(old.checkpoint_id))
-
-    def _delete(self, paths: Sequence[str]) -> None:
-        for i, path in enumerate(paths):
-            self.registry.deleted.add(path)
-            try:
-                self.storage.delete_file(path)
-            except Exception as exc:
-                self.cleanup_errors.append(f"{path}: {exc}")  # an orphan for the next recover()
-            if i == 0:
-                self._step("during-file-deletion")
+            for path in self.registry.unregister(old.checkpoint_id):
+                self.registry.deleted.add(path)
+                try:
+                    self.storage.delete_file(path)
+                except Exception as exc:
+                    self.cleanup_errors.append(f"{path}: {exc}")  # an orphan for the next recover()
+                else:
+                    self.registry.deleted.settle(path)

@@ -13,7 +13,10 @@ between Spark's commit and our completion, the next batch restores from the pend
 
 On start (``DriverCoordinator.__init__``) the registry is rebuilt from the completed checkpoints
 and unreferenced files are deleted, except the pending handles of batches after the latest
-checkpoint and the files they name: Spark may have committed such a batch.
+checkpoint the recovery accepts and the files they name: Spark may have committed such a batch.
+A fenced ``chk-<b>`` (its ``_metadata`` write failed after Spark committed batch ``b``) is not
+accepted, whatever of it survived, so ``pending/<b>`` stays and the tasks read batch ``b``'s state
+from it (``backend.spark.tasks.state_after`` ignores the fenced checkpoint too).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections import Counter
 from typing import Any
 
 from backend.checkpointing.coordinator import CheckpointCoordinator
-from backend.checkpointing.metadata import SnapshotMetadata, parse_metadata_path, parse_pending_path, pending_path
+from backend.checkpointing.metadata import PENDING_DIR, SnapshotMetadata, parse_pending_path, pending_path
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
 from backend.spark.tasks import OperatorConfig
@@ -52,15 +55,18 @@ class DriverCoordinator:
         self._recover()
 
     def _recover(self) -> None:
-        files = self.storage.list_all("")
-        latest = max((c for p in files if (c := parse_metadata_path(p)) is not None), default=-1)
+        self.coordinator.recover(protect=self._pending_after)
+
+    def _pending_after(self, latest: int) -> set[str]:
+        """The pending handles of batches after checkpoint ``latest`` (the latest the recovery
+        accepted: a fenced or damaged ``chk-<b>`` is not one) and the files they name."""
         protect: set[str] = set()
-        for path in files:
+        for path in self.storage.list_all(PENDING_DIR):
             pending = parse_pending_path(path)
             if pending and pending[0] > latest:
                 protect.add(path)
                 protect |= self._record_handle(path).referenced_files()
-        self.coordinator.recover(protect=protect)
+        return protect
 
     def _record_handle(self, path: str) -> KeyedStateHandle:
         record = json.loads(self.storage.get_file(path))

@@ -40,6 +40,8 @@ from typing import Any
 
 from backend.checkpointing.metadata import (
     SnapshotMetadata,
+    aborted_path,
+    checkpoint_dir,
     in_checkpoint_dir,
     metadata_path,
     parse_metadata_path,
@@ -136,6 +138,11 @@ class BatchState:
 
 
 def _read_checkpoint(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> SnapshotMetadata | None:
+    """``chk-<batch>``, or None if there is none or it is fenced (its ``_metadata`` write failed:
+    what landed of it is not a checkpoint, and the batch's pending handles are kept instead)."""
+    names = set(storage.list_all(checkpoint_dir(batch)))
+    if aborted_path(batch) in names or metadata_path(batch) not in names:
+        return None
     try:
         data = storage.get_file(metadata_path(batch))
     except FileNotFoundError:

@@ -24,6 +24,7 @@ from backend.checkpointing.metadata import (
     METADATA_NAME,
     Progress,
     SnapshotMetadata,
+    aborted_path,
     is_inside,
     metadata_path,
     parse_checkpoint_dir,
@@ -173,6 +174,10 @@ def list_checkpoints(job_dir: str) -> list[dict[str, Any]]:
         for cid in ids:
             where = metadata_path(cid)
             entry: dict[str, Any] = {"id": cid, "path": f"{url}/{where}"}
+            if _is_fenced(storage, cid):
+                entry["error"] = f"fenced by {aborted_path(cid)}: its commit failed, it is not a completed checkpoint"
+                out.append(entry)
+                continue
             try:
                 meta = SnapshotMetadata.loads(storage.get_file(where), f"{url}/{where}")
                 files = sorted(meta.referenced_files())
@@ -194,6 +199,15 @@ def list_checkpoints(job_dir: str) -> list[dict[str, Any]]:
             )
             out.append(entry)
         return out
+
+
+def _is_fenced(storage: StateChangelogStorage, checkpoint_id: int) -> bool:
+    """Whether the coordinator fenced this checkpoint (its ``_metadata`` may still be there)."""
+    try:
+        storage.get_file(aborted_path(checkpoint_id))
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def summarize(snapshot: Snapshot) -> dict[str, Any]:

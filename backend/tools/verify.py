@@ -7,7 +7,7 @@
   own.
 - chunks: ``materializer.chunks.decode_chunk`` (every section decompressed and checked); the
   handle's entry (key groups, SQN, size, entry count, and the hash where the handle records one)
-  must match the chunk, as a restore checks it (``materializer.chunks.check_binding``).
+  must match the chunk, as a restore checks it (``materializer.binding.check_binding``).
 
 Every problem is collected (a missing file, each corrupt file), not just the first one.
 """
@@ -22,7 +22,8 @@ from backend.tools.inspect_state import Snapshot
 from dstl import CorruptChangelogError, KeyGroupRange, SegmentRef
 from dstl.errors import StorageError
 from dstl.format import decode_segment, read_footer, verify_file
-from materializer.chunks import CorruptChunkError, check_binding, chunk_info, decode_chunk
+from materializer.binding import check_binding
+from materializer.chunks import CorruptChunkError, chunk_info, decode_chunk
 
 
 @dataclass

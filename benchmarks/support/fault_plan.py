@@ -25,10 +25,10 @@ from typing import Literal
 __all__ = ["Action", "Fault", "FaultPlan", "Op", "StallEnded", "close_all_plans"]
 
 Op = Literal["put", "get", "delete", "exists", "list", "*"]
-Action = Literal["fail", "stall", "delay", "trickle", "late", "reset"]
+Action = Literal["fail", "stall", "delay", "trickle", "late", "reset", "lag"]
 
 _OPS = ("put", "get", "delete", "exists", "list", "*")
-_ACTIONS = ("fail", "stall", "delay", "trickle", "late", "reset")
+_ACTIONS = ("fail", "stall", "delay", "trickle", "late", "reset", "lag")
 #: operations whose effect can be held back and landed later ("late")
 _LATE_OPS = ("put", "delete")
 
@@ -44,7 +44,9 @@ class Fault:
     ``path`` is an ``fnmatch`` glob on the path relative to the base (``*`` also matches ``/``).
     ``after`` matching calls pass untouched first, then ``times`` matching calls are hit (``None``:
     all of them). Every call that matches ``op`` and ``path`` counts towards ``after``, whichever
-    rule ends up hitting it. ``error`` replaces the default ``OSError`` of ``fail`` (an exception
+    rule ends up hitting it. ``lag`` (listings, ``faulty_fs`` only: the S3 proxy forwards them
+    untouched) answers a listing without the entries matching the ``hide`` glob, as a store whose
+    listing lags behind its writes. ``error`` replaces the default ``OSError`` of ``fail`` (an exception
     instance or class; the file system raises it, the S3 proxy ignores it and answers 503).
     Rules compare by identity: adding an equal rule twice gives two independent rules.
     """
@@ -57,6 +59,7 @@ class Fault:
     delay_s: float = 0.0
     bytes_per_s: float = 1024.0
     error: BaseException | type[BaseException] | None = None
+    hide: str = "*"
 
     def __post_init__(self) -> None:
         if self.op not in _OPS:
@@ -71,6 +74,8 @@ class Fault:
             raise ValueError(f"delay_s must be >= 0, got {self.delay_s}")
         if self.action == "trickle" and self.bytes_per_s <= 0:
             raise ValueError(f"bytes_per_s must be > 0, got {self.bytes_per_s}")
+        if self.action == "lag" and self.op != "list":
+            raise ValueError(f"'lag' applies to listings only, not {self.op!r}")
         if self.action == "late" and self.op not in (*_LATE_OPS, "*"):
             raise ValueError(f"'late' applies to {_LATE_OPS} only, not {self.op!r}")
 

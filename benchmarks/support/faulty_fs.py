@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fnmatch
 import os
 import secrets
 import threading
@@ -24,7 +25,7 @@ import uuid
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import fsspec
 from fsspec.spec import AbstractFileSystem
@@ -167,6 +168,8 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
             plan.hold_late(op, rel, late(base, local))
             raise TimeoutError(errno.ETIMEDOUT, f"injected late {what}: the client gave up, it lands later")
         del plan
+        if action == "lag":
+            return cast(T, _lagging(cast(list[str], run(base, local)), base, fault.hide))
         if action == "stall":
             gate.stall(what)
         elif action == "delay":
@@ -285,6 +288,17 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
         if "w" in mode or "a" in mode:
             os.makedirs(os.path.dirname(local), exist_ok=True)
         return open(local, mode)
+
+
+def _lagging(names: list[str], base: str, hide: str) -> list[str]:
+    """A listing without the names whose path relative to ``base`` matches ``hide``."""
+    kept = []
+    for name in names:
+        at = name.find(base)
+        rel = name[at + len(base) + 1 :] if at >= 0 else name
+        if not fnmatch.fnmatchcase(rel, hide):
+            kept.append(name)
+    return kept
 
 
 def _recorder(path: str) -> Callable[[str, str, str], None]:

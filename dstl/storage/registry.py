@@ -28,6 +28,7 @@ import concurrent.futures
 import logging
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dstl.api import StateChangelogWriter
@@ -170,10 +171,11 @@ class FileRegistry:
         with self.lock:
             self._drop_hold(handle)
 
-    def delete_later(self, path: str) -> None:
+    def delete_later(self, path: str, on_done: Callable[[bool], None] | None = None) -> None:
         """Delete ``path`` in the background with retries (any thread; see the module doc). Once the
-        storage is closing it is skipped and left to the orphan scan, as a failed deletion is."""
-        self._loop.call_or_drop(self._delete_soon, path)
+        storage is closing it is skipped and left to the orphan scan, as a failed deletion is.
+        ``on_done(deleted)`` runs on the loop once the outcome is known (not if skipped)."""
+        self._loop.call_or_drop(self._delete_soon, path, on_done)
 
     def undeleted(self) -> list[str]:
         """Paths whose deletion failed for good (the newest ``MAX_UNDELETED``), oldest first."""
@@ -209,11 +211,12 @@ class FileRegistry:
             if not state.confirmed and self.owns_files:
                 self.delete_later(path)
 
-    def _delete_soon(self, path: str) -> None:
+    def _delete_soon(self, path: str, on_done: Callable[[bool], None] | None = None) -> None:
         """On the loop: delete ``path`` in the background, retried (``drain`` waits for it)."""
-        self._executor.track(asyncio.ensure_future(self._delete(path)))
+        self._executor.track(asyncio.ensure_future(self._delete(path, on_done)))
 
-    async def _delete(self, path: str) -> None:
+    async def _delete(self, path: str, on_done: Callable[[bool], None] | None = None) -> None:
+        deleted = False
         try:
             await call_with_retries(self._policy, "delete", path, lambda: self._uploader.delete(path))
         except asyncio.CancelledError:  # by a close whose timeout ran out
@@ -223,6 +226,13 @@ class FileRegistry:
             self._record_undeleted(path, str(exc))
         else:
             self._metrics.files_deleted += 1
+            deleted = True
+        finally:
+            if on_done is not None:
+                try:
+                    on_done(deleted)
+                except Exception:  # a caller's bookkeeping must not break the loop's housekeeping
+                    _log.exception("callback after deleting %s failed", path)
 
     def _record_undeleted(self, path: str, why: str) -> None:
         _log.warning("could not delete %s (left to the orphan scan of the next recovery): %s", path, why)

@@ -201,10 +201,12 @@ class StateChangelogStorage:
         rel = check_relative(path)
         self.run(self._call("delete", rel, lambda: self._uploader.delete(rel)), timeout)
 
-    def delete_later(self, path: str) -> None:
+    def delete_later(self, path: str, on_done: Callable[[bool], None] | None = None) -> None:
         """Delete a file under the base path in the background, retried; never raises (see
-        ``registry``: ``flush`` and ``close`` wait for it, a failure is left to orphan cleanup)."""
-        self._registry.delete_later(check_relative(path))
+        ``registry``: ``flush`` and ``close`` wait for it, a failure is left to orphan cleanup).
+        ``on_done(deleted)`` runs on the storage's loop thread once the outcome is known; it is not
+        called when the storage is closing and skips the deletion."""
+        self._registry.delete_later(check_relative(path), on_done)
 
     def undeleted_files(self) -> list[str]:
         """Files whose background deletion failed for good (left to the next recovery's orphan scan)."""

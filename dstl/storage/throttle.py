@@ -1,11 +1,13 @@
 """Bounds on the memory a storage's writers may hold: bytes not yet durable and pre-emptive persists.
 
 Flink's DSTL bounds uploads by bytes in flight (``upload.max-in-flight``) and the active changeset
-by a pre-emptive persist threshold. Here the bound covers every byte a writer holds that is not
-durable yet: changesets queued or uploading, and changesets whose upload *failed*. A failed
-changeset stays in memory until a later upload makes it durable or it is truncated, so leaving it
-out of the count (as Flink's ``UploadThrottle`` does, which is fine there because a failed upload
-fails the task) would let a refusing DFS grow memory without bound.
+by a pre-emptive persist threshold. Here the bound covers every byte the log holds for uploads:
+changesets queued or uploading, changesets whose upload *failed*, and the encoded files of
+uploads (from queueing to the end of the upload, or until a write stuck in a thread lets the file
+go: ``dstl.scheduler``). A failed changeset stays in memory until a later upload makes it durable
+or it is truncated, so leaving it out of the count (as Flink's ``UploadThrottle`` does, which is
+fine there because a failed upload fails the task) would let a refusing DFS grow memory without
+bound; leaving the files out would let memory reach about twice the bound on a stalled one.
 
 Neither check may run per append (``ChangelogWriter.append`` is one list operation), so both are
 driven from the loop thread: ``WriterMonitor`` looks at every writer every ``MONITOR_INTERVAL_S``,
@@ -51,8 +53,10 @@ class InFlightBytes:
 
     ``uploading`` counts changesets queued or uploading, ``failed`` those whose upload failed and
     that are kept for the next attempt; ``metrics.bytes_in_flight`` reports their sum and
-    ``metrics.bytes_failed`` the second. A single submission larger than the bound is let
-    through when nothing else is uploading, so it cannot deadlock.
+    ``metrics.bytes_failed`` the second. ``encoded`` counts the encoded files of the uploads in
+    progress (``metrics.bytes_encoded``): a second copy of changesets already counted, but memory
+    all the same, so it weighs against the bound too. A single submission larger than the bound
+    is let through when nothing else is uploading, so it cannot deadlock.
 
     Lock order: the storage's ``lock`` (entries' flags) before ``_cond`` (the counts).
     """
@@ -63,6 +67,7 @@ class InFlightBytes:
         self._lock = lock
         self._uploading = 0
         self._failed = 0
+        self._encoded = 0
         self._closed = False
         self._cond = threading.Condition()
         #: entries counted as failed, oldest first; touched on the loop thread only
@@ -70,12 +75,13 @@ class InFlightBytes:
 
     @property
     def over_limit(self) -> bool:
-        return self._uploading + self._failed > self._max
+        return self._uploading + self._failed + self._encoded > self._max
 
     def _publish(self) -> None:
         """Under ``_cond``: mirror the counts into the metrics and wake every waiter."""
         self._metrics.bytes_in_flight = self._uploading + self._failed
         self._metrics.bytes_failed = self._failed
+        self._metrics.bytes_encoded = self._encoded
         self._cond.notify_all()
 
     # -- counting (any thread) ---------------------------------------------------------------
@@ -86,10 +92,12 @@ class InFlightBytes:
         flag the caller cleared) back to uploading. Raises ``WriterClosedError`` if the writer or
         the storage closes while it waits."""
         with self._cond:
-            if size > 0 and self._uploading and self._uploading + size > self._max:
+            if size > 0 and self._uploading and self._uploading + self._encoded + size > self._max:
                 self._metrics.backpressure_waits += 1
                 self._cond.wait_for(
-                    lambda: not self._uploading or self._uploading + size <= self._max or self._gone(writer)
+                    lambda: (
+                        not self._uploading or self._uploading + self._encoded + size <= self._max or self._gone(writer)
+                    )
                 )
             if self._gone(writer):
                 self._failed -= retried  # the writer's entries are dropped with it
@@ -114,15 +122,24 @@ class InFlightBytes:
             self._uploading -= size
             self._publish()
 
+    def encoded(self, size: int) -> None:
+        """An upload's encoded file of ``size`` bytes now exists (``size`` > 0) or was let go
+        (``size`` < 0): count it, or stop counting it. Never waits; from any thread."""
+        with self._cond:
+            self._encoded += size
+            self._publish()
+
     def wait_for_capacity(self, writer: StateChangelogWriter) -> None:
         """Backpressure for appends: block while more than the bound is not durable.
 
         Raises ``WriterClosedError`` if the writer or the storage closes meanwhile."""
         with self._cond:
-            if self._uploading + self._failed <= self._max:
+            if self._uploading + self._failed + self._encoded <= self._max:
                 return
             self._metrics.backpressure_waits += 1
-            self._cond.wait_for(lambda: self._uploading + self._failed <= self._max or self._gone(writer))
+            self._cond.wait_for(
+                lambda: self._uploading + self._failed + self._encoded <= self._max or self._gone(writer)
+            )
             if self._gone(writer):
                 raise WriterClosedError(
                     f"changelog writer {writer.log_id} closed while an append waited for "

@@ -8,6 +8,16 @@ settled here, where both sides are seen: every write still running is known by i
 ``delete`` of that path dooms it, so a write that lands after the delete was issued removes what it
 wrote. Without a delete, a write abandoned by its caller may land later, as on an object store.
 
+An abandoned write's thread still holds the data it writes, out of every byte count of the log
+(the upload gave up and let the file go). On a store that stalls, each new file would be pinned
+that way, one more per retry round, so abandoned writes are capped (``max_abandoned_bytes``; one
+write is let through whatever its size): a put of new data that would pass the cap waits until
+abandoned writes end, within its caller's deadline like any other call (a stalled store then
+times the attempt out without starting a thread), and a slow one starts as soon as they end. A
+retry or hedge of data that a running write holds already pins nothing more and never waits.
+``when_released`` tells the caller when no thread holds its data any more, so the bytes a stuck
+write pins stay counted where the log counts its memory until they are really let go.
+
 Local files (``file://`` or plain paths) are written to a temporary name, fsynced and renamed, so a
 crash never leaves a partial file under a final name. Local paths are confined after resolving
 symbolic links: a link inside the base directory never makes us read or write outside it, and a
@@ -36,6 +46,8 @@ T = TypeVar("T")
 
 #: threads of one uploader: a stalled store holds one per stuck call, the rest keep working
 MAX_THREADS = 32
+#: default cap on the bytes held by writes whose caller gave up (see the module doc)
+MAX_ABANDONED_BYTES = 8 << 20
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
@@ -44,24 +56,41 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 
 
 class _Write:
-    """A write still running in a thread; ``doomed`` once a delete of its path was issued."""
+    """A write still running in a thread; ``doomed`` once a delete of its path was issued,
+    ``abandoned`` once its caller returned without waiting for it."""
 
-    __slots__ = ("doomed",)
+    __slots__ = ("abandoned", "doomed", "key", "size")
 
-    def __init__(self) -> None:
+    def __init__(self, data: bytes) -> None:
         self.doomed = False
+        self.abandoned = False
+        self.key = id(data)  # the data is alive while the write is tracked: its id is not reused
+        self.size = len(data)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class FsspecUploader:
     """Any fsspec file system; blocking calls run in the uploader's thread pool."""
 
-    def __init__(self, base_path: str) -> None:
+    def __init__(self, base_path: str, max_abandoned_bytes: int = MAX_ABANDONED_BYTES) -> None:
         self._fs, root = fsspec.core.url_to_fs(base_path)
         self._root = root.rstrip("/")
         self._local = "file" in _protocols(self._fs)
         self._real_root = os.path.realpath(self._root) if self._local else self._root
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._writes: dict[str, list[_Write]] = {}
+        #: id of the data -> the writes holding it, while their thread runs; under _writes_lock
+        self._holders: dict[int, list[_Write]] = {}
+        self._abandoned_bytes = 0
+        self._max_abandoned = max_abandoned_bytes
+        #: puts waiting for abandoned writes to end (loop futures, woken from worker threads)
+        self._waiters: list[asyncio.Future[None]] = []
+        #: id of the data -> what to call once no write holds it any more (``when_released``)
+        self._on_release: dict[int, list[Callable[[], None]]] = {}
         self._writes_lock = threading.Lock()
 
     def _full(self, path: str) -> str:
@@ -92,21 +121,74 @@ class FsspecUploader:
     async def put(self, path: str, data: bytes) -> None:
         full = self._full(path)
         self._confine(path, full, follow_last=False)
-        write = _Write()
-        with self._writes_lock:
-            self._writes.setdefault(full, []).append(write)
+        write = _Write(data)
+        while True:
+            with self._writes_lock:
+                if (
+                    not self._abandoned_bytes
+                    or write.key in self._holders
+                    or (self._abandoned_bytes + write.size <= self._max_abandoned)
+                ):
+                    self._writes.setdefault(full, []).append(write)
+                    self._holders.setdefault(write.key, []).append(write)
+                    break
+                waiter = asyncio.get_running_loop().create_future()
+                self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                with self._writes_lock, contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
         future = self._submit(self._put_sync, full, data, write)
         # Also when the call is cancelled before its thread started (it then never runs).
         future.add_done_callback(lambda _: self._forget(full, write))
-        await asyncio.wrap_future(future)
+        try:
+            await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self._abandon(write)
+            raise
+
+    def _abandon(self, write: _Write) -> None:
+        """The caller gave up on ``write`` while its thread may still run: its data counts as
+        abandoned until the last write holding that data ends."""
+        with self._writes_lock:
+            holders = self._holders.get(write.key)
+            if holders is None or write not in holders:
+                return  # ended already
+            if not any(w.abandoned for w in holders):
+                self._abandoned_bytes += write.size
+            write.abandoned = True
+
+    def when_released(self, data: bytes, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (now, or later from a worker thread) once no write holds ``data``."""
+        with self._writes_lock:
+            if id(data) in self._holders:
+                self._on_release.setdefault(id(data), []).append(callback)
+                return
+        callback()
 
     def _forget(self, full: str, write: _Write) -> None:
+        waiters: list[asyncio.Future[None]] = []
+        released: list[Callable[[], None]] = []
         with self._writes_lock:
             writes = self._writes.get(full)
             if writes is not None:
                 writes.remove(write)
                 if not writes:
                     del self._writes[full]
+            holders = self._holders[write.key]
+            holders.remove(write)
+            if write.abandoned and not any(w.abandoned for w in holders):
+                self._abandoned_bytes -= write.size
+                waiters, self._waiters = self._waiters, []
+            if not holders:
+                del self._holders[write.key]
+                released = self._on_release.pop(write.key, [])
+        for callback in released:
+            callback()
+        for waiter in waiters:  # they look again; from a worker thread, through their loop
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits any more
+                waiter.get_loop().call_soon_threadsafe(_wake, waiter)
 
     def _doomed(self, write: _Write) -> bool:
         with self._writes_lock:

@@ -237,3 +237,13 @@ def test_paths_outside_the_base_are_refused(dfs: Path, plan: FaultPlan) -> None:
     fs, root = fsspec.core.url_to_fs(faulty_base_path(dfs, plan))
     with pytest.raises(PermissionError):
         fs.cat_file(f"{root}/../outside")
+
+
+def test_lag_hides_matching_entries_from_listings_only(uploader: FsspecUploader, plan: FaultPlan) -> None:
+    for path in ("chk-1/_metadata", "shared/a.chunk", "shared/b.chunk"):
+        asyncio.run(uploader.put(path, b"x"))
+    plan.add(Fault(op="list", action="lag", hide="shared/a*"))
+    assert asyncio.run(uploader.list("")) == ["chk-1/_metadata", "shared/b.chunk"]
+    assert asyncio.run(uploader.get("shared/a.chunk")) == b"x"  # the object is there: only the listing lags
+    with pytest.raises(ValueError, match="lag"):
+        Fault(op="get", action="lag")

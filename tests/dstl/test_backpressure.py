@@ -6,12 +6,20 @@ writes through its ordinary fsspec uploader. An operator thread appends far more
 on a store where nothing becomes durable the bytes not durable never go down, so once the append
 gate counted a wait (``backpressure_waits``) the append call is blocked for good: the test checks
 that it has not returned by the time more uploads failed, then lifts the fault and waits for it.
+
+What the limit counts must be all the memory uploads hold: an encoded file is counted while it
+exists, a failed attempt's error must not keep it alive, and a write stuck in a thread keeps it
+counted until it ends (and caps what such writes may pin).
 """
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import os
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +28,9 @@ import pytest
 
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from dstl import ChangelogConfig, HedgingPolicy, KeyGroupRange, StateChangelogStorage
-from dstl.errors import WriterClosedError
+from dstl import format as format_module
+from dstl.errors import UploadFailedError, WriterClosedError
+from dstl.uploaders.fsspec import FsspecUploader
 from dstl.writer import ChangelogWriter
 
 RANGE = KeyGroupRange(0, 15)
@@ -71,10 +81,10 @@ def plan() -> Iterator[FaultPlan]:
         yield p
 
 
-def storage_over(tmp_path: Path, plan: FaultPlan) -> StateChangelogStorage:
+def storage_over(tmp_path: Path, plan: FaultPlan, limit: int = LIMIT) -> StateChangelogStorage:
     config = ChangelogConfig(
         base_path=faulty_base_path(tmp_path / "dfs", plan),
-        max_in_flight_bytes=LIMIT,
+        max_in_flight_bytes=limit,
         preemptive_persist_threshold=8 * 1024,
         persist_delay_ms=0,
         upload_timeout_ms=200,
@@ -96,7 +106,7 @@ def assert_blocked_at_the_limit(storage: StateChangelogStorage, op: Operator) ->
         f"{op.appended} changes ({op.appended * len(PAYLOAD)} bytes) were appended past a limit of {LIMIT} "
         f"bytes: appends did not stay blocked (bytes in flight {m.bytes_in_flight}, errors {op.errors})"
     )
-    assert m.bytes_in_flight > LIMIT
+    assert m.bytes_in_flight + m.bytes_encoded > LIMIT
 
 
 def assert_everything_durable(storage: StateChangelogStorage, op: Operator) -> None:
@@ -185,3 +195,91 @@ def test_closing_the_storage_ends_a_blocked_append(tmp_path: Path, plan: FaultPl
     assert op.done.wait(WAIT_S) and op.appended < MAX_CHANGES
     assert len(op.errors) == 1 and isinstance(op.errors[0], WriterClosedError)
     assert "closed while an append waited" in str(op.errors[0])
+
+
+def test_a_failed_upload_lets_its_encoded_file_go(tmp_path: Path, plan: FaultPlan) -> None:
+    """A refused attempt's error holds the frames that held the file, in a reference cycle (the
+    error, its traceback, the future that carries it) that only the cyclic collector would free:
+    failed uploads kept one file each alive, outside every count, until a collection ran."""
+    plan.add(Fault(op="put", action="fail"))
+    payload = os.urandom(2 << 20)  # incompressible: the file is as large as the change
+    # within the limit: no background retry encodes the change again while the test looks
+    storage = storage_over(tmp_path, plan, limit=4 * len(payload))
+    gc.disable()
+    tracemalloc.start()
+    try:
+        writer = storage.create_writer("op", RANGE)
+        writer.append(1, payload)
+        with pytest.raises(UploadFailedError):
+            writer.persist_durably(0).result(WAIT_S)
+        storage.flush(WAIT_S)
+        encoding = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, format_module.__file__)])
+        held = sum(stat.size for stat in encoding.statistics("filename"))
+        assert held < len(payload) // 2, f"{held} bytes allocated by encoding files are still alive"
+        assert storage.metrics.bytes_failed == len(payload)
+        assert storage.metrics.bytes_encoded == 0
+    finally:
+        tracemalloc.stop()
+        gc.enable()
+        storage.close()
+
+
+def test_a_file_pinned_by_a_stuck_write_stays_counted_until_the_write_ends(tmp_path: Path, plan: FaultPlan) -> None:
+    """The upload gives up on a stalled write, but the write's thread still holds the file: it
+    keeps weighing against the limit until the thread lets it go."""
+    plan.add(Fault(op="put", action="stall"))
+    storage = storage_over(tmp_path, plan)
+    try:
+        writer = storage.create_writer("op", RANGE)
+        writer.append(1, b"x" * 1000)
+        with pytest.raises(UploadFailedError):
+            writer.persist_durably(0).result(WAIT_S)
+        m = storage.metrics
+        assert m.bytes_failed == 1000
+        assert m.bytes_encoded > 0
+        plan.release()
+        wait_until(lambda: m.bytes_encoded == 0, "the stuck writes to end and let the file go")
+    finally:
+        plan.release()
+        storage.close()
+
+
+def test_writes_abandoned_on_a_stalled_store_cap_what_new_writes_may_pin(tmp_path: Path, plan: FaultPlan) -> None:
+    """Past ``max_abandoned_bytes`` of abandoned writes, a put of new data waits (within its
+    caller's deadline) instead of starting one more thread that would pin its data; a retry of
+    data a stuck write holds already is let through, and waiting puts go on once writes end."""
+    plan.add(Fault(op="put", action="stall"))
+    uploader = FsspecUploader(faulty_base_path(tmp_path / "dfs", plan), max_abandoned_bytes=1)
+    first, second = b"a" * 100, b"b" * 100
+
+    async def put_with_deadline(path: str, data: bytes) -> None:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await uploader.put(path, data)
+
+    async def stalled(n: int) -> None:
+        async with asyncio.timeout(WAIT_S):
+            while plan.stalled < n:
+                await asyncio.sleep(0.005)
+
+    async def scenario() -> None:
+        await put_with_deadline("log/first", first)
+        await stalled(1)
+        await put_with_deadline("log/second", second)
+        assert plan.stalled == 1  # it waited: no thread holds the second file
+        await put_with_deadline("log/first-again", first)
+        await stalled(2)  # the same data: nothing more pinned, let through
+        waiting = asyncio.ensure_future(uploader.put("log/second", second))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        plan.release()
+        async with asyncio.timeout(WAIT_S):
+            await waiting
+        assert await uploader.get("log/second") == second
+        await uploader.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        plan.release()
+        uploader.wait_for_threads()

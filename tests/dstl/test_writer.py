@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+from array import array
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from dstl import (
     StorageClosedError,
     WriterClosedError,
 )
+from dstl.format import ChangeSet, encode_file
 from tests.fake_uploader import MemoryUploader, barrier, fake_storage
 
 WAIT = 10.0
@@ -411,7 +413,11 @@ def test_prometheus_text_exposes_upload_requests(local_storage: StateChangelogSt
 @pytest.mark.parametrize("submission", ["persist", "append_after_preemptive"])
 def test_backpressure_blocks_the_second_submission_until_bytes_are_released(submission: str) -> None:
     uploader = MemoryUploader(gated=True)
-    storage = fake_storage(uploader, persist_delay_ms=0, max_in_flight_bytes=100, preemptive_persist_threshold=100)
+    # The bound counts an upload's encoded file too: room for the first upload's 80 bytes and its
+    # file, not for 50 bytes more.
+    first_file = len(encode_file([ChangeSet("first-0-15-" + "0" * 12, 1, array("H", [1]), [b"x" * 80], 80)])[0])
+    bound = 80 + first_file + 25
+    storage = fake_storage(uploader, persist_delay_ms=0, max_in_flight_bytes=bound, preemptive_persist_threshold=100)
     try:
         first = storage.create_writer("first", RANGE)
         second = storage.create_writer("second", RANGE)
@@ -433,7 +439,7 @@ def test_backpressure_blocks_the_second_submission_until_bytes_are_released(subm
                 if submission == "persist":
                     second.append(2, b"y" * 50)
                     entered.set()
-                    futures.append(second.persist_durably(0))  # 80 + 50 > 100: must wait
+                    futures.append(second.persist_durably(0))  # 80 + its file + 50 > bound: must wait
                 else:
                     entered.set()
                     second.append(3, b"z")  # over the bound: the append itself waits

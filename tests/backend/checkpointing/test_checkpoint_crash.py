@@ -34,6 +34,7 @@ import pytest
 from backend.checkpointing.job import LocalJob
 from backend.checkpointing.metadata import METADATA_NAME, SnapshotMetadata, metadata_path
 from backend.core.errors import StateRestoreError
+from tests.backend.checkpointing.test_checkpoints import files_on_dfs
 from tests.checkpoint_crash_child import (
     CHECKPOINT_EVERY,
     JOB_ID,
@@ -159,10 +160,6 @@ def crash(root: Path, local: Path, step: str, k: int, num_retained: int, paralle
     assert proc.returncode == -signal.SIGKILL, f"child exited with {proc.returncode}: {proc.stderr}"
 
 
-def files_on_dfs(job_dir: Path) -> set[str]:
-    return {p.relative_to(job_dir).as_posix() for p in job_dir.rglob("*") if p.is_file()}
-
-
 def checkpoints_on_dfs(job_dir: Path) -> list[SnapshotMetadata]:
     """Every ``chk-*/_metadata`` under the job directory, parsed, oldest first."""
     metas = [SnapshotMetadata.loads(p.read_bytes(), str(p)) for p in job_dir.glob(f"chk-*/{METADATA_NAME}")]
@@ -209,6 +206,7 @@ def continue_and_restart(
         process(job, events + 60, events + 75)
         job.checkpoint({"events": events + 75})
         assert read_state(job) == model(events + 75)
+        job.storage.flush()  # subsumption deletes in the background
         assert {m.checkpoint_id for m in checkpoints_on_dfs(job_dir)} == {
             m.checkpoint_id for m in job.coordinator.completed
         }

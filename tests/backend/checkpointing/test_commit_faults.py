@@ -98,13 +98,22 @@ def test_a_metadata_write_landing_after_its_abort_does_not_come_back(
     job.close()
     plan.clear()
 
+    if fence_fails:  # no fence ever written: the restart refuses, names the files, deletes nothing
+        before = files_on_dfs(tmp_path / "dfs" / "job")
+        with pytest.raises(CheckpointError, match=r"checkpoint 2 references \d+ missing file.*remove chk-2/_metadata"):
+            make_job(root, tmp_path / "local")
+        assert files_on_dfs(tmp_path / "dfs" / "job") == before
+        (tmp_path / "dfs" / "job" / metadata_path(2)).unlink()  # the human's remedy
+        (tmp_path / "dfs" / "job" / "chk-2").rmdir()
     job = make_job(root, tmp_path / "local")
     assert read_state(job) == expected
     assert [m.checkpoint_id for m in job.coordinator.completed] == [1]
-    if fence_fails:  # no fence: recovery's own check (every file named exists) keeps it out
-        assert "missing file" in job.coordinator.store.damaged["chk-2/_metadata"]
-    assert not (tmp_path / "dfs" / "job" / "chk-2").exists()  # neither the late write nor its fence
+    assert not (tmp_path / "dfs" / "job" / metadata_path(2)).exists()
+    # the fence stays a tombstone until a later checkpoint of this run commits
+    assert (tmp_path / "dfs" / "job" / aborted_path(2)).exists() != fence_fails
     assert job.checkpoint().checkpoint_id == 3  # the aborted id is not used again
+    job.storage.flush()
+    assert not (tmp_path / "dfs" / "job" / "chk-2").exists()
     job.close()
     assert isinstance(failed.value, CheckpointError), failed.value
     assert "chk-2/_metadata" in str(failed.value)

@@ -238,6 +238,16 @@ def test_list_reports_a_corrupt_checkpoint_and_lists_the_others(run: Run, job_di
     assert "dstl: error: chk-1" in err and "chk-1/_metadata" in err
 
 
+def test_list_reports_a_fenced_checkpoint_as_not_completed(run: Run, job_dir: Path) -> None:
+    """A checkpoint whose commit failed keeps a fence (chk-<n>/_aborted) beside a _metadata that may
+    have landed anyway: listing it as completed would send an operator to a state the job refused."""
+    (job_dir / "chk-2" / "_aborted").write_bytes(b"")
+    code, out, err = run("checkpoints", "list", job_dir)
+    assert code == 1
+    assert "chk-1" in out and "checkpoint/native" in out
+    assert "chk-2  ERROR fenced by chk-2/_aborted" in out and "dstl: error: chk-2" in err
+
+
 def test_list_refuses_what_is_not_a_job_directory(run: Run, tmp_path: Path, job_dir: Path) -> None:
     (tmp_path / "empty").mkdir()
     code, _, err = run("checkpoints", "list", tmp_path / "empty")

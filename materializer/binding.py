@@ -1,0 +1,50 @@
+"""A chunk bound to the handle entry that names it: what a restore and ``verify`` check before using it.
+
+Why a module of its own: the chunk's own checks (``materializer.chunks``) prove that a file is a
+well-formed chunk, not that it is the chunk the handle means; another valid chunk in its place
+(other key groups of the same operator, the same key groups from an older materialization) passes
+all of them. The binding compares the file with what the handle recorded when it was written: size
+and content hash (``backend.core.handles``), then the footer's key groups, SQN and entry count. It
+is the one piece of the chunk reader that knows the handle format, so the format stays free of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from backend.core.handles import CHUNK_HASH, chunk_digest
+from dstl.types import KeyGroupRange
+from materializer.chunks import ChunkInfo, CorruptChunkError, chunk_info, chunk_sections
+
+__all__ = ["bound_chunk_sections", "check_binding"]
+
+
+def check_binding(path: str, data: bytes, info: ChunkInfo, entry: Mapping[str, Any]) -> None:
+    """Raise ``CorruptChunkError`` unless the chunk is the one the handle ``entry`` names.
+
+    Size and hash first (the hash only if the entry records one: handles of version 1 do not),
+    then what the footer says: key groups, SQN, entries.
+    """
+    problems = []
+    if entry.get("size") != len(data):
+        problems.append(f"size {len(data)} (the handle records {entry.get('size')!r})")
+    digest = entry.get(CHUNK_HASH)
+    if digest is not None and digest != chunk_digest(data):
+        problems.append(f"{CHUNK_HASH} {chunk_digest(data)} (the handle records {digest!r})")
+    if entry.get("key_groups") != info.key_groups.to_json():
+        problems.append(f"key groups {info.key_groups.to_json()} (the handle records {entry.get('key_groups')!r})")
+    if entry.get("sqn") != info.sqn:
+        problems.append(f"sqn {info.sqn} (the handle records {entry.get('sqn')!r})")
+    if entry.get("entries") != info.entries:
+        problems.append(f"{info.entries} entries (the handle records {entry.get('entries')!r})")
+    if problems:
+        raise CorruptChunkError(path, "not the chunk the handle names: it has " + ", ".join(problems))
+
+
+def bound_chunk_sections(
+    path: str, data: bytes, entry: Mapping[str, Any], key_groups: KeyGroupRange
+) -> dict[str, list[tuple[bytes, bytes]]]:
+    """``chunk_sections`` of a chunk checked against the handle ``entry`` naming it (a restore's loader)."""
+    check_binding(path, data, chunk_info(path, data), entry)
+    return chunk_sections(path, data, key_groups)
