@@ -258,9 +258,7 @@ def test_writes_abandoned_on_a_stalled_store_cap_what_new_writes_may_pin(tmp_pat
                 await uploader.put(path, data)
 
     async def stalled(n: int) -> None:
-        async with asyncio.timeout(WAIT_S):
-            while plan.stalled < n:
-                await asyncio.sleep(0.005)
+        assert await asyncio.to_thread(plan.wait_stalled, n, WAIT_S), f"{n} stalled writes expected"
 
     async def scenario() -> None:
         await put_with_deadline("log/first", first)
@@ -270,8 +268,9 @@ def test_writes_abandoned_on_a_stalled_store_cap_what_new_writes_may_pin(tmp_pat
         await put_with_deadline("log/first-again", first)
         await stalled(2)  # the same data: nothing more pinned, let through
         waiting = asyncio.ensure_future(uploader.put("log/second", second))
-        await asyncio.sleep(0.1)
-        assert not waiting.done()
+        for _ in range(20):  # let it run up to its wait for the cap
+            await asyncio.sleep(0)
+        assert not waiting.done() and plan.stalled == 2  # waiting, and no thread started for it
         plan.release()
         async with asyncio.timeout(WAIT_S):
             await waiting
