@@ -23,8 +23,9 @@ from backend.core.handles import KeyedStateHandle
 from backend.core.keygroups import assign_key_group
 from backend.core.serializers import Int64Serializer, serialize_key
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
-from dstl import ChangelogConfig, CorruptDataError, KeyGroupRange, StateChangelogStorage
+from dstl import ChangelogConfig, CorruptDataError, KeyGroupRange
 from materializer.periodic import PeriodicMaterializer, restore
+from tests.backend_world import BackendWorld
 
 MAX_P = 4
 FULL = KeyGroupRange(0, MAX_P - 1)
@@ -32,20 +33,10 @@ COUNT = ValueStateDescriptor("count", Int64Serializer())
 NEVER = 10**12
 
 
-class World:
+class World(BackendWorld):
     def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.dfs = tmp / "dfs"
-        self.storage = StateChangelogStorage(ChangelogConfig.local(self.dfs, persist_delay_ms=0))
-        self.backends: list[ChangelogKeyedStateBackend] = []
+        super().__init__(tmp, ChangelogConfig.local(tmp / "dfs", persist_delay_ms=0), MAX_P)
         self.checkpoint_id = 0
-
-    def backend(self) -> ChangelogKeyedStateBackend:
-        b = ChangelogKeyedStateBackend(
-            "op", FULL, self.tmp / f"local-{len(self.backends)}", storage=self.storage, max_parallelism=MAX_P
-        )
-        self.backends.append(b)
-        return b
 
     def materialize(self, b: ChangelogKeyedStateBackend) -> None:
         m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None)
@@ -63,11 +54,6 @@ class World:
         b = self.backend()
         restore(b, [handle])
         return b
-
-    def close(self) -> None:
-        for b in self.backends:
-            b.close()
-        self.storage.close()
 
 
 @pytest.fixture

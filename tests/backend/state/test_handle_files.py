@@ -19,8 +19,9 @@ from backend.core.handles import KeyedStateHandle
 from backend.core.serializers import Int64Serializer
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
-from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
+from dstl import ChangelogConfig, KeyGroupRange
 from materializer.periodic import PeriodicMaterializer, restore
+from tests.backend_world import BackendWorld
 
 WAIT_S = 30.0
 MAX_P = 8
@@ -29,23 +30,13 @@ COUNT = ValueStateDescriptor("count", Int64Serializer())
 NEVER = 10**12
 
 
-class World:
+class World(BackendWorld):
     """One storage over ``tmp/dfs`` and the backends over it (each with its own local directory)."""
 
     def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.dfs = tmp / "dfs"
         self.plan = FaultPlan()
-        base = faulty_base_path(self.dfs, self.plan)
-        self.storage = StateChangelogStorage(ChangelogConfig(base_path=base, persist_delay_ms=0, retry_delay_ms=1))
-        self.backends: list[ChangelogKeyedStateBackend] = []
-
-    def backend(self) -> ChangelogKeyedStateBackend:
-        b = ChangelogKeyedStateBackend(
-            "op", FULL, self.tmp / f"local-{len(self.backends)}", storage=self.storage, max_parallelism=MAX_P
-        )
-        self.backends.append(b)
-        return b
+        base = faulty_base_path(tmp / "dfs", self.plan)
+        super().__init__(tmp, ChangelogConfig(base_path=base, persist_delay_ms=0, retry_delay_ms=1), MAX_P)
 
     def write(self, b: ChangelogKeyedStateBackend, values: dict[str, int]) -> None:
         state = b.get_state(COUNT)
@@ -79,11 +70,6 @@ class World:
     def files(self) -> set[str]:
         self.storage.flush(WAIT_S)  # background deletions done
         return {p.relative_to(self.dfs).as_posix() for p in self.dfs.rglob("*") if p.is_file()}
-
-    def close(self) -> None:
-        for b in self.backends:
-            b.close()
-        self.storage.close()
 
 
 @pytest.fixture
