@@ -19,9 +19,9 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from backend.spark.config import EVENT, PROCESSING, OperatorConfig
 from backend.spark.handle import TIME_MODES
 from backend.spark.plan import KEY_GROUP, build, find_watermark
-from backend.spark.tasks import OperatorConfig
 from dstl import ConfigurationError
 
 _OUTPUT_MODES = {"append", "update"}
@@ -91,7 +91,9 @@ def _transform(
 
         return process
 
-    return build(grouped, schema, make_process, **options)
+    mode = str(time_mode).lower()
+    no_data = {"processingtime": PROCESSING, "eventtime": EVENT}.get(mode)
+    return build(grouped, schema, make_process, no_data_batches=no_data, drop_late_rows=mode == "eventtime", **options)
 
 
 def backend_subtask(backend: Any, cfg: OperatorConfig) -> int:
@@ -174,25 +176,45 @@ def apply_in_pandas_with_state(
 
         return process
 
-    return build(grouped, schema, make_process, **options)
+    no_data = {GroupStateTimeout.ProcessingTimeTimeout: PROCESSING, GroupStateTimeout.EventTimeTimeout: EVENT}
+    return build(grouped, schema, make_process, no_data_batches=no_data.get(timeoutConf),
+                 drop_late_rows=timeoutConf == GroupStateTimeout.EventTimeTimeout, **options)  # fmt: skip
 
 
 _ROUTED = ("transformWithStateInPandas", "transformWithState", "applyInPandasWithState")
+
+
+def routed_uid(target: Any) -> str:
+    """The operator uid ``use_for_session`` derives for a processor (its class) or a function:
+    the qualified name, which tells apart the functions and classes of one module. A lambda, a
+    ``functools.partial`` or a callable object has no name of its own: it needs ``operator_uid``."""
+    from pyspark.sql.streaming.stateful_processor import StatefulProcessor
+
+    named = type(target) if isinstance(target, StatefulProcessor) else target
+    name = getattr(named, "__qualname__", None) if callable(named) else None
+    plain = isinstance(named, type) or hasattr(named, "__code__")  # a class or a def, not a partial/object
+    if not plain or not isinstance(name, str) or "<lambda>" in name:
+        raise ConfigurationError(
+            f"cannot derive an operator uid for {target!r}: pass operator_uid=... (a name unique among the "
+            "stateful operators routed to this checkpoint root)"
+        )
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", name.replace(".<locals>.", "."))
 
 
 def use_for_session(checkpoint_root: str, **options: Any) -> Callable[[], None]:
     """Route ``GroupedData.transformWithStateInPandas`` / ``transformWithState`` /
     ``applyInPandasWithState`` to this backend for this Python process; each operator's state goes
     to ``<checkpoint_root>/<operator uid>`` with the uid taken from the ``operator_uid`` keyword or
-    derived from the processor's class name. Returns a function that restores Spark's methods."""
+    derived from the processor's class or the function (``routed_uid``). Two queries whose
+    operators end up with the same uid are refused when the second one runs (a state directory
+    belongs to one query). Returns a function that restores Spark's methods."""
     from pyspark.sql.group import GroupedData
 
     saved = {name: getattr(GroupedData, name) for name in _ROUTED}
     root = checkpoint_root.rstrip("/")
 
     def _uid(target: Any, given: str | None) -> str:
-        name = given or re.sub(r"[^A-Za-z0-9_.-]", "-", getattr(type(target), "__name__", "") or target.__name__)
-        return name
+        return given or routed_uid(target)
 
     def routed(target: Callable[..., Any]) -> Callable[..., Any]:
         def method(self: Any, first: Any, *args: Any, operator_uid: str | None = None, **kw: Any) -> Any:

@@ -31,7 +31,8 @@ from backend.checkpointing.coordinator import CheckpointCoordinator
 from backend.checkpointing.metadata import PENDING_DIR, SnapshotMetadata, parse_pending_path, pending_path
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
-from backend.spark.tasks import OperatorConfig
+from backend.spark.committed import OWNER_FILE
+from backend.spark.config import OperatorConfig
 from dstl import ConfigurationError, StateChangelogStorage, StorageClosedError
 
 _log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class DriverCoordinator:
     def _pending_after(self, latest: int) -> set[str]:
         """The pending handles of batches after checkpoint ``latest`` (the latest the recovery
         accepted: a fenced or damaged ``chk-<b>`` is not one) and the files they name."""
-        protect: set[str] = set()
+        protect: set[str] = {OWNER_FILE}
         for path in self.storage.list_all(PENDING_DIR):
             pending = parse_pending_path(path)
             if pending and pending[0] > latest:

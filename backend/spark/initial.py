@@ -15,7 +15,8 @@ from typing import Any
 
 from backend.checkpointing.metadata import in_checkpoint_dir
 from backend.core.errors import CheckpointError
-from backend.spark.tasks import OperatorConfig, storage_for
+from backend.spark.config import OperatorConfig
+from backend.spark.tasks import storage_for
 from dstl import ConfigurationError
 
 _KEY_GROUP = "__dstl_key_group"

@@ -4,6 +4,7 @@ Spark's own stateful operators keep state in its state store and cannot change t
 partitions of a query. We build the operator from Spark's public parts instead (docs/architecture.md)::
 
     input --withColumn(key group = pmod(hash(grouping columns), max_parallelism))   (JVM, Spark SQL hash)
+         [--unionByName(ticks: one row per subtask when a batch without input is due)]  (backend.spark.ticks)
           --withColumn(batch time = current_timestamp())                             (fixed per batch)
           --repartition(parallelism, route(subtask of the key group))
           --mapInPandas(task: one subtask of one micro-batch, backend.spark.tasks)  -> output rows
@@ -11,7 +12,9 @@ partitions of a query. We build the operator from Spark's public parts instead (
 ``route`` maps subtask ``i`` to an integer whose Spark hash lands in partition ``i``, so partition
 ``i`` holds exactly the key groups of subtask ``i`` (Flink's key-group ranges); the task checks
 it. The key group of a key is Spark's SQL hash, computed once in the JVM: the same in every run,
-so a restart at another parallelism re-splits the same key groups (rescaling).
+so a restart at another parallelism re-splits the same key groups (rescaling). The task drops
+tick rows and, where Spark does, late rows (event time at or behind the previous batch's
+watermark) before the user's code sees the input.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from typing import Any
 import mmh3
 
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
+from backend.spark.config import OperatorConfig, Watermarks
 from backend.spark.driver import coordinator_for
-from backend.spark.tasks import OperatorConfig, run_subtask
+from backend.spark.tasks import run_subtask
+from backend.spark.ticks import TICK, register_tick_source
 from dstl import ChangelogConfig, ConfigurationError
 
 KEY_GROUP = "__dstl_key_group"
@@ -107,8 +112,15 @@ def build(
     num_retained: int = 2,
     materialization_interval_ms: int = 600_000,
     size_trigger_bytes: int | None = 64 << 20,
+    no_data_batches: str | None = None,
+    drop_late_rows: bool = False,
 ) -> Any:
-    """The streaming DataFrame running ``make_process(cfg, key columns)`` per subtask and batch."""
+    """The streaming DataFrame running ``make_process(cfg, key columns)`` per subtask and batch.
+
+    ``no_data_batches`` (``backend.spark.config.PROCESSING`` / ``EVENT`` / None): which batches
+    without input the operator needs, as Spark's operator would ask for them (only while the
+    session's ``spark.sql.streaming.noDataMicroBatches.enabled`` is on); ``drop_late_rows``: drop
+    rows behind the watermark as Spark's operator does in event-time modes."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import StructType
 
@@ -148,17 +160,21 @@ def build(
         local_root=local_dir or os.path.join(tempfile.gettempdir(), "dstl-spark-local"),
         changelog=replace(base, base_path=location), materialization_interval_ms=materialization_interval_ms,
         size_trigger_bytes=size_trigger_bytes, watermark_delay_ms=None if watermark is None else watermark[1],
+        drop_late_rows=drop_late_rows and watermark is not None,
+        no_data_batches=no_data_batches if _no_data_batches_enabled(spark) else None,
     )  # fmt: skip
     coordinator_for(spark, cfg, num_retained)
     process = make_process(cfg, keys)
     kg = F.pmod(F.hash(*[F.col(k) for k in keys]), F.lit(max_parallelism))
     subtask = F.floor(F.col(KEY_GROUP) * F.lit(parallelism) / F.lit(max_parallelism)).cast("int")
     route = F.element_at(F.array(*[F.lit(v) for v in route_values(parallelism)]), subtask + F.lit(1))
-    if watermark is not None:
-        df = df.withColumn(EVENT_TIME, F.unix_millis(F.col(watermark[0]).cast("timestamp")))
+    if watermark is not None:  # microseconds: Spark compares event times with the watermark in them
+        df = df.withColumn(EVENT_TIME, F.unix_micros(F.col(watermark[0]).cast("timestamp")))
+    keyed = df.withColumn(KEY_GROUP, kg.cast("int"))
+    if cfg.no_data_batches is not None:
+        keyed = _with_ticks(spark, cfg, keyed)
     prepared = (
-        df.withColumn(KEY_GROUP, kg.cast("int"))
-        .withColumn(BATCH_TIME, F.unix_millis(F.current_timestamp()))
+        keyed.withColumn(BATCH_TIME, F.unix_millis(F.current_timestamp()))
         .withColumn(_ROUTE, route)
         .repartition(parallelism, F.col(_ROUTE))
         .drop(_ROUTE)
@@ -168,6 +184,23 @@ def build(
         yield from run_partition(cfg, frames, process)
 
     return prepared.mapInPandas(task, output_schema)
+
+
+def _no_data_batches_enabled(spark: Any) -> bool:
+    return str(spark.conf.get("spark.sql.streaming.noDataMicroBatches.enabled", "true")).lower() == "true"
+
+
+def _with_ticks(spark: Any, cfg: OperatorConfig, keyed: Any) -> Any:
+    """``keyed`` unioned with the tick source: per tick, one row per subtask, in the subtask's first
+    key group (so it is routed to the subtask's partition), every input column null."""
+    from pyspark.sql import functions as F
+
+    ticks = spark.readStream.format(register_tick_source(spark, cfg)).load()
+    firsts = F.array(*[F.lit(cfg.key_group_range(i).start) for i in range(cfg.parallelism)])
+    columns = [F.lit(None).cast(f.dataType).alias(f.name) for f in keyed.schema.fields if f.name != KEY_GROUP]
+    key_group = F.element_at(firsts, F.col("subtask") + 1).alias(KEY_GROUP)
+    tick_rows = ticks.select(*columns, key_group, F.lit(True).alias(TICK))
+    return keyed.withColumn(TICK, F.lit(False)).unionByName(tick_rows)
 
 
 def run_partition(cfg: OperatorConfig, frames: Iterator[Any], process: Callable[..., list[Any]]) -> Iterator[Any]:
@@ -180,11 +213,13 @@ def run_partition(cfg: OperatorConfig, frames: Iterator[Any], process: Callable[
         raise RuntimeError("backend.spark operators run inside a streaming query only (no micro-batch id)")
     subtask = context.partitionId()
     query_id = context.getLocalProperty("sql.streaming.queryId") or ""
-    data = [f for f in frames if len(f)]
+    data: list[Any] = []
     rng = cfg.key_group_range(subtask)
     now_ms = None
     max_event: int | None = None
-    for frame in data:
+    for frame in frames:
+        if not len(frame):
+            continue
         groups = frame[KEY_GROUP]
         if int(groups.min()) < rng.start or int(groups.max()) > rng.end:
             raise RuntimeError(
@@ -193,12 +228,19 @@ def run_partition(cfg: OperatorConfig, frames: Iterator[Any], process: Callable[
             )
         if now_ms is None:
             now_ms = int(frame[BATCH_TIME].iloc[0])
+        if TICK in frame.columns:
+            frame = frame[~frame[TICK].astype(bool)]
         if EVENT_TIME in frame.columns and frame[EVENT_TIME].notna().any():
-            top = int(frame[EVENT_TIME].max())
+            top = int(frame[EVENT_TIME].max()) // 1000  # Spark's watermark counts whole milliseconds
             max_event = top if max_event is None else max(max_event, top)
+        if len(frame):
+            data.append(frame)
 
-    def body(backend: Any, now: int, watermark: int | None) -> list[Any]:
-        return process(backend, data, now, int(batch_id), watermark)
+    def body(backend: Any, now: int, watermarks: Watermarks | None) -> list[Any]:
+        rows = data
+        if cfg.drop_late_rows and watermarks is not None:
+            rows = [kept for f in data if len(kept := f[~(f[EVENT_TIME] <= watermarks.late_ms * 1000)])]
+        return process(backend, rows, now, int(batch_id), None if watermarks is None else watermarks.eviction_ms)
 
     outputs, _ = run_subtask(cfg, subtask, int(batch_id), query_id, now_ms, body, max_event)
     yield from outputs

@@ -38,50 +38,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.checkpointing.metadata import (
-    SnapshotMetadata,
-    aborted_path,
-    checkpoint_dir,
-    in_checkpoint_dir,
-    metadata_path,
-    parse_metadata_path,
-    pending_dir,
-    pending_path,
-)
-from backend.core.errors import CheckpointError, StateRestoreError
+from backend.checkpointing.metadata import pending_path
+from backend.core.errors import StateRestoreError
 from backend.core.handles import KeyedStateHandle
-from backend.core.keygroups import key_group_range_for_subtask
+from backend.spark.committed import claim_directory, committed_handle, state_after
+from backend.spark.config import OperatorConfig, Watermarks
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
-from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
+from backend.state.timers import EVENT_TIME, PROCESSING_TIME
+from dstl import ChangelogConfig, StateChangelogStorage
 from materializer.periodic import PeriodicMaterializer, restore
 
 MARKER = "state.json"
-
-
-@dataclass(frozen=True)
-class OperatorConfig:
-    """Everything a task needs, shipped (pickled) with the task."""
-
-    job_dir: str
-    uid: str
-    parallelism: int
-    max_parallelism: int
-    local_root: str
-    changelog: ChangelogConfig
-    materialization_interval_ms: int = 600_000
-    size_trigger_bytes: int | None = 64 << 20
-    #: how long a task waits for its batch's snapshot to be durable, milliseconds
-    snapshot_timeout_ms: int = 120_000
-    #: the input's ``withWatermark`` delay (None: no watermark); the watermark of batch b is the
-    #: largest event time of batches < b minus this, as in Spark
-    watermark_delay_ms: int | None = None
-
-    def key_group_range(self, subtask: int) -> KeyGroupRange:
-        return key_group_range_for_subtask(self.max_parallelism, self.parallelism, subtask)
-
-    def local_dir(self, subtask: int) -> Path:
-        name = self.job_dir.replace("://", "_").replace("/", "_").strip("_")
-        return Path(self.local_root) / name / self.uid / f"{subtask}-of-{self.parallelism}"
 
 
 @dataclass
@@ -127,116 +94,6 @@ def _write_marker(directory: Path, value: dict[str, Any]) -> None:
     tmp = directory / f"{MARKER}.tmp"
     tmp.write_text(json.dumps(value))
     os.replace(tmp, directory / MARKER)
-
-
-@dataclass
-class BatchState:
-    """The committed state after one batch: its subtask handles and event-time basis."""
-
-    handles: list[KeyedStateHandle]
-    event_time_basis_ms: int
-
-
-def _read_checkpoint(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> SnapshotMetadata | None:
-    """``chk-<batch>``, or None if there is none or it is fenced (its ``_metadata`` write failed:
-    what landed of it is not a checkpoint, and the batch's pending handles are kept instead)."""
-    names = set(storage.list_all(checkpoint_dir(batch)))
-    if aborted_path(batch) in names or metadata_path(batch) not in names:
-        return None
-    try:
-        data = storage.get_file(metadata_path(batch))
-    except FileNotFoundError:
-        return None
-    return SnapshotMetadata.loads(data, f"{cfg.job_dir}/{metadata_path(batch)}")
-
-
-def _pending_records(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> list[dict[str, Any]] | None:
-    """The complete set of this operator's pending records of ``batch``, or None. Records of an
-    earlier attempt at another parallelism may linger (a re-run overwrites only its own indices):
-    only the parallelism whose every index is present counts."""
-    by_parallelism: dict[int, dict[int, dict[str, Any]]] = {}
-    for path in storage.list_all(pending_dir(batch, cfg.uid)):
-        if not path.endswith(".json"):
-            continue
-        try:
-            record = json.loads(storage.get_file(path))
-        except FileNotFoundError:
-            return None  # the driver completed the batch meanwhile
-        by_parallelism.setdefault(int(record["parallelism"]), {})[int(record["subtask"])] = record
-    complete = [p for p, records in by_parallelism.items() if set(records) == set(range(p))]
-    if len(complete) != 1:
-        return None
-    return list(by_parallelism[complete[0]].values())
-
-
-def state_after(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> BatchState:
-    """The committed state after ``batch``: ``chk-<batch>`` or, if the driver has not completed it
-    yet, the complete set of pending records (looked up twice: the driver may complete the
-    checkpoint while we read). Refuses state that does not belong to this query's timeline."""
-    if batch < 0:
-        ahead = [p for p in storage.list_all("") if in_checkpoint_dir(p)]
-        if ahead:
-            raise CheckpointError(
-                f"{cfg.job_dir} holds checkpoints ({ahead[0].split('/')[0]}, ...) but the query starts at batch 0: "
-                "Spark's checkpointLocation was deleted or replaced; keep both locations together (or delete both)"
-            )
-        return BatchState([], 0)
-    for _ in range(2):
-        meta = _read_checkpoint(storage, cfg, batch)
-        if meta is not None:
-            if cfg.uid not in meta.operators and meta.operators:
-                raise CheckpointError(
-                    f"{cfg.job_dir}/{metadata_path(batch)} holds state of operators {sorted(meta.operators)}, "
-                    f"not of {cfg.uid!r}: was the operator_uid changed?"
-                )
-            handles = meta.handles(cfg.uid) if cfg.uid in meta.operators else []
-            return BatchState(handles, int(meta.properties.get("event_time_basis_ms", 0)))
-        records = _pending_records(storage, cfg, batch)
-        if records is not None:
-            handles = [KeyedStateHandle.from_json(r["handle"]) for r in records]
-            basis = max((int(r.get("stats", {}).get("event_time_basis_ms", 0)) for r in records), default=0)
-            return BatchState(handles, basis)
-    if not any(p.endswith(".json") for p in storage.list_all(pending_dir(batch, cfg.uid))):
-        # No task of this batch ran: Spark runs no task for a batch without rows (an empty file, a
-        # fully filtered batch), so the state is that of the last batch that ran.
-        earlier = _last_batch_with_state(storage, cfg, batch)
-        if earlier is not None:
-            return state_after(storage, cfg, earlier) if earlier >= 0 else BatchState([], 0)
-    later = sorted(c for p in storage.list_all("") if (c := parse_metadata_path(p)) is not None)
-    hint = f" (it holds checkpoints up to {later[-1]})" if later else ""
-    raise CheckpointError(
-        f"no state after batch {batch} in {cfg.job_dir}{hint} for operator {cfg.uid!r}: neither "
-        f"{metadata_path(batch)} nor a complete set of pending handles (a batch whose output was evaluated "
-        "only in part, or a Spark checkpointLocation not kept together with this one)"
-    )
-
-
-def _last_batch_with_state(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> int | None:
-    """The last batch before ``batch`` that left a checkpoint or pending records (-1: none, the
-    query's batches so far had no rows)."""
-    batches = {int(p.split("/")[1]) for p in storage.list_all("pending") if p.split("/")[2:3] == [cfg.uid]}
-    batches |= {c for p in storage.list_all("") if (c := parse_metadata_path(p)) is not None}
-    earlier = [b for b in batches if b < batch]
-    return max(earlier) if earlier else -1
-
-
-def committed_handle(storage: StateChangelogStorage, cfg: OperatorConfig, subtask: int, batch: int) -> Any:
-    """The handle JSON this subtask committed for ``batch`` (None if unknown): local tables are
-    only trusted if they hold exactly that state (not a superseded attempt, not another life)."""
-    try:
-        record = json.loads(storage.get_file(pending_path(batch, cfg.uid, subtask)))
-        if record.get("parallelism") == cfg.parallelism:
-            return record.get("handle")
-    except FileNotFoundError:
-        pass
-    meta = _read_checkpoint(storage, cfg, batch)
-    if meta is None or cfg.uid not in meta.operators:
-        return None
-    rng = cfg.key_group_range(subtask)
-    for handle in meta.operators[cfg.uid].get("subtasks", []):
-        if KeyedStateHandle.from_json(handle).key_group_range == rng:
-            return handle
-    return None
 
 
 def _fresh(cfg: OperatorConfig, storage: StateChangelogStorage, subtask: int, directory: Path) -> _Kept:
@@ -314,7 +171,8 @@ def existing_now_ms(storage: StateChangelogStorage, batch: int, uid: str, subtas
         return None
 
 
-Process = Callable[[ChangelogKeyedStateBackend, int, int | None], list[Any]]
+#: the body of a task: (backend, the batch's processing time, its watermarks or None) -> output
+Process = Callable[[ChangelogKeyedStateBackend, int, Watermarks | None], list[Any]]
 
 
 def run_subtask(
@@ -329,6 +187,7 @@ def run_subtask(
     """Steps 1-4 of the module docstring; returns the output and the task's figures."""
     storage = storage_for(cfg)
     directory = cfg.local_dir(subtask)
+    claim_directory(storage, cfg, query_id)
     with _locked(directory):
         began = time.perf_counter()
         kept, source = acquire(cfg, storage, subtask, batch)
@@ -364,11 +223,11 @@ def _run_batch(
     max_event_time_ms: int | None,
 ) -> tuple[list[Any], KeyedStateHandle, dict[str, Any]]:
     began = time.perf_counter()
-    basis = watermark = None
+    basis, watermarks = None, None
     if cfg.watermark_delay_ms is not None:
-        basis = state_after(storage, cfg, batch - 1).event_time_basis_ms
-        watermark = max(0, basis - cfg.watermark_delay_ms) if basis > 0 else 0
-    outputs = process(kept.backend, now_ms, watermark)
+        previous = state_after(storage, cfg, batch - 1)
+        basis, watermarks = previous.event_time_basis_ms, previous.watermarks(cfg, batch)
+    outputs = process(kept.backend, now_ms, watermarks)
     materialized = kept.materializer.metrics.completed
     kept.materializer.poll()
     kept.materializer.wait()  # a materialization finishes inside the task that started it
@@ -383,8 +242,11 @@ def _run_batch(
         "materialized": kept.materializer.metrics.completed - materialized,
         "log_records": sum(s.records for e in handle.changelog for s in e.log.segments),
         "chunks": len(handle.materialized),
+        # when the no-data batch source (backend.spark.ticks) must ask for the next batch
+        "next_processing_timer_ms": kept.backend.timers.earliest(PROCESSING_TIME),
+        "next_event_timer_ms": kept.backend.timers.earliest(EVENT_TIME),
     }
-    if basis is not None:
+    if basis is not None and watermarks is not None:
         stats["event_time_basis_ms"] = max(basis, max_event_time_ms or 0)
-        stats["watermark_ms"] = watermark
+        stats["watermark_ms"] = watermarks.eviction_ms
     return outputs, handle, stats

@@ -101,6 +101,16 @@ class TimerService:
             fired += 1
         return fired
 
+    def earliest(self, domain: int) -> int | None:
+        """The timestamp of the earliest timer of ``domain`` of any key (None: there is none)."""
+        heap = self._heaps[domain]
+        while heap:
+            timestamp_ms, ck = heap[0]
+            if (domain, timestamp_ms) in self._by_key.get(ck, ()):
+                return timestamp_ms
+            heapq.heappop(heap)  # deleted after it was pushed
+        return None
+
     def has_timers(self) -> bool:
         return bool(self._by_key) or bool(self._pending)
 

@@ -364,4 +364,5 @@ def test_use_for_session_routes_groupeddata_to_this_backend(spark: Any, tmp_path
         query.processAllAvailable()
     finally:
         query.stop()
-    assert (tmp_path / "states" / "Sessions" / "pending").exists()  # our state, under the processor's name
+    # our state, under the processor class's qualified name
+    assert (tmp_path / "states" / "processor_class.Sessions" / "pending").exists()

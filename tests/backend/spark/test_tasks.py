@@ -18,8 +18,9 @@ from backend.core.descriptors import ListStateDescriptor
 from backend.core.errors import CheckpointError
 from backend.core.serializers import Int64Serializer
 from backend.spark import tasks
+from backend.spark.config import OperatorConfig
 from backend.spark.driver import DriverCoordinator
-from backend.spark.tasks import OperatorConfig, run_subtask
+from backend.spark.tasks import run_subtask
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from dstl import ChangelogConfig
 
@@ -74,7 +75,7 @@ def read_all(cfg: OperatorConfig, batch: int) -> dict[tuple[str], list[int]]:
 
     probe = config(Path(cfg.job_dir).parent, cfg.parallelism, cfg.uid, host="probe")
     for i in range(cfg.parallelism):
-        run_subtask(probe, i, batch + 1, "probe", 1, collect)
+        run_subtask(probe, i, batch + 1, "q", 1, collect)
     other_worker()
     return seen
 
@@ -181,7 +182,7 @@ def test_a_fenced_checkpoint_whose_metadata_landed_does_not_lose_its_batch(tmp_p
             return []
 
         for i in range(2):
-            run_subtask(on("probe"), i, 3, "probe", 1, collect)
+            run_subtask(on("probe"), i, 3, "q", 1, collect)
         other_worker()
         return seen
 

@@ -1,0 +1,213 @@
+"""Where the committed state after a micro-batch is: a checkpoint, or the tasks' pending records.
+
+A task of batch ``b`` needs the state after ``b - 1``; the driver may or may not have turned that
+batch's pending records into ``chk-<b-1>`` yet, and a batch that ran no task left neither. The
+lookups that settle this live here, with the two other questions asked of the same files: which
+query owns a state directory, and what the latest batch left (for the no-data batch source,
+``backend.spark.ticks``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from backend.checkpointing.metadata import (
+    PENDING_DIR,
+    SnapshotMetadata,
+    aborted_path,
+    checkpoint_dir,
+    in_checkpoint_dir,
+    metadata_path,
+    parse_metadata_path,
+    parse_pending_path,
+    pending_dir,
+    pending_path,
+)
+from backend.core.errors import CheckpointError
+from backend.core.handles import KeyedStateHandle
+from backend.spark.config import OperatorConfig, Watermarks, watermark_after
+from dstl import StateChangelogStorage
+
+__all__ = [
+    "OWNER_FILE",
+    "BatchState",
+    "claim_directory",
+    "committed_handle",
+    "pending_batches",
+    "pending_records",
+    "read_checkpoint",
+    "state_after",
+]
+
+
+@dataclass
+class BatchState:
+    """The committed state after one batch: its subtask handles, the batch it comes from (-1:
+    none yet; earlier than asked for when the batches after it ran no task), the largest event
+    time seen up to it and the watermark that batch ran with."""
+
+    handles: list[KeyedStateHandle]
+    event_time_basis_ms: int
+    batch: int = -1
+    watermark_ms: int = 0
+
+    def watermarks(self, cfg: OperatorConfig, batch: int) -> Watermarks | None:
+        """The watermarks of ``batch``, the batch after this state's (None without a watermark).
+        If the batches in between ran no task, the previous batch ran with the watermark this
+        state's event times give."""
+        if cfg.watermark_delay_ms is None:
+            return None
+        eviction = watermark_after(self.event_time_basis_ms, cfg.watermark_delay_ms)
+        if batch <= 0:
+            return Watermarks(eviction, 0)
+        return Watermarks(eviction, self.watermark_ms if self.batch == batch - 1 else eviction)
+
+
+def read_checkpoint(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> SnapshotMetadata | None:
+    """``chk-<batch>``, or None if there is none or it is fenced (its ``_metadata`` write failed:
+    what landed of it is not a checkpoint, and the batch's pending handles are kept instead)."""
+    names = set(storage.list_all(checkpoint_dir(batch)))
+    if aborted_path(batch) in names or metadata_path(batch) not in names:
+        return None
+    try:
+        data = storage.get_file(metadata_path(batch))
+    except FileNotFoundError:
+        return None
+    return SnapshotMetadata.loads(data, f"{cfg.job_dir}/{metadata_path(batch)}")
+
+
+def pending_records(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> list[dict[str, Any]] | None:
+    """The complete set of this operator's pending records of ``batch``, or None. Records of an
+    earlier attempt at another parallelism may linger (a re-run overwrites only its own indices):
+    only the parallelism whose every index is present counts."""
+    by_parallelism: dict[int, dict[int, dict[str, Any]]] = {}
+    for path in storage.list_all(pending_dir(batch, cfg.uid)):
+        if not path.endswith(".json"):
+            continue
+        try:
+            record = json.loads(storage.get_file(path))
+        except FileNotFoundError:
+            return None  # the driver completed the batch meanwhile
+        by_parallelism.setdefault(int(record["parallelism"]), {})[int(record["subtask"])] = record
+    complete = [p for p, records in by_parallelism.items() if set(records) == set(range(p))]
+    if len(complete) != 1:
+        return None
+    return list(by_parallelism[complete[0]].values())
+
+
+def state_after(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> BatchState:
+    """The committed state after ``batch``: ``chk-<batch>`` or, if the driver has not completed it
+    yet, the complete set of pending records (looked up twice: the driver may complete the
+    checkpoint while we read). Refuses state that does not belong to this query's timeline."""
+    if batch < 0:
+        ahead = [p for p in storage.list_all("") if in_checkpoint_dir(p)]
+        if ahead:
+            raise CheckpointError(
+                f"{cfg.job_dir} holds checkpoints ({ahead[0].split('/')[0]}, ...) but the query starts at batch 0: "
+                "Spark's checkpointLocation was deleted or replaced; keep both locations together (or delete both)"
+            )
+        return BatchState([], 0)
+    for _ in range(2):
+        meta = read_checkpoint(storage, cfg, batch)
+        if meta is not None:
+            if cfg.uid not in meta.operators and meta.operators:
+                raise CheckpointError(
+                    f"{cfg.job_dir}/{metadata_path(batch)} holds state of operators {sorted(meta.operators)}, "
+                    f"not of {cfg.uid!r}: was the operator_uid changed?"
+                )
+            handles = meta.handles(cfg.uid) if cfg.uid in meta.operators else []
+            basis, watermark = (int(meta.properties.get(k, 0)) for k in ("event_time_basis_ms", "watermark_ms"))
+            return BatchState(handles, basis, batch, watermark)
+        records = pending_records(storage, cfg, batch)
+        if records is not None:
+            handles = [KeyedStateHandle.from_json(r["handle"]) for r in records]
+            stats = [r.get("stats", {}) for r in records]
+            basis = max((int(s.get("event_time_basis_ms", 0)) for s in stats), default=0)
+            return BatchState(handles, basis, batch, max((int(s.get("watermark_ms", 0)) for s in stats), default=0))
+    if not any(p.endswith(".json") for p in storage.list_all(pending_dir(batch, cfg.uid))):
+        # No task of this batch ran: Spark runs no task for a batch without rows (an empty file, a
+        # fully filtered batch), so the state is that of the last batch that ran.
+        earlier = _last_batch_with_state(storage, cfg, batch)
+        if earlier is not None:
+            return state_after(storage, cfg, earlier) if earlier >= 0 else BatchState([], 0)
+    later = sorted(c for p in storage.list_all("") if (c := parse_metadata_path(p)) is not None)
+    hint = f" (it holds checkpoints up to {later[-1]})" if later else ""
+    raise CheckpointError(
+        f"no state after batch {batch} in {cfg.job_dir}{hint} for operator {cfg.uid!r}: neither "
+        f"{metadata_path(batch)} nor a complete set of pending handles (a batch whose output was evaluated "
+        "only in part, or a Spark checkpointLocation not kept together with this one)"
+    )
+
+
+def _last_batch_with_state(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> int | None:
+    """The last batch before ``batch`` that left a checkpoint or pending records (-1: none, the
+    query's batches so far had no rows)."""
+    batches = {int(p.split("/")[1]) for p in storage.list_all("pending") if p.split("/")[2:3] == [cfg.uid]}
+    batches |= {c for p in storage.list_all("") if (c := parse_metadata_path(p)) is not None}
+    earlier = [b for b in batches if b < batch]
+    return max(earlier) if earlier else -1
+
+
+def committed_handle(storage: StateChangelogStorage, cfg: OperatorConfig, subtask: int, batch: int) -> Any:
+    """The handle JSON this subtask committed for ``batch`` (None if unknown): local tables are
+    only trusted if they hold exactly that state (not a superseded attempt, not another life)."""
+    try:
+        record = json.loads(storage.get_file(pending_path(batch, cfg.uid, subtask)))
+        if record.get("parallelism") == cfg.parallelism:
+            return record.get("handle")
+    except FileNotFoundError:
+        pass
+    meta = read_checkpoint(storage, cfg, batch)
+    if meta is None or cfg.uid not in meta.operators:
+        return None
+    rng = cfg.key_group_range(subtask)
+    for handle in meta.operators[cfg.uid].get("subtasks", []):
+        if KeyedStateHandle.from_json(handle).key_group_range == rng:
+            return handle
+    return None
+
+
+def pending_batches(storage: StateChangelogStorage, cfg: OperatorConfig) -> list[int]:
+    """The batches with pending records of this operator, latest first (one listing of
+    ``pending/``: the driver keeps only the batches after the latest checkpoint, and the latest
+    batch's records stay until the next checkpoint)."""
+    batches = {p[0] for path in storage.list_all(PENDING_DIR) if (p := parse_pending_path(path)) and p[1] == cfg.uid}
+    return sorted(batches, reverse=True)
+
+
+#: the file naming the Spark query that owns a state directory
+OWNER_FILE = "_query.json"
+_CLAIMED: set[tuple[str, str]] = set()
+
+
+def claim_directory(storage: StateChangelogStorage, cfg: OperatorConfig, query_id: str) -> None:
+    """Make sure the state directory belongs to the Spark query ``query_id`` (its id is kept in
+    Spark's checkpointLocation, the same in every run): claimed by the first task that runs, and
+    refused to any other query, so that two queries never share state silently. Checked once per
+    process and directory."""
+    if not query_id or (cfg.job_dir, query_id) in _CLAIMED:
+        return
+    owner = _owner(storage)
+    if owner is None:
+        storage.put_file(OWNER_FILE, json.dumps({"query_id": query_id}).encode())
+        owner = _owner(storage)  # two queries racing to claim it: the last write wins, the other fails
+    if owner != query_id:
+        raise CheckpointError(
+            f"the state directory {cfg.job_dir} belongs to another streaming query (id {owner}), not to this one "
+            f"(id {query_id}): two queries cannot share one state directory; give each query its own "
+            "checkpoint_location (or operator_uid with use_for_session). If this is the same query with a new "
+            "Spark checkpointLocation, its state is gone with the old one: delete this directory too"
+        )
+    _CLAIMED.add((cfg.job_dir, query_id))
+
+
+def _owner(storage: StateChangelogStorage) -> str | None:
+    try:
+        value = json.loads(storage.get_file(OWNER_FILE))
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise CheckpointError(f"{OWNER_FILE} in the state directory is not valid JSON: {exc}") from exc
+    return str(value.get("query_id")) if isinstance(value, dict) else None

@@ -1,0 +1,72 @@
+"""What one operator of a query is, as every task and the driver see it: ``OperatorConfig``.
+
+It is built once on the driver (``backend.spark.plan.build``) and shipped, pickled with the task
+closure, to every Python worker, so it holds only plain values. The watermark rules live here too
+because the tasks (which apply them) and the no-data batch source (which decides when a batch
+without input is due) must compute them identically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from backend.core.keygroups import key_group_range_for_subtask
+from dstl import ChangelogConfig, KeyGroupRange
+
+__all__ = ["EVENT", "PROCESSING", "OperatorConfig", "Watermarks", "watermark_after"]
+
+#: the kinds of batches without input Spark runs for an operator (``OperatorConfig.no_data_batches``):
+#: after every batch while processing-time timers or timeouts may be due, or after a batch that
+#: advanced the event-time watermark
+PROCESSING = "processing"
+EVENT = "event"
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Everything a task needs, shipped (pickled) with the task."""
+
+    job_dir: str
+    uid: str
+    parallelism: int
+    max_parallelism: int
+    local_root: str
+    changelog: ChangelogConfig
+    materialization_interval_ms: int = 600_000
+    size_trigger_bytes: int | None = 64 << 20
+    #: how long a task waits for its batch's snapshot to be durable, milliseconds
+    snapshot_timeout_ms: int = 120_000
+    #: the input's ``withWatermark`` delay (None: no watermark); the watermark of batch b is the
+    #: largest event time of batches < b minus this, as in Spark
+    watermark_delay_ms: int | None = None
+    #: drop rows whose event time is at or behind the previous batch's watermark before the user's
+    #: code sees them (Spark does in EventTime mode and with EventTimeTimeout only)
+    drop_late_rows: bool = False
+    #: which batches without input this operator needs (``PROCESSING``, ``EVENT`` or None); see
+    #: ``backend.spark.ticks``
+    no_data_batches: str | None = None
+
+    def key_group_range(self, subtask: int) -> KeyGroupRange:
+        return key_group_range_for_subtask(self.max_parallelism, self.parallelism, subtask)
+
+    def local_dir(self, subtask: int) -> Path:
+        name = self.job_dir.replace("://", "_").replace("/", "_").strip("_")
+        return Path(self.local_root) / name / self.uid / f"{subtask}-of-{self.parallelism}"
+
+
+def watermark_after(event_time_basis_ms: int, delay_ms: int) -> int:
+    """The watermark once the largest event time seen is ``event_time_basis_ms``: that minus the
+    delay, never below 0 (Spark's ``WatermarkTracker``; 0 until an event was seen)."""
+    return max(0, event_time_basis_ms - delay_ms) if event_time_basis_ms > 0 else 0
+
+
+@dataclass(frozen=True)
+class Watermarks:
+    """The two watermarks of one batch (Spark's ``PropagateWatermarkSimulator``, the default since
+    multiple stateful operators are allowed): timers and timeouts fire up to ``eviction_ms``, the
+    watermark of this batch; rows at or behind ``late_ms``, the watermark of the previous batch,
+    are late."""
+
+    eviction_ms: int
+    late_ms: int
