@@ -93,7 +93,7 @@ def _transform(
 
     mode = str(time_mode).lower()
     no_data = {"processingtime": PROCESSING, "eventtime": EVENT}.get(mode)
-    return build(grouped, schema, make_process, no_data_batches=no_data, drop_late_rows=mode == "eventtime", **options)
+    return build(grouped, schema, make_process, no_data, mode == "eventtime", **options)
 
 
 def backend_subtask(backend: Any, cfg: OperatorConfig) -> int:
@@ -177,8 +177,8 @@ def apply_in_pandas_with_state(
         return process
 
     no_data = {GroupStateTimeout.ProcessingTimeTimeout: PROCESSING, GroupStateTimeout.EventTimeTimeout: EVENT}
-    return build(grouped, schema, make_process, no_data_batches=no_data.get(timeoutConf),
-                 drop_late_rows=timeoutConf == GroupStateTimeout.EventTimeTimeout, **options)  # fmt: skip
+    late = timeoutConf == GroupStateTimeout.EventTimeTimeout
+    return build(grouped, schema, make_process, no_data.get(timeoutConf), late, **options)
 
 
 _ROUTED = ("transformWithStateInPandas", "transformWithState", "applyInPandasWithState")

@@ -102,6 +102,8 @@ def build(
     grouped: Any,
     output_schema: Any,
     make_process: Callable[[OperatorConfig, list[str]], Callable[..., list[Any]]],
+    no_data_batches: str | None,
+    drop_late_rows: bool,
     *,
     checkpoint_location: str | None,
     operator_uid: str | None,
@@ -112,8 +114,6 @@ def build(
     num_retained: int = 2,
     materialization_interval_ms: int = 600_000,
     size_trigger_bytes: int | None = 64 << 20,
-    no_data_batches: str | None = None,
-    drop_late_rows: bool = False,
 ) -> Any:
     """The streaming DataFrame running ``make_process(cfg, key columns)`` per subtask and batch.
 
