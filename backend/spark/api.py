@@ -10,7 +10,9 @@ Options (keyword-only, all optional): ``parallelism`` (default: spark.sql.shuffl
 may change between runs: the state is rescaled), ``max_parallelism`` (128; fixed for the life of
 the state), ``local_dir`` (the host's LMDB directories), ``changelog_config``
 (``dstl.ChangelogConfig``: S3 options, hedging, ...), ``num_retained`` (2),
-``materialization_interval_ms`` (600000) and ``size_trigger_bytes`` (64 MiB).
+``materialization_interval_ms`` (600000), ``size_trigger_bytes`` (64 MiB) and
+``strict_state_types`` (False: a wrongly typed state field is stored as Spark stores it, with a
+warning; True: it raises ``StateValueError``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ def _transform(
         raise ConfigurationError("timeMode='EventTime' needs a watermark: call withWatermark on the input")
     schema = _parse(grouped, output_schema)
     names = [f.name for f in schema.fields]
+    row_types: dict[str, Any] = {}
+    if not use_pandas:  # the Row API hands out Spark's Python types (aware timestamps, maps as pairs)
+        row_types["input_schema"] = grouped._df.schema
+        row_types["session_timezone"] = grouped._df.sparkSession.conf.get("spark.sql.session.timeZone")
+        row_types["initial_state_schema"] = None if initial_state is None else initial_state._df.schema
 
     def make_process(cfg: OperatorConfig, keys: list[str]) -> Callable[..., list[Any]]:
         init_keys = None
@@ -82,7 +89,7 @@ def _transform(
                 processor, backend, [f.drop(columns=_internal(f)) for f in frames], key_columns=keys,
                 time_mode=time_mode, batch_id=batch_id, batch_timestamp_ms=now_ms, use_pandas=use_pandas,
                 key_group_column=KEY_GROUP, watermark_ms=watermark or 0, initial_state=initial,
-                initial_state_key_columns=init_keys,
+                initial_state_key_columns=init_keys, strict_types=cfg.strict_state_types, **row_types,
             )  # fmt: skip
             if use_pandas:
                 return [f for f in out if len(f)]
@@ -160,6 +167,7 @@ def apply_in_pandas_with_state(
     schema = _parse(grouped, outputStructType)
     state_schema = _parse(grouped, stateStructType)
     data_columns = [c for c in grouped._df.columns]
+    input_schema = grouped._df.schema  # the key columns' types, for the keys of timeouts
 
     def make_process(cfg: OperatorConfig, keys: list[str]) -> Callable[..., list[Any]]:
         def process(backend: Any, frames: list[Any], now_ms: int, batch_id: int, watermark: int | None) -> list[Any]:
@@ -171,6 +179,7 @@ def apply_in_pandas_with_state(
                 func, backend, [f.drop(columns=_internal(f)) for f in frames], key_columns=keys,
                 state_schema=state_schema, timeout_conf=timeoutConf, batch_timestamp_ms=now_ms,
                 data_columns=data_columns, key_group_column=KEY_GROUP, watermark_ms=watermark,
+                input_schema=input_schema, strict_types=cfg.strict_state_types,
             )  # fmt: skip
             return [f for f in out if len(f)]
 

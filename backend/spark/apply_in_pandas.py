@@ -22,6 +22,7 @@ from backend.spark.batch import SPARK_MAX_RECORDS_PER_BATCH, BatchClock, Partiti
 from backend.spark.codecs import struct_codec
 from backend.spark.group_state import GroupState, GroupStateTimeout, check_timeout_conf
 from backend.spark.keys import set_key
+from backend.spark.schema import input_type
 
 if TYPE_CHECKING:
     from backend.state.keyed_backend import ChangelogKeyedStateBackend
@@ -30,6 +31,22 @@ __all__ = ["GROUP_STATE_NAME", "run_apply_in_pandas_with_state"]
 
 #: the backend state holding ``applyInPandasWithState``'s (timeout, value) per key
 GROUP_STATE_NAME = "__group_state__"
+
+
+#: the numpy scalar type of each Spark type a key column may have (others are Python values)
+_KEY_DTYPES = {
+    "long": "int64", "int": "int32", "short": "int16", "byte": "int8", "double": "float64", "float": "float32",
+}  # fmt: skip
+
+
+def _key_dtypes(input_schema: Any, key_columns: Sequence[str]) -> list[Any] | None:
+    """The numpy dtypes of the key columns by the input's Spark schema (None: not known)."""
+    import numpy as np
+
+    if input_schema is None:
+        return None
+    types = {f.name: input_type(f.dataType).name for f in input_schema.fields}
+    return [np.dtype(_KEY_DTYPES[types[c]]) if types.get(c) in _KEY_DTYPES else None for c in key_columns]
 
 
 def _numpy_key(bkey: tuple[Any, ...], dtypes: Sequence[Any] | None) -> tuple[Any, ...]:
@@ -66,6 +83,8 @@ def run_apply_in_pandas_with_state(
     key_group_column: str | None = None,
     max_records_per_batch: int = SPARK_MAX_RECORDS_PER_BATCH,
     state_name: str = GROUP_STATE_NAME,
+    strict_types: bool = False,
+    input_schema: Any = None,
 ) -> Iterator[Any]:
     """Run an ``applyInPandasWithState`` function over one partition of one micro-batch.
 
@@ -77,9 +96,13 @@ def run_apply_in_pandas_with_state(
     timers, so finding the timed-out keys costs what times out, not a scan of every key.
     ``data_columns``: the input's columns, for the empty DataFrame of a timed-out key when the
     partition has no rows. ``key_group_column``: as for ``run_transform_with_state``.
+    ``strict_types``: a state value of the wrong type fails the run with ``StateValueError``
+    instead of being stored as Spark stores it (a warning then). ``input_schema`` (pyspark
+    ``StructType``): gives a timed-out key the numpy types of its columns when the partition has no
+    rows to take them from.
     """
     check_timeout_conf(timeout_conf)
-    codec = struct_codec(state_schema, state_name)
+    codec = struct_codec(state_schema, state_name, strict_types)
     # (timeout timestamp, value or None): Spark keeps a removed value's pending timeout too
     serializer = TupleSerializer([Int64Serializer(), OptionalSerializer(codec.serializer)])
     state = backend.get_state(ValueStateDescriptor(state_name, serializer))
@@ -108,7 +131,7 @@ def run_apply_in_pandas_with_state(
             if stored is not None:
                 state.clear()
         elif group_state._updated or group_state._removed or new_timeout != old_timeout:
-            stored_value = codec.to_store(group_state._value, f"state {state_name!r}") if group_state.exists else None
+            stored_value = codec.to_store(group_state._value) if group_state.exists else None
             state.update((new_timeout, stored_value))
         if timers is not None:
             register, delete = timers
@@ -119,7 +142,7 @@ def run_apply_in_pandas_with_state(
                 register(wanted)
 
     with BatchClock(backend, batch_timestamp_ms):
-        part = Partition(data, key_columns, True, key_group_column, numpy_keys=True)
+        part = Partition(data, key_columns, True, key_group_column, numpy_keys=True, input_schema=input_schema)
         for bkey in key_order(part):
             group = part.groups[bkey]
             set_key(backend, bkey, group.key_group)
@@ -135,6 +158,7 @@ def run_apply_in_pandas_with_state(
 
         columns = list(data_columns) if data_columns is not None else part.columns or list(key_columns)
         dtypes = [part.frame[c].dtype for c in key_columns] if part.frame is not None else None
+        dtypes = _key_dtypes(input_schema, key_columns) or dtypes
         for bkey, key_group, timestamp in due:
             set_key(backend, bkey, key_group)
             stored = state.value()

@@ -4,6 +4,16 @@
 and orders the keys as Spark does; ``BatchClock`` makes the backend's clock read the batch's
 processing timestamp; ``outputs`` checks what the user's functions yield.
 
+Why the rows are converted again: they arrive as ``mapInPandas`` frames, and each of Spark's
+operators hands its rows to user code in its own way (checked against pyspark 4.3, see
+tests/backend/spark/test_types_parity.py). ``transformWithStateInPandas`` rebuilds each key's
+frame from ``itertuples`` (ints widened to int64, floats to float64, a null int a float NaN,
+column names a namedtuple accepts); ``applyInPandasWithState`` keeps Arrow's dtypes (a null int a
+float NaN); ``transformWithState`` builds Rows from Arrow scalars (timestamps aware in the
+session time zone, timestamp_ntz naive, maps lists of (key, value) pairs, structs dicts), which
+needs the input's Spark schema (``RowTypes``): a pandas frame cannot tell a timestamp from a
+timestamp_ntz, nor a map from a struct.
+
 Why the runner owns the clock during the run: Spark's TTL and timeouts count from the batch's
 processing timestamp, not the wall clock, so a re-run batch (a retried task, a restarted query)
 expires exactly the same state. The backend's ``now_ms`` returns the batch timestamp while the
@@ -13,17 +23,20 @@ run's generator runs and is restored when it finishes.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import keyword
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from backend.spark.codecs import make_row
 from backend.spark.keys import backend_key
+from backend.spark.schema import SparkType, input_type
 
 if TYPE_CHECKING:
     from backend.state.keyed_backend import ChangelogKeyedStateBackend
 
-__all__ = ["SPARK_MAX_RECORDS_PER_BATCH", "BatchClock", "Group", "Partition", "key_order", "outputs"]
+__all__ = ["SPARK_MAX_RECORDS_PER_BATCH", "BatchClock", "Group", "Partition", "RowTypes", "key_order", "outputs"]
 
 SPARK_MAX_RECORDS_PER_BATCH = 10_000  # spark.sql.execution.arrow.maxRecordsPerBatch
 
@@ -50,16 +63,25 @@ class Partition:
         use_pandas: bool,
         key_group_column: str | None,
         numpy_keys: bool = False,
+        row_types: RowTypes | None = None,
+        input_schema: Any = None,
     ) -> None:
+        """``numpy_keys``: applyInPandasWithState's conventions (keys of numpy scalars, Arrow's
+        dtypes per key), else transformWithStateInPandas's. ``row_types``: how the Row API converts
+        the input's columns (None: as pyarrow infers them from the frame). ``input_schema``
+        (pyspark ``StructType``): tells applyInPandasWithState's int columns from float ones."""
         self.key_columns = tuple(key_columns)
         self.kg_column = key_group_column
         self.groups: dict[tuple[Any, ...], Group] = {}
         self.frame: Any = None
         self.columns: list[str] | None = None
+        #: per-key dtypes of columns whose dtype depends on nulls: (position, dtype when the key's
+        #: rows hold no null, conversion when they do or None); Spark converts each key's rows apart
+        self.chunk_dtypes: list[tuple[int, Any, Callable[[Any], Any] | None]] = []
         if use_pandas:
-            self._group_frames(data, numpy_keys)
+            self._group_frames(data, numpy_keys, input_schema)
         else:
-            self._group_rows(data)
+            self._group_rows(data, row_types)
 
     def _add(self, key: tuple[Any, ...], key_group: Any) -> Group:
         bkey = backend_key(key)
@@ -68,7 +90,7 @@ class Partition:
             group = self.groups[bkey] = Group(key, None if key_group is None else int(key_group))
         return group
 
-    def _group_frames(self, data: Iterable[Any], numpy_keys: bool) -> None:
+    def _group_frames(self, data: Iterable[Any], numpy_keys: bool, input_schema: Any) -> None:
         """Group with pandas (hashing in C), then sort the rows by group once (stable: a key's rows
         keep their order), so that each key's rows are one slice of ``self.frame``."""
         import numpy as np
@@ -99,11 +121,17 @@ class Partition:
                 group.key = tuple(c.iat[first] for c in columns)
             group.ranges.append((start, end))
             start = end
-        self.frame = frame.take(order)
+        if numpy_keys:  # applyInPandasWithState: Arrow's dtypes, converted per key
+            self.frame = frame.take(order)
+            self.chunk_dtypes = _per_key_dtypes(self.frame, _int_columns(input_schema))
+        else:  # transformWithStateInPandas: per Arrow batch, then pandas infers a key's frame again
+            self.frame = _widened(frame.take(order))
+            self.frame.columns = _namedtuple_fields(list(self.frame.columns))  # itertuples' field names
+            self.chunk_dtypes = [(i, bool, None) for i in _nullable_bools(self.frame)]
 
-    def _group_rows(self, data: Iterable[Any]) -> None:
+    def _group_rows(self, data: Iterable[Any], row_types: RowTypes | None) -> None:
         for item in data:
-            for row in _to_rows(item):
+            for row in _to_rows(item, row_types):
                 key_group = None
                 if self.kg_column is not None and self.kg_column in getattr(row, "__fields__", ()):
                     names = [n for n in row.__fields__ if n != self.kg_column]
@@ -121,7 +149,14 @@ class Partition:
             rows = pd.concat([self.frame.iloc[s:e] for s, e in group.ranges])
             offset, end = 0, len(rows)
         for start in range(offset, end, max_records):
-            yield rows.iloc[start : min(start + max_records, end)].reset_index(drop=True)
+            chunk = rows.iloc[start : min(start + max_records, end)].reset_index(drop=True)
+            for i, complete, with_nulls in self.chunk_dtypes:
+                column = chunk.iloc[:, i]
+                if column.notna().all():
+                    chunk.isetitem(i, column.astype(complete))
+                elif with_nulls is not None:
+                    chunk.isetitem(i, with_nulls(column))
+            yield chunk
 
 
 def _to_pandas(item: Any) -> Any:
@@ -130,19 +165,203 @@ def _to_pandas(item: Any) -> Any:
     return item
 
 
-def _to_rows(item: Any) -> Iterator[Any]:
-    """Rows as Spark's Row worker builds them: ``Row(*column names)(*values)``."""
+def _to_rows(item: Any, row_types: RowTypes | None) -> Iterator[Any]:
+    """Rows as Spark's Row worker builds them: ``Row(*column names)(*values of Arrow scalars)``."""
     if hasattr(item, "iloc"):  # pandas: through Arrow, so that NaN becomes None as in Spark
-        import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
-
-        item = pa.Table.from_pandas(item, preserve_index=False)
-    if hasattr(item, "column_names") and hasattr(item, "to_pydict"):  # pyarrow RecordBatch or Table
+        names = [str(c) for c in item.columns]
+        columns = [_column_values(item.iloc[:, i], row_types, name) for i, name in enumerate(names)]
+    elif hasattr(item, "column_names") and hasattr(item, "to_pydict"):  # pyarrow RecordBatch or Table
         names = list(item.column_names)
         columns = [item.column(i).to_pylist() for i in range(len(names))]
-        for values in zip(*columns, strict=True):
-            yield make_row(names, values)
     else:
         yield item
+        return
+    for values in zip(*columns, strict=True):
+        yield make_row(names, values)
+
+
+def _column_values(series: Any, row_types: RowTypes | None, name: str) -> list[Any]:
+    """One frame column as the Row API's Python values: through the Arrow type Spark sends (typed
+    by the input's schema when known), then timestamps made aware in the session time zone."""
+    import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
+
+    arrow_type = row_types.arrow.get(name) if row_types is not None else None
+    values: list[Any] | None = None
+    if arrow_type is not None:
+        try:
+            values = pa.array(series, type=arrow_type, from_pandas=True).to_pylist()
+        except (pa.ArrowException, TypeError, ValueError):
+            values = None  # a column the schema does not describe after all: as pyarrow infers it
+    if values is None:
+        return pa.array(series, from_pandas=True).to_pylist()  # type: ignore[no-any-return]
+    localize = row_types.localize.get(name) if row_types is not None else None
+    return values if localize is None else [localize(v) for v in values]
+
+
+@dataclass(frozen=True)
+class RowTypes:
+    """How the Row API converts input columns: the Arrow type of each column Spark sends (with
+    naive timestamps: a frame holds session wall-clock times) and, for columns holding
+    timestamps, a function making them aware in the session time zone, as Arrow's ``as_py`` does
+    for Spark's session-zoned timestamps. A wall-clock time the zone passes twice (the hour
+    repeated when daylight saving time ends) is taken as its first occurrence: the frame no
+    longer tells which one it was."""
+
+    arrow: dict[str, Any]
+    localize: dict[str, Callable[[Any], Any]]
+
+    @classmethod
+    def of(cls, schema: Any, timezone: str | None) -> RowTypes:
+        """From the input's pyspark ``StructType`` and the session time zone (None: the local one)."""
+        import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
+
+        if timezone is None:
+            tzinfo: Any = datetime.datetime.now().astimezone().tzinfo
+        else:  # the tzinfo Arrow's as_py attaches (a ZoneInfo, or a fixed offset)
+            tzinfo = pa.scalar(0, type=pa.timestamp("us", tz=timezone)).as_py().tzinfo
+        arrow: dict[str, Any] = {}
+        localize: dict[str, Callable[[Any], Any]] = {}
+        for column in schema.fields:
+            dtype = input_type(column.dataType)
+            arrow_type = _arrow_type(dtype)
+            if arrow_type is not None:
+                arrow[column.name] = arrow_type
+                converter = _localizer(dtype, tzinfo)
+                if converter is not None:
+                    localize[column.name] = converter
+        return cls(arrow, localize)
+
+
+def _arrow_type(dtype: SparkType) -> Any:
+    """The Arrow type of a Spark type, timestamps naive; None for a type left to inference."""
+    import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
+
+    simple = {
+        "long": pa.int64(), "int": pa.int32(), "short": pa.int16(), "byte": pa.int8(), "double": pa.float64(),
+        "float": pa.float32(), "string": pa.string(), "boolean": pa.bool_(), "binary": pa.binary(),
+        "timestamp": pa.timestamp("us"), "timestamp_ntz": pa.timestamp("us"), "date": pa.date32(),
+    }  # fmt: skip
+    if dtype.name in simple:
+        return simple[dtype.name]
+    if dtype.name == "decimal":
+        return pa.decimal128(dtype.precision, dtype.scale)
+    if dtype.name == "struct":
+        fields = [(f.name, _arrow_type(f.type)) for f in dtype.fields]
+        return None if any(t is None for _, t in fields) else pa.struct(fields)
+    if dtype.name in ("array", "map") and dtype.element is not None:
+        element = _arrow_type(dtype.element)
+        if dtype.value is None:
+            return None if element is None else pa.list_(element)
+        value = _arrow_type(dtype.value)
+        return None if element is None or value is None else pa.map_(element, value)
+    return None
+
+
+def _localizer(dtype: SparkType, tzinfo: Any) -> Callable[[Any], Any] | None:
+    """Wall-clock datetimes -> aware ones in ``tzinfo``, wherever ``dtype`` holds a timestamp
+    (arrays are lists, maps lists of pairs, structs dicts); None where it holds none."""
+    if dtype.name == "timestamp":
+        return lambda v: None if v is None else v.replace(tzinfo=tzinfo)
+    if dtype.name == "struct":
+        fields = [(f.name, _localizer(f.type, tzinfo)) for f in dtype.fields]
+        if all(c is None for _, c in fields):
+            return None
+        return lambda v: None if v is None else {n: v.get(n) if c is None else c(v.get(n)) for n, c in fields}
+    if dtype.name in ("array", "map") and dtype.element is not None:
+        element = _localizer(dtype.element, tzinfo)
+        if dtype.value is None:
+            return None if element is None else (lambda v: None if v is None else [element(x) for x in v])
+        value = _localizer(dtype.value, tzinfo)
+        if element is None and value is None:
+            return None
+        key_of = element or (lambda k: k)
+        value_of = value or (lambda x: x)
+        return lambda v: None if v is None else [(key_of(k), value_of(x)) for k, x in v]
+    return None
+
+
+def _widened(frame: Any) -> Any:
+    """transformWithStateInPandas's dtypes: ints int64 (a pandas nullable int holding a null
+    float64, NaN), floats float64, a nullable boolean holding a null an object column."""
+    import numpy as np
+    import pandas as pd
+
+    changed: dict[int, Any] = {}
+    for i, dtype in enumerate(frame.dtypes):
+        column = frame.iloc[:, i]
+        if isinstance(dtype, pd.api.extensions.ExtensionDtype):
+            if dtype.kind in "iu":
+                changed[i] = column.astype(np.float64 if column.isna().any() else np.int64)
+            elif dtype.kind == "b":
+                changed[i] = _object_bools(column) if column.isna().any() else column.astype(bool)
+            elif dtype.kind == "f":
+                changed[i] = column.astype(np.float64)
+        elif dtype.kind in "iu" and dtype != np.int64:
+            changed[i] = column.astype(np.int64)
+        elif dtype.kind == "f" and dtype != np.float64:
+            changed[i] = column.astype(np.float64)
+    if not changed:
+        return frame
+    frame = frame.copy(deep=False)
+    for i, converted in changed.items():
+        frame.isetitem(i, converted)
+    return frame
+
+
+def _object_bools(column: Any) -> Any:
+    return column.astype(object).where(column.notna(), None)
+
+
+def _as_float(column: Any) -> Any:
+    return column.astype("float64")
+
+
+def _int_columns(input_schema: Any) -> dict[str, str]:
+    """The numpy dtype of each integral column of the input (by its Spark type)."""
+    if input_schema is None:
+        return {}
+    numpy = {"long": "int64", "int": "int32", "short": "int16", "byte": "int8"}
+    types = {f.name: input_type(f.dataType).name for f in input_schema.fields}
+    return {name: numpy[t] for name, t in types.items() if t in numpy}
+
+
+def _per_key_dtypes(frame: Any, int_columns: dict[str, str]) -> list[tuple[int, Any, Callable[[Any], Any] | None]]:
+    """applyInPandasWithState's per-key dtypes: an int column is its numpy int for a key without
+    nulls and float64 (NaN) for one with; a boolean column bool, or object (None)."""
+    import pandas as pd
+
+    fixes: list[tuple[int, Any, Callable[[Any], Any] | None]] = []
+    for i, dtype in enumerate(frame.dtypes):
+        name = str(frame.columns[i])
+        if isinstance(dtype, pd.api.extensions.ExtensionDtype) and dtype.kind in "iu":
+            fixes.append((i, dtype.numpy_dtype, _as_float))
+        elif isinstance(dtype, pd.api.extensions.ExtensionDtype) and dtype.kind == "b":
+            fixes.append((i, bool, _object_bools))
+        elif dtype.kind == "f" and name in int_columns:  # an int column with a null, as Arrow gives it
+            fixes.append((i, int_columns[name], None))
+    fixes += [(i, bool, None) for i in _nullable_bools(frame)]
+    return fixes
+
+
+def _nullable_bools(frame: Any) -> list[int]:
+    """Positions of the object columns holding only booleans and nulls (some)."""
+    from pandas.api.types import infer_dtype  # type: ignore[import-untyped, unused-ignore]
+
+    columns = [(i, frame.iloc[:, i]) for i, dtype in enumerate(frame.dtypes) if dtype.kind == "O"]
+    return [i for i, c in columns if infer_dtype(c, skipna=True) == "boolean" and c.isna().any()]
+
+
+def _namedtuple_fields(columns: list[Any]) -> list[Any]:
+    """The column names of a frame rebuilt from ``itertuples``: what a namedtuple makes of them
+    (an invalid identifier, a keyword, a leading underscore or a duplicate becomes ``_<position>``)."""
+    import collections
+
+    fields = [str(c) for c in columns]
+    if all(f.isidentifier() and not f.startswith("_") and not keyword.iskeyword(f) for f in fields) and len(
+        set(fields)
+    ) == len(fields):
+        return columns
+    return list(collections.namedtuple("Pandas", fields, rename=True)._fields)  # type: ignore[attr-defined]
 
 
 def _sort_key(key: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -7,11 +7,22 @@ when they are written (``update``/``put``), not when a checkpoint serializes the
 value fails in the user's call as it would in Spark.
 
 Types returned, as checked against pyspark 4.3 running Spark's own state server (see
-tests/backend/spark/test_adapter.py): ``ValueState.get`` and list/map iterators give plain tuples;
-``MapState.getValue`` gives a ``Row`` with the value schema's field names; nested structs are
-``Row``s, arrays lists, maps dicts, timestamps naive ``datetime`` (local time, as pyspark's
+tests/backend/spark/test_types_parity.py): ``ValueState.get`` and list/map iterators give plain
+tuples; ``MapState.getValue`` gives a ``Row`` with the value schema's field names; nested structs
+are ``Row``s, arrays lists, maps dicts, timestamps naive ``datetime`` (local time, as pyspark's
 ``TimestampType``), dates ``date``, decimals ``Decimal`` at the type's scale, binary ``bytes``,
 and ``float`` fields are rounded to 32 bits.
+
+A value of the wrong Python type is handled as Spark handles it, because a query moved here must
+store what it stored before. Spark converts a state value in two steps: pyspark's
+``StructType.toInternal`` (which raises for a wrong type only in date, timestamp and struct
+fields), then the JVM's conversion from the pickled Java object, which stores null where the Java
+type does not match the field (an int in a double field, a str in a long field), wraps ints
+narrowed to int/smallint/tinyint, turns anything into its Java string in a string field, and
+fails the query for a struct of the wrong length or a decimal that does not fit. Each codec's
+``to_store`` accepts the right type on a fast path and leaves everything else to ``coerce``,
+which does what Spark does, logs a warning once per state and field and, with ``strict``, raises
+``StateValueError`` instead.
 """
 
 from __future__ import annotations
@@ -19,11 +30,12 @@ from __future__ import annotations
 import calendar
 import datetime
 import decimal
+import logging
 import math
 import struct
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from backend.core.serializers import (
     BoolSerializer,
@@ -36,8 +48,8 @@ from backend.core.serializers import (
     Serializer,
     StrSerializer,
 )
-from backend.spark.errors import UnsupportedSchemaError
-from backend.spark.schema import SparkType, parse_schema
+from backend.spark.errors import StateValueError, UnsupportedSchemaError
+from backend.spark.schema import SparkType, parse_schema, simple_string
 
 __all__ = [
     "Codec",
@@ -49,7 +61,11 @@ __all__ = [
     "struct_codec",
 ]
 
+log = logging.getLogger(__name__)
+
 _ROW_CLASS: Any = None
+#: (state, field) pairs already warned about: one warning per state and field and process
+_WARNED: set[tuple[str, str]] = set()
 
 
 def make_row(names: Sequence[str], values: Sequence[Any]) -> Any:
@@ -69,117 +85,321 @@ def make_row(names: Sequence[str], values: Sequence[Any]) -> Any:
 
 def plain_value(value: Any) -> Any:
     """numpy and pandas scalars -> Python ones, as pyspark's ``_normalize_state_value`` does."""
-    if type(value).__module__ == "numpy" and hasattr(value, "item"):
+    if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
         return value.item()
     if hasattr(value, "to_pydatetime"):
         return value.to_pydatetime()
     return value
 
 
+def _pyspark_error(kind: str, message: str, error_class: str | None = None, **parameters: str) -> Exception:
+    """pyspark's own error where pyspark raises one (``kind``: "value" or "runtime"), else a builtin."""
+    try:
+        from pyspark import errors
+    except ImportError:  # pragma: no cover - pyspark is installed wherever processors run
+        return (ValueError if kind == "value" else RuntimeError)(message)
+    cls = errors.PySparkValueError if kind == "value" else errors.PySparkRuntimeError
+    if error_class is None:
+        return cls(message)
+    return cls(errorClass=error_class, messageParameters=parameters)
+
+
+def _java_double(value: float) -> str:
+    """Java's ``Double.toString``: what a float becomes in a string field."""
+    if value != value:
+        return "NaN"
+    if math.isinf(value):
+        return "Infinity" if value > 0 else "-Infinity"
+    if value == 0:
+        return "-0.0" if math.copysign(1.0, value) < 0 else "0.0"
+    sign = "-" if value < 0 else ""
+    digits_tuple = decimal.Decimal(repr(abs(value))).normalize().as_tuple()
+    digits = "".join(map(str, digits_tuple.digits))
+    exponent = len(digits) + int(digits_tuple.exponent) - 1  # scientific exponent of the first digit
+    if -3 <= exponent < 7:
+        if exponent < 0:
+            return f"{sign}0.{'0' * (-exponent - 1)}{digits}"
+        whole, fraction = digits[: exponent + 1].ljust(exponent + 1, "0"), digits[exponent + 1 :]
+        return f"{sign}{whole}.{fraction or '0'}"
+    return f"{sign}{digits[0]}.{digits[1:] or '0'}E{exponent}"
+
+
+def _java_string(value: Any) -> str:
+    """The Java ``toString`` of the object Spark's JVM unpickles ``value`` into (a dict is a
+    HashMap, a set a HashSet: their order is Java's). Where that is an identity string (``[B@1b2c``
+    for bytes, a Calendar for dates) no value can match: str() then."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(int(value))
+    if isinstance(value, float):
+        return _java_double(value)
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_java_string(v) for v in value) + "]"
+    if isinstance(value, set | frozenset):
+        return "[" + ", ".join(_java_string(v) for v in _java_order(list(value), hash_set=True)) + "]"
+    if isinstance(value, dict):
+        keys = _java_order(list(value), hash_set=False)
+        return "{" + ", ".join(f"{_java_string(k)}={_java_string(value[k])}" for k in keys) + "}"
+    return str(value)
+
+
+def _java_hash(value: Any) -> int | None:
+    """``hashCode()`` of the Java object a Python value unpickles into; None if not modelled."""
+    if value is None:
+        return 0
+    if isinstance(value, bool):
+        return 1231 if value else 1237
+    if isinstance(value, int):
+        if -(1 << 31) <= value < 1 << 31:
+            return int(value)  # Integer
+        if _LONG_MIN <= value < _LONG_END:
+            bits = value & 0xFFFF_FFFF_FFFF_FFFF  # Long: (int)(v ^ (v >>> 32))
+            return _int32(bits ^ (bits >> 32))
+        return None
+    if isinstance(value, float):
+        bits = 0x7FF8_0000_0000_0000 if value != value else struct.unpack(">Q", struct.pack(">d", value))[0]
+        return _int32(bits ^ (bits >> 32))
+    if isinstance(value, str):
+        units = value.encode("utf-16-be", "surrogatepass")  # String.hashCode is over UTF-16 code units
+        h = 0
+        for unit in struct.unpack(f">{len(units) // 2}H", units):
+            h = (31 * h + unit) & 0xFFFF_FFFF
+        return _int32(h)
+    return None
+
+
+def _int32(value: int) -> int:
+    value &= 0xFFFF_FFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _java_order(keys: list[Any], hash_set: bool) -> list[Any]:
+    """``keys`` in the iteration order of a Java HashMap they were put into in this order (a
+    HashSet built from them with ``hash_set``): by bucket, then insertion order."""
+    hashes = [_java_hash(k) for k in keys]
+    if any(h is None for h in hashes):
+        return keys
+    if hash_set:  # new HashSet(collection): capacity for size / .75 + 1, at least 16
+        need, capacity = max(int(len(keys) / 0.75) + 1, 16), 1
+        while capacity < need:
+            capacity *= 2
+    else:  # new HashMap(), then put: doubles when the size passes 3/4 of the capacity
+        capacity = 16
+        while len(keys) > capacity * 3 // 4:
+            capacity *= 2
+    buckets = [((h & 0xFFFF_FFFF) ^ ((h & 0xFFFF_FFFF) >> 16)) & (capacity - 1) for h in hashes]  # type: ignore[operator]
+    return [k for _, _, k in sorted(zip(buckets, range(len(keys)), keys, strict=True))]
+
+
+def _shown(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
+
 _INT_BITS = {"long": 64, "int": 32, "short": 16, "byte": 8}
 _FLOAT32 = struct.Struct(">f")
 _EPOCH_ORDINAL = datetime.date(1970, 1, 1).toordinal()
 _UTC_EPOCH = datetime.datetime(1970, 1, 1)
+_LONG_MIN, _LONG_END = -(1 << 63), 1 << 63
+_DECIMALS = decimal.Context(prec=80)  # room for decimal(38, s) at any scale: quantize must not overflow
 
 
 class Codec:
-    """Checks and converts a Python value for one Spark type (``to_store``) and back (``from_store``)."""
+    """Checks and converts a Python value for one Spark type (``to_store``) and back (``from_store``).
+
+    ``field`` names the field in warnings and errors (its path in the schema), ``state`` the state;
+    ``strict`` raises ``StateValueError`` where Spark would convert a wrongly typed value."""
 
     serializer: Serializer[Any]
     json_safe = False  # storable inside a JSON array or map (ints, floats, str, bool and nestings)
 
-    def __init__(self, dtype: SparkType) -> None:
-        self.dtype = dtype
+    def __init__(self, dtype: SparkType, field: str = "", state: str = "", strict: bool = False) -> None:
+        self.dtype, self.field, self.state, self.strict = dtype, field, state, strict
+        self.expected = simple_string(dtype)
 
-    def to_store(self, value: Any, where: str) -> Any:
+    def to_store(self, value: Any) -> Any:
+        """``value`` (not None) as stored: the right type on a fast path, anything else ``coerce``."""
+        raise NotImplementedError
+
+    def coerce(self, value: Any) -> Any:
+        """What Spark stores for ``value`` (numpy and pandas scalars count as their Python values)."""
         raise NotImplementedError
 
     def from_store(self, stored: Any) -> Any:
         return stored
 
-    def bad(self, value: Any, where: str) -> ValueError:
-        return ValueError(f"{where}: {value!r} ({type(value).__name__}) is not a valid {self.dtype.name}")
+    def wrong(self, value: Any, stored: Any) -> Any:
+        """``value`` has the wrong type and Spark stores ``stored``: warn once, or raise if strict."""
+        if self.strict:
+            raise StateValueError(self.state, self.field, self.expected, value)
+        if (self.state, self.field) not in _WARNED:
+            _WARNED.add((self.state, self.field))
+            log.warning(
+                "state %r field %r: expected %s, got %s %s; stored %r as Spark does (warned once per state and "
+                "field; strict state types raise instead)",
+                self.state, self.field, self.expected, type(value).__name__, _shown(value),
+                None if stored is None else self.from_store(stored),
+            )  # fmt: skip
+        return stored
+
+    def fail(self, value: Any, error: Exception) -> NoReturn:
+        """Spark raises ``error`` for ``value``: raise it (naming the field), or StateValueError if strict."""
+        if self.strict:
+            raise StateValueError(self.state, self.field, self.expected, value) from None
+        if type(error) in (AttributeError, TypeError, ValueError):
+            raise type(error)(f"{self.where()} ({self.expected}): {error}") from None
+        raise error
+
+    def where(self) -> str:
+        return f"state {self.state!r}" + (f" field {self.field!r}" if self.field else "")
 
 
 class _Int(Codec):
     serializer = Int64Serializer()
     json_safe = True
 
-    def to_store(self, value: Any, where: str) -> Any:
+    def __init__(self, dtype: SparkType, field: str = "", state: str = "", strict: bool = False) -> None:
+        super().__init__(dtype, field, state, strict)
+        self.bits = _INT_BITS[dtype.name]
+        self.low, self.end = -(1 << (self.bits - 1)), 1 << (self.bits - 1)
+
+    def to_store(self, value: Any) -> Any:
+        if type(value) is int and self.low <= value < self.end:
+            return value
+        return self.coerce(value)
+
+    def coerce(self, value: Any) -> Any:
         value = plain_value(value)
         if not isinstance(value, int) or isinstance(value, bool):
-            raise self.bad(value, where)
-        bits = _INT_BITS[self.dtype.name]
-        if not -(1 << (bits - 1)) <= value < (1 << (bits - 1)):
-            raise ValueError(f"{where}: {value} is out of range for {self.dtype.name}")
-        return int(value)
+            return self.wrong(value, None)  # the JVM takes only Integer/Long here
+        value = int(value)
+        if self.low <= value < self.end:
+            return value
+        if not _LONG_MIN <= value < _LONG_END:
+            return self.wrong(value, None)  # a BigInteger in the JVM
+        wrapped = value & ((1 << self.bits) - 1)  # the JVM narrows (toInt/toShort/toByte): two's complement
+        return self.wrong(value, wrapped - (1 << self.bits) if wrapped >= self.end else wrapped)
 
 
 class _Float(Codec):
     serializer = Float64Serializer()
     json_safe = True
 
-    def to_store(self, value: Any, where: str) -> Any:
+    def __init__(self, dtype: SparkType, field: str = "", state: str = "", strict: bool = False) -> None:
+        super().__init__(dtype, field, state, strict)
+        self.single = dtype.name == "float"
+
+    def to_store(self, value: Any) -> Any:
+        if type(value) is float:
+            return _round32(value) if self.single else value
+        return self.coerce(value)
+
+    def coerce(self, value: Any) -> Any:
         value = plain_value(value)
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise self.bad(value, where)
-        value = float(value)
-        if self.dtype.name == "float":  # Spark stores 32 bits: read back what Spark reads back
-            try:
-                value = _FLOAT32.unpack(_FLOAT32.pack(value))[0]
-            except OverflowError:
-                value = math.copysign(math.inf, value)
-        return value
+        if not isinstance(value, float):
+            return self.wrong(value, None)  # the JVM takes only Double: an int is null here
+        return _round32(float(value)) if self.single else float(value)
+
+
+def _round32(value: float) -> float:
+    """A float field reads back what Spark reads back: the value rounded to 32 bits."""
+    try:
+        return float(_FLOAT32.unpack(_FLOAT32.pack(value))[0])
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 class _Str(Codec):
     serializer = StrSerializer()
     json_safe = True
 
-    def to_store(self, value: Any, where: str) -> Any:
+    def to_store(self, value: Any) -> Any:
+        if type(value) is str:
+            return value
+        return self.coerce(value)
+
+    def coerce(self, value: Any) -> Any:
         value = plain_value(value)
-        if not isinstance(value, str):
-            raise self.bad(value, where)
-        return str(value)
+        if isinstance(value, str):
+            return str(value)
+        return self.wrong(value, _java_string(value))
 
 
 class _Bool(Codec):
     serializer = BoolSerializer()
     json_safe = True
 
-    def to_store(self, value: Any, where: str) -> Any:
+    def to_store(self, value: Any) -> Any:
+        if type(value) is bool:
+            return value
+        return self.coerce(value)
+
+    def coerce(self, value: Any) -> Any:
         value = plain_value(value)
-        if not isinstance(value, bool):
-            raise self.bad(value, where)
-        return bool(value)
+        if isinstance(value, bool):
+            return bool(value)
+        return self.wrong(value, None)
 
 
 class _Binary(Codec):
     serializer = BytesSerializer()
 
-    def to_store(self, value: Any, where: str) -> Any:
-        if not isinstance(value, bytes | bytearray | memoryview):
-            raise self.bad(value, where)
-        return bytes(value)
+    def to_store(self, value: Any) -> Any:
+        if type(value) is bytes:
+            return value
+        return self.coerce(value)
+
+    def coerce(self, value: Any) -> Any:
+        value = plain_value(value)
+        if isinstance(value, bytearray):
+            return bytes(value)
+        if isinstance(value, memoryview):  # pyspark pickles the value: a memoryview cannot be
+            self.fail(value, TypeError("cannot pickle 'memoryview' object"))
+        if isinstance(value, str):
+            return self.wrong(value, value.encode("utf-8", "replace"))  # the JVM: String.getBytes(UTF_8)
+        return self.wrong(value, None)
 
 
 class _Timestamp(Codec):
-    """Microseconds since the epoch, converted as pyspark's TimestampType / TimestampNTZType do."""
+    """Microseconds since the epoch, converted as pyspark's TimestampType / TimestampNTZType do
+    (a naive datetime is local time; timestamp_ntz keeps the wall time, ignoring a tzinfo)."""
 
     serializer = Int64Serializer()
 
-    def to_store(self, value: Any, where: str) -> Any:
-        value = plain_value(value)
-        if not isinstance(value, datetime.datetime):
-            raise self.bad(value, where)
-        if self.dtype.name == "timestamp_ntz" or value.tzinfo is not None:
+    def __init__(self, dtype: SparkType, field: str = "", state: str = "", strict: bool = False) -> None:
+        super().__init__(dtype, field, state, strict)
+        self.ntz = dtype.name == "timestamp_ntz"
+
+    def to_store(self, value: Any) -> Any:
+        if type(value) is datetime.datetime:
+            return self.micros(value)
+        return self.coerce(value)
+
+    def micros(self, value: Any) -> int:
+        """pyspark's ``toInternal``; on another type it raises what pyspark raises (AttributeError)."""
+        if self.ntz:
+            seconds: float = calendar.timegm(value.timetuple())
+        elif value.tzinfo:
             seconds = calendar.timegm(value.utctimetuple())
         else:
-            seconds = int(time.mktime(value.timetuple()))
-        return seconds * 1_000_000 + value.microsecond
+            seconds = time.mktime(value.timetuple())
+        return int(seconds) * 1_000_000 + int(value.microsecond)
+
+    def coerce(self, value: Any) -> Any:
+        value = plain_value(value)
+        try:
+            stored = self.micros(value)
+        except Exception as exc:  # whatever pyspark's conversion raises, Spark raises
+            self.fail(value, exc)
+        return stored if isinstance(value, datetime.datetime) else self.wrong(value, stored)
 
     def from_store(self, stored: Any) -> Any:
-        if self.dtype.name == "timestamp_ntz":
+        if self.ntz:
             return _UTC_EPOCH + datetime.timedelta(microseconds=stored)
         return datetime.datetime.fromtimestamp(stored // 1_000_000).replace(microsecond=stored % 1_000_000)
 
@@ -187,11 +407,20 @@ class _Timestamp(Codec):
 class _Date(Codec):
     serializer = Int64Serializer()
 
-    def to_store(self, value: Any, where: str) -> Any:
+    def to_store(self, value: Any) -> Any:
+        if type(value) is datetime.date:
+            return value.toordinal() - _EPOCH_ORDINAL
+        return self.coerce(value)
+
+    def coerce(self, value: Any) -> Any:
         value = plain_value(value)
-        if not isinstance(value, datetime.date):
-            raise self.bad(value, where)
-        return value.toordinal() - _EPOCH_ORDINAL
+        try:
+            stored = value.toordinal() - _EPOCH_ORDINAL  # pyspark's DateType.toInternal (a datetime: its date)
+        except Exception as exc:  # whatever pyspark's conversion raises, Spark raises
+            self.fail(value, exc)
+        if isinstance(value, datetime.date):
+            return stored
+        return self.wrong(value, stored if type(stored) is int else None)
 
     def from_store(self, stored: Any) -> Any:
         return datetime.date.fromordinal(stored + _EPOCH_ORDINAL)
@@ -202,16 +431,32 @@ class _Decimal(Codec):
 
     serializer = StrSerializer()
 
-    def to_store(self, value: Any, where: str) -> Any:
+    def __init__(self, dtype: SparkType, field: str = "", state: str = "", strict: bool = False) -> None:
+        super().__init__(dtype, field, state, strict)
+        self.quantum = decimal.Decimal(1).scaleb(-dtype.scale)
+
+    def to_store(self, value: Any) -> Any:
+        if type(value) is decimal.Decimal and value.is_finite():
+            scaled = value.quantize(self.quantum, decimal.ROUND_HALF_UP, _DECIMALS)  # as the JVM rounds
+            if len(scaled.as_tuple().digits) <= self.dtype.precision or not scaled:
+                return str(scaled)
+        return self.coerce(value)
+
+    def coerce(self, value: Any) -> Any:
         value = plain_value(value)
-        if isinstance(value, bool) or not isinstance(value, decimal.Decimal | int | float):
-            raise self.bad(value, where)
-        number = decimal.Decimal(repr(value)) if isinstance(value, float) else decimal.Decimal(value)
-        if not number.is_finite():
-            raise self.bad(value, where)
-        scaled = number.quantize(decimal.Decimal(1).scaleb(-self.dtype.scale), rounding=decimal.ROUND_HALF_UP)
-        if len(scaled.as_tuple().digits) > self.dtype.precision and scaled != 0:
-            raise ValueError(f"{where}: {value} does not fit decimal({self.dtype.precision},{self.dtype.scale})")
+        if not isinstance(value, decimal.Decimal):
+            return self.wrong(value, None)  # the JVM takes only BigDecimal: an int or float is null
+        if not value.is_finite():  # no BigDecimal holds it: the JVM gets another type, null
+            return self.wrong(value, None)
+        try:
+            scaled = value.quantize(self.quantum, decimal.ROUND_HALF_UP, _DECIMALS)
+        except decimal.InvalidOperation:
+            scaled = None
+        if scaled is None or (len(scaled.as_tuple().digits) > self.dtype.precision and scaled):
+            self.fail(value, _pyspark_error(
+                "runtime", f"{self.where()}: [NUMERIC_VALUE_OUT_OF_RANGE.WITHOUT_SUGGESTION] {value} rounded half up "
+                f"cannot be represented as Decimal({self.dtype.precision}, {self.dtype.scale}). SQLSTATE: 22003 "
+                "(Spark fails the query here)"))  # fmt: skip
         return str(scaled)
 
     def from_store(self, stored: Any) -> Any:
@@ -225,28 +470,64 @@ class _Json(Codec):
     serializer = JsonSerializer()
     json_safe = True
 
-    def __init__(self, dtype: SparkType, element: Codec, value: Codec | None) -> None:
-        super().__init__(dtype)
+    def __init__(self, dtype: SparkType, element: Codec, value: Codec | None, field: str, state: str,
+                 strict: bool) -> None:  # fmt: skip
+        super().__init__(dtype, field, state, strict)
         self.element, self.value = element, value
+        self.floats = [c for c in (element, value) if isinstance(c, _Float)]
 
-    def _item(self, codec: Codec, item: Any, where: str) -> Any:
+    def _item(self, codec: Codec, item: Any) -> Any:
         if item is None:
             return None
-        stored = codec.to_store(item, where)
-        if isinstance(stored, float) and not math.isfinite(stored):
-            raise ValueError(f"{where}: {stored} cannot be stored inside an array or map")
+        stored = codec.to_store(item)
+        if codec in self.floats and isinstance(stored, float) and not math.isfinite(stored):
+            raise ValueError(f"{self.where()}: {stored} cannot be stored inside an array or map (JSON)")
         return stored
 
-    def to_store(self, value: Any, where: str) -> Any:
+    def to_store(self, value: Any) -> Any:
         if self.value is None:
-            if isinstance(value, str | bytes | Mapping) or not hasattr(value, "__iter__"):
-                raise self.bad(value, where)
-            return [self._item(self.element, x, f"{where}[{i}]") for i, x in enumerate(value)]
-        if not isinstance(value, Mapping):
-            raise self.bad(value, where)
-        value_codec = self.value
-        return [[self._item(self.element, k, f"{where} key"), self._item(value_codec, v, f"{where}[{k!r}]")]
-                for k, v in value.items()]  # fmt: skip
+            if type(value) is list:
+                element = self.element
+                return [self._item(element, x) for x in value]
+        elif type(value) is dict and None not in value:
+            key, item = self.element, self.value
+            return [[self._item(key, k), self._item(item, v)] for k, v in value.items()]
+        return self.coerce(value)
+
+    def coerce(self, value: Any) -> Any:
+        value = plain_value(value)
+        if self.value is None:
+            if isinstance(value, list | tuple):
+                return [self._item(self.element, x) for x in value]
+            if isinstance(value, bytes | bytearray):  # a Java byte[]: its (signed) bytes are the elements
+                signed = [b - 256 if b > 127 else b for b in value]
+                return self.wrong(value, [self._item(self.element, x) for x in signed])
+            if isinstance(value, str | Mapping | set | frozenset | bool | int | float | decimal.Decimal):
+                return self.wrong(value, None)  # not a Java List or array: null
+            if isinstance(value, datetime.date):
+                return self.wrong(value, None)
+            self._unpicklable(value)
+        if not isinstance(value, dict):
+            if isinstance(value, Mapping):
+                self._unpicklable(value)
+            return self.wrong(value, None)
+        if None in value:
+            self.fail(value, _pyspark_error("runtime", f"{self.where()}: [EXPRESSION_DECODING_FAILED] a map key "
+                                            "cannot be null (Spark fails the query here)"))  # fmt: skip
+        key, item = self.element, self.value
+        return [[self._item(key, k), self._item(item, v)] for k, v in value.items()]
+
+    def _unpicklable(self, value: Any) -> NoReturn:
+        """An object pyspark cannot pickle (TypeError) or Spark's JVM cannot unpickle (a numpy
+        array, a pandas object: the query fails)."""
+        import pickle
+
+        try:
+            pickle.dumps(value)
+        except Exception as exc:  # what pickling raises, pyspark raises
+            self.fail(value, TypeError(str(exc)))
+        self.fail(value, _pyspark_error("runtime", f"{self.where()}: a {type(value).__name__} cannot be unpickled "
+                                        "by Spark's JVM (Spark fails the query here); pass a list"))  # fmt: skip
 
     def from_store(self, stored: Any) -> Any:
         if self.value is None:
@@ -259,40 +540,91 @@ class _Json(Codec):
         return tuple(key) if isinstance(key, list) else key  # a JSON array key: hashable again
 
 
-class StructCodec(Codec):
-    """A struct: positional tuples, lists or Rows (dicts by name); fields are nullable unless
-    declared NOT NULL. Top level it reads back as a tuple, nested as a ``Row`` (as in Spark)."""
+#: field types whose pyspark conversion runs per field: a struct holding one zips the tuple
+#: against the fields (extra values vanish) instead of passing it whole to the JVM's length check
+_CONVERTED = frozenset({"date", "timestamp", "timestamp_ntz", "struct"})
 
-    def __init__(self, dtype: SparkType, where: str) -> None:
-        super().__init__(dtype)
+
+class StructCodec(Codec):
+    """A struct: positional tuples, lists or Rows; nested also dicts (by name) and objects (by
+    attribute), as pyspark's ``StructType.toInternal``. Fields are nullable unless declared NOT NULL.
+    Top level it reads back as a tuple, nested as a ``Row`` (as in Spark)."""
+
+    def __init__(
+        self, dtype: SparkType, field: str = "", state: str = "", strict: bool = False, top: bool = False
+    ) -> None:
+        super().__init__(dtype, field, state, strict)
+        self.top = top  # the state value itself (or a map state's user key), not a nested struct
         self.names = tuple(f.name for f in dtype.fields)
-        self.codecs = tuple(codec_for(f.type, f"{where}.{f.name}" if where else f.name) for f in dtype.fields)
+        self.codecs = tuple(
+            codec_for(f.type, f"{field}.{f.name}" if field else f.name, state, strict) for f in dtype.fields
+        )
         self.nullable = tuple(f.nullable for f in dtype.fields)
         self.serializer = RowSerializer(
             [(n, OptionalSerializer(c.serializer)) for n, c in zip(self.names, self.codecs, strict=True)]
         )
         self.converts = any(type(c).from_store is not Codec.from_store for c in self.codecs)
+        self._stores = tuple(c.to_store for c in self.codecs)
+        self._all_nullable = all(self.nullable)
+        self._truncates = any(f.type.name in _CONVERTED for f in dtype.fields)
 
-    def to_store(self, value: Any, where: str) -> Any:
-        if isinstance(value, Mapping):
-            missing = [n for n in self.names if n not in value]
-            if missing:
-                raise ValueError(f"{where}: missing field {missing[0]!r} (schema {self.names})")
-            value = [value[n] for n in self.names]
-        elif isinstance(value, str | bytes) or not isinstance(value, Sequence):
-            raise TypeError(f"{where}: expected a tuple of {len(self.names)} fields {self.names}, "
-                            f"got {type(value).__name__}")  # fmt: skip
-        if len(value) != len(self.names):
-            raise ValueError(f"{where}: expected {len(self.names)} fields {self.names}, got {len(value)}: {value!r}")
-        out: list[Any] = []
-        for name, codec, nullable, item in zip(self.names, self.codecs, self.nullable, value, strict=True):
-            if item is None:
-                if not nullable:
-                    raise ValueError(f"{where}: field {name!r} is NOT NULL")
-                out.append(None)
-            else:
-                out.append(codec.to_store(item, f"{where} field {name!r}"))
-        return tuple(out)
+    def to_store(self, value: Any) -> Any:
+        if isinstance(value, tuple) and len(value) == len(self._stores):
+            out = tuple([None if v is None else store(v) for store, v in zip(self._stores, value)])  # noqa: B905
+            if not self._all_nullable:
+                self._check_not_null(out)
+            return out
+        return self.coerce(value)
+
+    def _iterated(self, value: Any) -> None:
+        """A dict (its keys), str (its characters) or set given as the whole value: Spark stores the
+        tuple of what it iterates; warn once, or raise if strict."""
+        if self.strict:
+            raise StateValueError(self.state, self.field, self.expected, value)
+        if (self.state, self.field) not in _WARNED:
+            _WARNED.add((self.state, self.field))
+            log.warning(
+                "state %r%s: expected a tuple of the fields of %s, got %s %s; stored the tuple of what it iterates "
+                "(a dict's keys) as Spark does (warned once per state; strict state types raise instead)",
+                self.state, f" {self.field}" if self.field else "", self.expected, type(value).__name__,
+                _shown(value),
+            )  # fmt: skip
+
+    def _check_not_null(self, out: tuple[Any, ...]) -> None:
+        for name, nullable, stored in zip(self.names, self.nullable, out, strict=True):
+            if stored is None and not nullable:
+                raise ValueError(f"state {self.state!r} field {self._path(name)!r} is NOT NULL")
+
+    def _path(self, name: str) -> str:
+        return f"{self.field}.{name}" if self.field else name
+
+    def coerce(self, value: Any) -> Any:
+        if self.top:  # the state value: pyspark first makes a tuple of whatever it iterates
+            if isinstance(value, str | bytes | Mapping | set | frozenset):
+                self._iterated(value)
+            try:
+                items = tuple(plain_value(v) for v in value)
+            except TypeError as exc:  # not iterable (None included): pyspark's TypeError
+                self.fail(value, exc)
+        elif isinstance(value, tuple | list):
+            items = tuple(value)
+        elif isinstance(value, Mapping):
+            items = tuple(value.get(n) for n in self.names)
+        elif hasattr(value, "__dict__"):
+            items = tuple(value.__dict__.get(n) for n in self.names)
+        else:
+            self.fail(value, _pyspark_error("value", "", "UNEXPECTED_TUPLE_WITH_STRUCT", tuple=str(value)))
+        if len(items) > len(self.names) and self._truncates:
+            items = items[: len(self.names)]
+        if len(items) != len(self.names):
+            self.fail(value, _pyspark_error(
+                "runtime", f"{self.where()}: [STRUCT_ARRAY_LENGTH_MISMATCH] Input row doesn't have expected number "
+                f"of values required by the schema. {len(self.names)} fields are required while {len(items)} values "
+                "are provided. (Spark fails the query here)"))  # fmt: skip
+        out = tuple([None if v is None else c.to_store(v) for c, v in zip(self.codecs, items)])  # noqa: B905
+        if not self._all_nullable:
+            self._check_not_null(out)
+        return out
 
     def from_store(self, stored: Any) -> Any:
         return make_row(self.names, self.values(stored))
@@ -310,32 +642,38 @@ _SIMPLE: dict[str, type[Codec]] = {
 }  # fmt: skip
 
 
-def codec_for(dtype: SparkType, where: str) -> Codec:
-    """The codec of one Spark type; ``where`` names the field in errors."""
+def codec_for(dtype: SparkType, field: str, state: str = "", strict: bool = False) -> Codec:
+    """The codec of one Spark type; ``field`` names the field (its path) in warnings and errors."""
     if dtype.name == "struct":
-        return StructCodec(dtype, where)
+        return StructCodec(dtype, field, state, strict)
     if dtype.name in ("array", "map"):
         assert dtype.element is not None
-        element = codec_for(dtype.element, where)
-        value = codec_for(dtype.value, where) if dtype.value is not None else None
+        if dtype.value is None:
+            element, value = codec_for(dtype.element, f"{field}[]", state, strict), None
+        else:
+            element = codec_for(dtype.element, f"{field} key", state, strict)
+            value = codec_for(dtype.value, f"{field} value", state, strict)
         if not element.json_safe or (value is not None and not value.json_safe):
             raise UnsupportedSchemaError(
-                f"field {where!r}: {dtype.name} of {dtype.element.name}"
+                f"field {field!r}: {dtype.name} of {dtype.element.name}"
                 + (f" and {dtype.value.name}" if dtype.value else "")
                 + " is not supported (arrays and maps may hold ints, floats, strings, booleans and such arrays/maps)"
             )
-        return _Json(dtype, element, value)
-    return _SIMPLE[dtype.name](dtype)
+        return _Json(dtype, element, value, field, state, strict)
+    if dtype.name not in _SIMPLE:
+        raise UnsupportedSchemaError(f"field {field!r}: unsupported Spark type {dtype.name!r}")
+    return _SIMPLE[dtype.name](dtype, field, state, strict)
 
 
 def serializer_for_schema(schema: Any) -> Serializer[Any]:
     """The backend serializer that stores rows of ``schema`` (StructType or DDL string)."""
-    return StructCodec(parse_schema(schema), "").serializer
+    return StructCodec(parse_schema(schema)).serializer
 
 
-def struct_codec(schema: Any, state: str) -> StructCodec:
-    """The codec of a state's schema; errors name the state."""
+def struct_codec(schema: Any, state: str, strict: bool = False, prefix: str = "") -> StructCodec:
+    """The codec of a state's schema; warnings and errors name the state (and ``prefix``, such as
+    "key" for a map state's user key, before its fields)."""
     try:
-        return StructCodec(parse_schema(schema), "")
+        return StructCodec(parse_schema(schema), prefix, state, strict, top=True)
     except UnsupportedSchemaError as exc:
         raise UnsupportedSchemaError(f"state {state!r}: {exc}") from None

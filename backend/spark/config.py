@@ -46,6 +46,9 @@ class OperatorConfig:
     #: which batches without input this operator needs (``PROCESSING``, ``EVENT`` or None); see
     #: ``backend.spark.ticks``
     no_data_batches: str | None = None
+    #: a wrongly typed state value raises ``StateValueError`` instead of being stored as Spark
+    #: stores it (null where Spark stores null) with a warning
+    strict_state_types: bool = False
 
     def key_group_range(self, subtask: int) -> KeyGroupRange:
         return key_group_range_for_subtask(self.max_parallelism, self.parallelism, subtask)

@@ -135,7 +135,7 @@ class GroupState:
     def setTimeoutTimestamp(self, timestampMs: Any) -> None:
         self._need(GroupStateTimeout.EventTimeTimeout, "set timeout timestamp")
         if isinstance(timestampMs, datetime.datetime):
-            timestampMs = _TIMESTAMP.to_store(timestampMs, "timeout") // 1000  # microseconds -> ms
+            timestampMs = _TIMESTAMP.to_store(timestampMs) // 1000  # microseconds -> ms
         if timestampMs <= 0:
             raise _error(ValueError, "VALUE_NOT_POSITIVE", {"arg_name": "timestampMs", "arg_value": str(timestampMs)},
                          f"timestampMs must be positive, got {timestampMs}")  # fmt: skip

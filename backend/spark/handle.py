@@ -9,7 +9,8 @@ Why each Spark state maps to one backend state: a state name is Spark's unit of 
 TTL and deletion, and it is ours too (``get_state``/``delete_state``); the grouping key is the
 backend key (``backend.spark.keys``), so state and timers live in the key's key group and rescale
 with it. Values are checked and converted by the state's codec (``backend.spark.codecs``), which
-documents the Python types Spark hands back.
+documents the Python types Spark hands back and what it stores for a value of the wrong type
+(``strict_types`` raises instead).
 
 The state objects and the handle share a module because each state object asks its handle for
 the current key on every call (one attribute lookup on the hot path), and the handle creates them.
@@ -82,11 +83,10 @@ class _Variable:
             )
 
     def _store(self, value: Any) -> Any:
-        """``value`` checked and converted for the state's schema; None is refused (NULL_VALUE)."""
+        """``value`` checked and converted for the state's schema (None is not iterable: TypeError,
+        as in pyspark)."""
         self._check()
-        if value is None:
-            raise ValueError(f"state {self._name!r}: a state value cannot be None (NULL_VALUE)")
-        return self._codec.to_store(value, f"state {self._name!r}")
+        return self._codec.to_store(value)
 
 
 class ValueState(_Variable):
@@ -120,7 +120,7 @@ class ListState(_Variable):
     def _elements(self, values: Any, what: str) -> list[Any]:
         self._check()
         if values is None:
-            raise ValueError(f"state {self._name!r}: {what} needs a list, not None (NULL_VALUE)")
+            raise TypeError(f"state {self._name!r}: {what} needs a list, not None ('NoneType' object is not iterable)")
         elements = [self._store(v) for v in values]
         if not elements:
             raise ValueError(f"state {self._name!r}: {what} needs a non-empty list (EMPTY_LIST_VALUE)")
@@ -163,9 +163,7 @@ class MapState(_Variable):
 
     def _user_key(self, key: Any) -> Any:
         self._check()
-        if key is None:
-            raise ValueError(f"state {self._name!r}: a map key cannot be None (NULL_VALUE)")
-        return self._key_codec.to_store(key, f"state {self._name!r} user key")
+        return self._key_codec.to_store(key)
 
     def exists(self) -> bool:
         self._check()
@@ -212,8 +210,12 @@ class SparkStateHandle:
     ProcessingTime mode and its event-time timers in EventTime mode.
     """
 
-    def __init__(self, backend: ChangelogKeyedStateBackend, time_mode: str = "None") -> None:
+    def __init__(
+        self, backend: ChangelogKeyedStateBackend, time_mode: str = "None", strict_types: bool = False
+    ) -> None:
         self._backend = backend
+        #: raise ``StateValueError`` for a value of the wrong type instead of storing what Spark stores
+        self.strict_types = strict_types
         self.time_mode = normalize_time_mode(time_mode)
         self.phase = CREATED
         self.current_key: tuple[Any, ...] | None = None  # the backend key of the current call
@@ -282,13 +284,13 @@ class SparkStateHandle:
 
     def getValueState(self, stateName: str, schema: Any, ttlDurationMs: int | None = None) -> ValueState:
         self._check_create("create state", stateName)
-        codec = struct_codec(schema, stateName)
+        codec = struct_codec(schema, stateName, self.strict_types)
         descriptor = ValueStateDescriptor(stateName, codec.serializer, self._ttl(stateName, ttlDurationMs))
         return ValueState(self, stateName, self._backend.get_state(descriptor), codec)
 
     def getListState(self, stateName: str, schema: Any, ttlDurationMs: int | None = None) -> ListState:
         self._check_create("create state", stateName)
-        codec = struct_codec(schema, stateName)
+        codec = struct_codec(schema, stateName, self.strict_types)
         descriptor = ListStateDescriptor(stateName, codec.serializer, self._ttl(stateName, ttlDurationMs))
         return ListState(self, stateName, self._backend.get_state(descriptor), codec)
 
@@ -296,8 +298,8 @@ class SparkStateHandle:
         self, stateName: str, userKeySchema: Any, valueSchema: Any, ttlDurationMs: int | None = None
     ) -> MapState:
         self._check_create("create state", stateName)
-        key_codec = struct_codec(userKeySchema, stateName)
-        codec = struct_codec(valueSchema, stateName)
+        key_codec = struct_codec(userKeySchema, stateName, self.strict_types, prefix="key")
+        codec = struct_codec(valueSchema, stateName, self.strict_types)
         ttl = self._ttl(stateName, ttlDurationMs)
         descriptor = MapStateDescriptor(stateName, codec.serializer, ttl, user_key_serializer=key_codec.serializer)
         return MapState(self, stateName, self._backend.get_state(descriptor), key_codec, codec)

@@ -114,6 +114,7 @@ def build(
     num_retained: int = 2,
     materialization_interval_ms: int = 600_000,
     size_trigger_bytes: int | None = 64 << 20,
+    strict_state_types: bool = False,
 ) -> Any:
     """The streaming DataFrame running ``make_process(cfg, key columns)`` per subtask and batch.
 
@@ -162,6 +163,7 @@ def build(
         size_trigger_bytes=size_trigger_bytes, watermark_delay_ms=None if watermark is None else watermark[1],
         drop_late_rows=drop_late_rows and watermark is not None,
         no_data_batches=no_data_batches if _no_data_batches_enabled(spark) else None,
+        strict_state_types=strict_state_types,
     )  # fmt: skip
     coordinator_for(spark, cfg, num_retained)
     process = make_process(cfg, keys)

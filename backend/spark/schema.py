@@ -14,7 +14,7 @@ from typing import Any
 
 from backend.spark.errors import UnsupportedSchemaError
 
-__all__ = ["SparkField", "SparkType", "parse_schema"]
+__all__ = ["SparkField", "SparkType", "input_type", "parse_schema", "simple_string"]
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class SparkType:
     """A Spark SQL type reduced to what storing it needs (no pyspark import required)."""
 
     name: str  # long int short byte double float string boolean binary timestamp timestamp_ntz date
-    #            decimal array map struct
+    #            decimal array map struct (and "other": an input column's type no state can hold)
     precision: int = 0
     scale: int = 0
     element: SparkType | None = None  # array element, map key
@@ -177,3 +177,39 @@ def parse_schema(schema: Any) -> SparkType:
     if parsed.name != "struct" or not parsed.fields:
         raise UnsupportedSchemaError(f"a state schema must be a non-empty struct, got {schema!r}")
     return parsed
+
+
+_SIMPLE_NAMES = {"long": "bigint", "short": "smallint", "byte": "tinyint"}
+
+
+def simple_string(dtype: SparkType) -> str:
+    """Spark's name of a type (``DataType.simpleString``): ``bigint``, ``decimal(10,2)``, ``array<int>``."""
+    if dtype.name == "decimal":
+        return f"decimal({dtype.precision},{dtype.scale})"
+    if dtype.name == "array" and dtype.element is not None:
+        return f"array<{simple_string(dtype.element)}>"
+    if dtype.name == "map" and dtype.element is not None and dtype.value is not None:
+        return f"map<{simple_string(dtype.element)},{simple_string(dtype.value)}>"
+    if dtype.name == "struct":
+        return "struct<" + ",".join(f"{f.name}:{simple_string(f.type)}" for f in dtype.fields) + ">"
+    return _SIMPLE_NAMES.get(dtype.name, dtype.name)
+
+
+def input_type(dtype: Any) -> SparkType:
+    """A pyspark ``DataType`` of an input column as a ``SparkType``; a type that state cannot hold
+    (intervals, variants, user-defined types, ...) becomes ``SparkType("other")`` instead of an
+    error: input rows of any type are handed to the processor, only their conversion differs."""
+    try:
+        return _from_pyspark(dtype, "<input>")
+    except UnsupportedSchemaError:
+        pass
+    name = dtype.typeName()
+    if name == "struct":
+        return SparkType("struct", fields=tuple(
+            SparkField(f.name, input_type(f.dataType), bool(f.nullable)) for f in dtype.fields
+        ))  # fmt: skip
+    if name == "array":
+        return SparkType("array", element=input_type(dtype.elementType))
+    if name == "map":
+        return SparkType("map", element=input_type(dtype.keyType), value=input_type(dtype.valueType))
+    return SparkType("other")

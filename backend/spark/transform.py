@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from backend.spark.batch import SPARK_MAX_RECORDS_PER_BATCH, BatchClock, Partition, key_order, outputs
+from backend.spark.batch import SPARK_MAX_RECORDS_PER_BATCH, BatchClock, Partition, RowTypes, key_order, outputs
 from backend.spark.codecs import make_row
 from backend.spark.handle import (
     CLOSED,
@@ -82,6 +82,10 @@ def run_transform_with_state(
     use_pandas: bool = True,
     key_group_column: str | None = None,
     max_records_per_batch: int = SPARK_MAX_RECORDS_PER_BATCH,
+    strict_types: bool = False,
+    input_schema: Any = None,
+    initial_state_schema: Any = None,
+    session_timezone: str | None = None,
 ) -> Iterator[Any]:
     """Run ``processor`` (a ``StatefulProcessor``) over one partition of micro-batch ``batch_id``.
 
@@ -92,19 +96,28 @@ def run_transform_with_state(
     handleInputRows/handleInitialState is a tuple of the key columns' values; handleExpiredTimer
     gets a ``Row`` of them (as in Spark). ``key_group_column``: a column holding each row's key
     group as the plumbing computed it (else the backend computes key groups from the key's bytes);
-    it is removed from the rows the processor sees.
+    it is removed from the rows the processor sees. ``strict_types``: a state value of the wrong
+    type raises ``StateValueError`` instead of being stored as Spark stores it. ``input_schema`` /
+    ``initial_state_schema`` (pyspark ``StructType``) and ``session_timezone``
+    (spark.sql.session.timeZone): for the Row API, to hand out the Python types Spark's Row API
+    does (timestamps aware in the session time zone, maps as lists of pairs); without them the
+    types are what pyarrow infers from the frames.
     """
     mode = normalize_time_mode(time_mode)
     timer_values_cls, expired_cls = _timer_classes()
     timer_values = timer_values_cls(-1, -1) if mode == "none" else timer_values_cls(batch_timestamp_ms, watermark_ms)
-    handle = SparkStateHandle(backend, mode)
+    handle = SparkStateHandle(backend, mode, strict_types)
+    row_types = init_types = None
+    if not use_pandas:
+        row_types = None if input_schema is None else RowTypes.of(input_schema, session_timezone)
+        init_types = None if initial_state_schema is None else RowTypes.of(initial_state_schema, session_timezone)
     key_columns = tuple(key_columns)
     with BatchClock(backend, batch_timestamp_ms):
-        data_part = Partition(data, key_columns, use_pandas, key_group_column)
+        data_part = Partition(data, key_columns, use_pandas, key_group_column, row_types=row_types)
         init_part = None
         if initial_state is not None and batch_id == 0:
             init_columns = initial_state_key_columns or key_columns
-            init_part = Partition(initial_state, init_columns, use_pandas, key_group_column)
+            init_part = Partition(initial_state, init_columns, use_pandas, key_group_column, row_types=init_types)
         processor.init(handle)
         handle.phase = INITIALIZED
         for bkey in key_order(data_part, *([init_part] if init_part else [])):

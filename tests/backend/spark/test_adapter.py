@@ -240,18 +240,25 @@ def test_numpy_and_pandas_scalars_are_stored_as_python_values(backend: Changelog
 
 
 @pytest.mark.parametrize(
-    ("value", "error"),
+    ("value", "error", "strict_only"),
     [
-        ((1,), ValueError),  # arity
-        ((1, "x", 3), ValueError),
-        (("x", "y"), ValueError),  # a str in a long field
-        ((2**63, "y"), ValueError),  # out of range
-        ((1.5, "y"), ValueError),
-        (5, TypeError),  # not a tuple
-        (None, ValueError),
+        ((1,), "STRUCT_ARRAY_LENGTH_MISMATCH", False),  # arity: Spark fails the query
+        ((1, "x", 3), "STRUCT_ARRAY_LENGTH_MISMATCH", False),
+        (5, "not iterable", False),  # not a tuple: pyspark's TypeError
+        (None, "not iterable", False),
+        (("x", "y"), "expected bigint, got str", True),  # a str in a long field: Spark stores null
+        ((2**63, "y"), "expected bigint, got int", True),  # out of range: null
+        ((1.5, "y"), "expected bigint, got float", True),
     ],
 )
-def test_bad_values_fail_in_the_users_call(backend: ChangelogKeyedStateBackend, value: Any, error: type) -> None:
+@pytest.mark.parametrize("strict", [False, True])
+def test_bad_values_fail_in_the_users_call(
+    backend: ChangelogKeyedStateBackend, value: Any, error: str, strict_only: bool, strict: bool
+) -> None:
+    from pyspark.errors import PySparkRuntimeError
+
+    from backend.spark.errors import StateValueError
+
     class P(Recorder):
         def init(self, handle: Any) -> None:
             super().init(handle)
@@ -259,9 +266,18 @@ def test_bad_values_fail_in_the_users_call(backend: ChangelogKeyedStateBackend, 
 
         def on_rows(self, key: Any, frames: list[Any], timerValues: Any) -> None:
             self.value.update(value)
+            self.got = self.value.get()
 
-    with pytest.raises(error, match="'v'"):
-        run(P(), backend, frame(id=[1]))
+    p = P()
+    if strict:
+        with pytest.raises(StateValueError, match="state 'v'"):
+            run(p, backend, frame(id=[1]), strict_types=True)
+    elif strict_only:
+        run(p, backend, frame(id=[1]))
+        assert p.got == (None, "y")
+    else:
+        with pytest.raises((PySparkRuntimeError, TypeError), match=error):
+            run(p, backend, frame(id=[1]))
 
 
 def test_list_state_operations_and_spark_errors(backend: ChangelogKeyedStateBackend) -> None:
@@ -279,12 +295,14 @@ def test_list_state_operations_and_spark_errors(backend: ChangelogKeyedStateBack
             self.steps.append(list(s.get()))
             s.put([(9,)])
             self.steps.append((s.exists(), list(s.get())))
-            for bad in ([], [(1,), None]):
-                with pytest.raises(ValueError, match=r"EMPTY_LIST_VALUE|NULL_VALUE"):
-                    s.put(bad)
-                with pytest.raises(ValueError, match=r"EMPTY_LIST_VALUE|NULL_VALUE"):
-                    s.appendList(bad)
-            with pytest.raises(ValueError, match="NULL_VALUE"):
+            with pytest.raises(ValueError, match="EMPTY_LIST_VALUE"):
+                s.put([])
+            with pytest.raises(ValueError, match="EMPTY_LIST_VALUE"):
+                s.appendList([])
+            for call in (s.put, s.appendList):  # pyspark: a None element is not iterable
+                with pytest.raises(TypeError, match="not iterable"):
+                    call([(1,), None])
+            with pytest.raises(TypeError, match="not iterable"):
                 s.appendValue(None)
             self.steps.append(list(s.get()))  # unchanged by the refused calls
             s.clear()
@@ -609,6 +627,71 @@ def test_row_api_gets_rows_and_yields_rows(backend: ChangelogKeyedStateBackend) 
     out = list(run_transform_with_state(P(), backend, [frame(id=[2], v=["d"])], key_columns=["id"], batch_id=1,
                                         batch_timestamp_ms=1, use_pandas=False))  # fmt: skip
     assert out == [Row(id=2, n=12, vs="d")]
+
+
+def test_row_api_rows_have_the_types_sparks_row_api_gives(backend: ChangelogKeyedStateBackend) -> None:
+    """Spark's transformWithState builds Rows from Arrow scalars: timestamps aware in the session
+    time zone (the frames hold its wall-clock times), timestamp_ntz naive, maps lists of pairs,
+    structs dicts. The schema tells timestamp from timestamp_ntz and map from struct."""
+    from zoneinfo import ZoneInfo
+
+    from pyspark.sql.types import MapType, TimestampNTZType
+
+    class P(StatefulProcessor):
+        def init(self, handle: Any) -> None:
+            self.rows: list[Any] = []
+
+        def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Iterator[Any]:
+            self.rows += [(key, r) for r in rows]
+            yield Row(id=key[0])
+
+    schema = StructType([
+        StructField("id", LongType()), StructField("ts", TimestampType()), StructField("tsn", TimestampNTZType()),
+        StructField("m", MapType(StringType(), LongType())), StructField("ats", ArrayType(TimestampType())),
+        StructField("st", StructType([StructField("x", LongType()), StructField("t", TimestampType())])),
+    ])  # fmt: skip
+    wall = datetime.datetime(2024, 1, 2, 3, 4, 5, 6)
+    data = frame(id=[1, 2], ts=pd.to_datetime([wall, None]), tsn=pd.to_datetime([wall, None]),
+                 m=[{"x": 4, "z": None}, None], ats=[[wall, None], None], st=[{"x": 1, "t": wall}, None])  # fmt: skip
+    p = P()
+    zone = "America/Los_Angeles"
+    list(run_transform_with_state(p, backend, [data], key_columns=["id"], batch_id=0, batch_timestamp_ms=1,
+                                  use_pandas=False, input_schema=schema, session_timezone=zone))  # fmt: skip
+    la = wall.replace(tzinfo=ZoneInfo(zone))
+    assert p.rows[0] == ((1,), Row(id=1, ts=la, tsn=wall, m=[("x", 4), ("z", None)], ats=[la, None],
+                                   st={"x": 1, "t": la}))  # fmt: skip
+    assert repr(p.rows[0][1].ts) == repr(la) and p.rows[0][1].tsn.tzinfo is None
+    assert p.rows[1] == ((2,), Row(id=2, ts=None, tsn=None, m=None, ats=None, st=None))
+
+
+def test_pandas_frames_have_the_dtypes_sparks_operators_give(backend: ChangelogKeyedStateBackend) -> None:
+    """transformWithStateInPandas rebuilds each key's frame from itertuples: ints int64, floats
+    float64, a null int NaN, names a namedtuple accepts; applyInPandasWithState keeps Arrow's dtypes,
+    converting each key's rows apart (an int column is float64 only for a key with a null)."""
+    data = pd.DataFrame({
+        "id": pd.array([1, 2], dtype="int32"), "i8": pd.array([1, 2], dtype="int8"),
+        "n16": pd.array([1, None], dtype="Int16"), "f32": pd.array([0.5, 1.5], dtype="float32"),
+        "b": pd.array([True, None], dtype="boolean"), "a b": [1, 2], "_x": [3, 4],
+    })  # fmt: skip
+    seen: dict[str, Any] = {}
+
+    class P(Recorder):
+        def on_rows(self, key: Any, frames: list[Any], timerValues: Any) -> None:
+            seen[f"tws {key[0]}"] = {c: str(t) for c, t in frames[0].dtypes.items()}
+
+    def func(key: Any, pdfs: Iterator[Any], state: GroupState) -> Iterator[Any]:
+        seen[f"apply {key[0]}"] = {c: str(t) for pdf in pdfs for c, t in pdf.dtypes.items()}
+        yield pd.DataFrame({"id": [int(key[0])]})
+
+    run(P(), backend, data)
+    list(run_apply_in_pandas_with_state(func, backend, [data], key_columns=["id"], state_schema="n long",
+                                        batch_timestamp_ms=1))  # fmt: skip
+    tws = {"id": "int64", "i8": "int64", "n16": "float64", "f32": "float64", "b": "bool", "_5": "int64",
+           "_6": "int64"}  # fmt: skip
+    assert seen["tws 1"] == tws and seen["tws 2"] == {**tws, "b": "object"}  # pandas infers per key
+    apply = {"id": "int32", "i8": "int8", "n16": "int16", "f32": "float32", "b": "bool", "a b": "int64",
+             "_x": "int64"}  # fmt: skip
+    assert seen["apply 1"] == apply and seen["apply 2"] == {**apply, "n16": "float64", "b": "object"}  # per key
 
 
 def test_outputs_must_be_dataframes(backend: ChangelogKeyedStateBackend) -> None:
