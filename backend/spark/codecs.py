@@ -49,6 +49,7 @@ from backend.core.serializers import (
     StrSerializer,
 )
 from backend.spark.errors import StateValueError, UnsupportedSchemaError
+from backend.spark.jvm_values import LONG_END, LONG_MIN, java_string, pyspark_error, shown
 from backend.spark.schema import SparkType, parse_schema, simple_string
 
 __all__ = [
@@ -92,120 +93,10 @@ def plain_value(value: Any) -> Any:
     return value
 
 
-def _pyspark_error(kind: str, message: str, error_class: str | None = None, **parameters: str) -> Exception:
-    """pyspark's own error where pyspark raises one (``kind``: "value" or "runtime"), else a builtin."""
-    try:
-        from pyspark import errors
-    except ImportError:  # pragma: no cover - pyspark is installed wherever processors run
-        return (ValueError if kind == "value" else RuntimeError)(message)
-    cls = errors.PySparkValueError if kind == "value" else errors.PySparkRuntimeError
-    if error_class is None:
-        return cls(message)
-    return cls(errorClass=error_class, messageParameters=parameters)
-
-
-def _java_double(value: float) -> str:
-    """Java's ``Double.toString``: what a float becomes in a string field."""
-    if value != value:
-        return "NaN"
-    if math.isinf(value):
-        return "Infinity" if value > 0 else "-Infinity"
-    if value == 0:
-        return "-0.0" if math.copysign(1.0, value) < 0 else "0.0"
-    sign = "-" if value < 0 else ""
-    digits_tuple = decimal.Decimal(repr(abs(value))).normalize().as_tuple()
-    digits = "".join(map(str, digits_tuple.digits))
-    exponent = len(digits) + int(digits_tuple.exponent) - 1  # scientific exponent of the first digit
-    if -3 <= exponent < 7:
-        if exponent < 0:
-            return f"{sign}0.{'0' * (-exponent - 1)}{digits}"
-        whole, fraction = digits[: exponent + 1].ljust(exponent + 1, "0"), digits[exponent + 1 :]
-        return f"{sign}{whole}.{fraction or '0'}"
-    return f"{sign}{digits[0]}.{digits[1:] or '0'}E{exponent}"
-
-
-def _java_string(value: Any) -> str:
-    """The Java ``toString`` of the object Spark's JVM unpickles ``value`` into (a dict is a
-    HashMap, a set a HashSet: their order is Java's). Where that is an identity string (``[B@1b2c``
-    for bytes, a Calendar for dates) no value can match: str() then."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(int(value))
-    if isinstance(value, float):
-        return _java_double(value)
-    if isinstance(value, decimal.Decimal):
-        return str(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_java_string(v) for v in value) + "]"
-    if isinstance(value, set | frozenset):
-        return "[" + ", ".join(_java_string(v) for v in _java_order(list(value), hash_set=True)) + "]"
-    if isinstance(value, dict):
-        keys = _java_order(list(value), hash_set=False)
-        return "{" + ", ".join(f"{_java_string(k)}={_java_string(value[k])}" for k in keys) + "}"
-    return str(value)
-
-
-def _java_hash(value: Any) -> int | None:
-    """``hashCode()`` of the Java object a Python value unpickles into; None if not modelled."""
-    if value is None:
-        return 0
-    if isinstance(value, bool):
-        return 1231 if value else 1237
-    if isinstance(value, int):
-        if -(1 << 31) <= value < 1 << 31:
-            return int(value)  # Integer
-        if _LONG_MIN <= value < _LONG_END:
-            bits = value & 0xFFFF_FFFF_FFFF_FFFF  # Long: (int)(v ^ (v >>> 32))
-            return _int32(bits ^ (bits >> 32))
-        return None
-    if isinstance(value, float):
-        bits = 0x7FF8_0000_0000_0000 if value != value else struct.unpack(">Q", struct.pack(">d", value))[0]
-        return _int32(bits ^ (bits >> 32))
-    if isinstance(value, str):
-        units = value.encode("utf-16-be", "surrogatepass")  # String.hashCode is over UTF-16 code units
-        h = 0
-        for unit in struct.unpack(f">{len(units) // 2}H", units):
-            h = (31 * h + unit) & 0xFFFF_FFFF
-        return _int32(h)
-    return None
-
-
-def _int32(value: int) -> int:
-    value &= 0xFFFF_FFFF
-    return value - (1 << 32) if value >= 1 << 31 else value
-
-
-def _java_order(keys: list[Any], hash_set: bool) -> list[Any]:
-    """``keys`` in the iteration order of a Java HashMap they were put into in this order (a
-    HashSet built from them with ``hash_set``): by bucket, then insertion order."""
-    hashes = [_java_hash(k) for k in keys]
-    if any(h is None for h in hashes):
-        return keys
-    if hash_set:  # new HashSet(collection): capacity for size / .75 + 1, at least 16
-        need, capacity = max(int(len(keys) / 0.75) + 1, 16), 1
-        while capacity < need:
-            capacity *= 2
-    else:  # new HashMap(), then put: doubles when the size passes 3/4 of the capacity
-        capacity = 16
-        while len(keys) > capacity * 3 // 4:
-            capacity *= 2
-    buckets = [((h & 0xFFFF_FFFF) ^ ((h & 0xFFFF_FFFF) >> 16)) & (capacity - 1) for h in hashes]  # type: ignore[operator]
-    return [k for _, _, k in sorted(zip(buckets, range(len(keys)), keys, strict=True))]
-
-
-def _shown(value: Any) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= 80 else shown[:77] + "..."
-
-
 _INT_BITS = {"long": 64, "int": 32, "short": 16, "byte": 8}
 _FLOAT32 = struct.Struct(">f")
 _EPOCH_ORDINAL = datetime.date(1970, 1, 1).toordinal()
 _UTC_EPOCH = datetime.datetime(1970, 1, 1)
-_LONG_MIN, _LONG_END = -(1 << 63), 1 << 63
 _DECIMALS = decimal.Context(prec=80)  # room for decimal(38, s) at any scale: quantize must not overflow
 
 
@@ -242,7 +133,7 @@ class Codec:
             log.warning(
                 "state %r field %r: expected %s, got %s %s; stored %r as Spark does (warned once per state and "
                 "field; strict state types raise instead)",
-                self.state, self.field, self.expected, type(value).__name__, _shown(value),
+                self.state, self.field, self.expected, type(value).__name__, shown(value),
                 None if stored is None else self.from_store(stored),
             )  # fmt: skip
         return stored
@@ -280,7 +171,7 @@ class _Int(Codec):
         value = int(value)
         if self.low <= value < self.end:
             return value
-        if not _LONG_MIN <= value < _LONG_END:
+        if not LONG_MIN <= value < LONG_END:
             return self.wrong(value, None)  # a BigInteger in the JVM
         wrapped = value & ((1 << self.bits) - 1)  # the JVM narrows (toInt/toShort/toByte): two's complement
         return self.wrong(value, wrapped - (1 << self.bits) if wrapped >= self.end else wrapped)
@@ -327,7 +218,7 @@ class _Str(Codec):
         value = plain_value(value)
         if isinstance(value, str):
             return str(value)
-        return self.wrong(value, _java_string(value))
+        return self.wrong(value, java_string(value))
 
 
 class _Bool(Codec):
@@ -453,7 +344,7 @@ class _Decimal(Codec):
         except decimal.InvalidOperation:
             scaled = None
         if scaled is None or (len(scaled.as_tuple().digits) > self.dtype.precision and scaled):
-            self.fail(value, _pyspark_error(
+            self.fail(value, pyspark_error(
                 "runtime", f"{self.where()}: [NUMERIC_VALUE_OUT_OF_RANGE.WITHOUT_SUGGESTION] {value} rounded half up "
                 f"cannot be represented as Decimal({self.dtype.precision}, {self.dtype.scale}). SQLSTATE: 22003 "
                 "(Spark fails the query here)"))  # fmt: skip
@@ -512,7 +403,7 @@ class _Json(Codec):
                 self._unpicklable(value)
             return self.wrong(value, None)
         if None in value:
-            self.fail(value, _pyspark_error("runtime", f"{self.where()}: [EXPRESSION_DECODING_FAILED] a map key "
+            self.fail(value, pyspark_error("runtime", f"{self.where()}: [EXPRESSION_DECODING_FAILED] a map key "
                                             "cannot be null (Spark fails the query here)"))  # fmt: skip
         key, item = self.element, self.value
         return [[self._item(key, k), self._item(item, v)] for k, v in value.items()]
@@ -526,7 +417,7 @@ class _Json(Codec):
             pickle.dumps(value)
         except Exception as exc:  # what pickling raises, pyspark raises
             self.fail(value, TypeError(str(exc)))
-        self.fail(value, _pyspark_error("runtime", f"{self.where()}: a {type(value).__name__} cannot be unpickled "
+        self.fail(value, pyspark_error("runtime", f"{self.where()}: a {type(value).__name__} cannot be unpickled "
                                         "by Spark's JVM (Spark fails the query here); pass a list"))  # fmt: skip
 
     def from_store(self, stored: Any) -> Any:
@@ -587,7 +478,7 @@ class StructCodec(Codec):
                 "state %r%s: expected a tuple of the fields of %s, got %s %s; stored the tuple of what it iterates "
                 "(a dict's keys) as Spark does (warned once per state; strict state types raise instead)",
                 self.state, f" {self.field}" if self.field else "", self.expected, type(value).__name__,
-                _shown(value),
+                shown(value),
             )  # fmt: skip
 
     def _check_not_null(self, out: tuple[Any, ...]) -> None:
@@ -613,11 +504,11 @@ class StructCodec(Codec):
         elif hasattr(value, "__dict__"):
             items = tuple(value.__dict__.get(n) for n in self.names)
         else:
-            self.fail(value, _pyspark_error("value", "", "UNEXPECTED_TUPLE_WITH_STRUCT", tuple=str(value)))
+            self.fail(value, pyspark_error("value", "", "UNEXPECTED_TUPLE_WITH_STRUCT", tuple=str(value)))
         if len(items) > len(self.names) and self._truncates:
             items = items[: len(self.names)]
         if len(items) != len(self.names):
-            self.fail(value, _pyspark_error(
+            self.fail(value, pyspark_error(
                 "runtime", f"{self.where()}: [STRUCT_ARRAY_LENGTH_MISMATCH] Input row doesn't have expected number "
                 f"of values required by the schema. {len(self.names)} fields are required while {len(items)} values "
                 "are provided. (Spark fails the query here)"))  # fmt: skip
