@@ -127,19 +127,27 @@ def run_apply_in_pandas_with_state(
         # GroupState's private fields are read here as pyspark's own serializer reads them
         new_timeout = group_state._timeout_timestamp
         keep = not (group_state._removed and new_timeout == GroupState.NO_TIMESTAMP)
+        # pyspark reports the call's old timeout to the JVM as unset, so a call that neither
+        # updates, removes nor sets a timeout changes nothing: the stored timeout stays, even an
+        # expired one (the key then times out again in the next batch)
+        changed = group_state._updated or group_state._removed or new_timeout != GroupState.NO_TIMESTAMP
+        effective: int | None = None
         if not keep:
             if stored is not None:
                 state.clear()
-        elif group_state._updated or group_state._removed or new_timeout != old_timeout:
+        elif changed:
             stored_value = codec.to_store(group_state._value) if group_state.exists else None
             state.update((new_timeout, stored_value))
+            effective = new_timeout if new_timeout != GroupState.NO_TIMESTAMP else None
+        elif stored is not None and old_timeout != GroupState.NO_TIMESTAMP:
+            effective = old_timeout
         if timers is not None:
             register, delete = timers
-            wanted = new_timeout if keep and new_timeout != GroupState.NO_TIMESTAMP else None
-            if timer_live and old_timeout != GroupState.NO_TIMESTAMP and old_timeout != wanted:
-                delete(old_timeout)
-            if wanted is not None and (wanted != old_timeout or not timer_live):
-                register(wanted)
+            live = old_timeout if timer_live and old_timeout != GroupState.NO_TIMESTAMP else None
+            if live is not None and live != effective:
+                delete(live)
+            if effective is not None and effective != live:
+                register(effective)
 
     with BatchClock(backend, batch_timestamp_ms):
         part = Partition(data, key_columns, True, key_group_column, numpy_keys=True, input_schema=input_schema)
