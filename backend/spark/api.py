@@ -68,6 +68,8 @@ def _transform(
         row_types["session_timezone"] = grouped._df.sparkSession.conf.get("spark.sql.session.timeZone")
         row_types["initial_state_schema"] = None if initial_state is None else initial_state._df.schema
 
+    has_init = initial_state is not None  # (the closure below must not capture the DataFrame)
+
     def make_process(cfg: OperatorConfig, keys: list[str]) -> Callable[..., list[Any]]:
         init_keys = None
         if initial_state is not None:
@@ -89,7 +91,8 @@ def _transform(
                 processor, backend, [f.drop(columns=_internal(f)) for f in frames], key_columns=keys,
                 time_mode=time_mode, batch_id=batch_id, batch_timestamp_ms=now_ms, use_pandas=use_pandas,
                 key_group_column=KEY_GROUP, watermark_ms=watermark or 0, initial_state=initial,
-                initial_state_key_columns=init_keys, strict_types=cfg.strict_state_types, **row_types,
+                initial_state_key_columns=init_keys, has_initial_state=has_init,
+                strict_types=cfg.strict_state_types, max_records_per_batch=cfg.max_records_per_batch, **row_types,
             )  # fmt: skip
             if use_pandas:
                 return [f for f in out if len(f)]
@@ -180,6 +183,7 @@ def apply_in_pandas_with_state(
                 state_schema=state_schema, timeout_conf=timeoutConf, batch_timestamp_ms=now_ms,
                 data_columns=data_columns, key_group_column=KEY_GROUP, watermark_ms=watermark,
                 input_schema=input_schema, strict_types=cfg.strict_state_types,
+                max_records_per_batch=cfg.max_records_per_batch,
             )  # fmt: skip
             return [f for f in out if len(f)]
 

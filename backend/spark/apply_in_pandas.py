@@ -151,10 +151,15 @@ def run_apply_in_pandas_with_state(
 
     with BatchClock(backend, batch_timestamp_ms):
         part = Partition(data, key_columns, True, key_group_column, numpy_keys=True, input_schema=input_schema)
+        # Spark's JVM packs the keys of a partition into Arrow batches of max_records_per_batch
+        # rows and splits a key at a batch's end: a key's chunks start where the last one's ended
+        filled = 0
         for bkey in key_order(part):
             group = part.groups[bkey]
             set_key(backend, bkey, group.key_group)
-            yield from call(group.key, part.frames(group, max_records_per_batch), False, True)
+            chunks = part.frames(group, max_records_per_batch, first=max_records_per_batch - filled)
+            yield from call(group.key, chunks, False, True)
+            filled = (filled + len(group)) % max_records_per_batch
         threshold = batch_timestamp_ms if timeout_conf == GroupStateTimeout.ProcessingTimeTimeout else watermark_ms
         if timers is None or threshold is None:
             return

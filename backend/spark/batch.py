@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import keyword
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,9 @@ class Group:
     key_group: int | None = None  # from the key group column, if the plumbing computed key groups
     ranges: list[tuple[int, int]] = field(default_factory=list)  # pandas: row ranges of the sorted frame
     rows: list[Any] = field(default_factory=list)  # Row API: the Rows
+
+    def __len__(self) -> int:
+        return sum(end - start for start, end in self.ranges) + len(self.rows)
 
 
 class Partition:
@@ -139,8 +143,9 @@ class Partition:
                     row = make_row(names, [row[n] for n in names])
                 self._add(tuple(row[c] for c in self.key_columns), key_group).rows.append(row)
 
-    def frames(self, group: Group, max_records: int) -> Iterator[Any]:
-        """The group's rows as DataFrames of at most ``max_records`` rows, index 0..n-1 (as Spark)."""
+    def frames(self, group: Group, max_records: int, first: int | None = None) -> Iterator[Any]:
+        """The group's rows as DataFrames of at most ``max_records`` rows (the first of at most
+        ``first``), index 0..n-1 (as Spark)."""
         if len(group.ranges) == 1:
             rows, (offset, end) = self.frame, group.ranges[0]
         else:  # keys Python calls equal but pandas grouped apart (rare): one frame of all their rows
@@ -148,8 +153,11 @@ class Partition:
 
             rows = pd.concat([self.frame.iloc[s:e] for s, e in group.ranges])
             offset, end = 0, len(rows)
-        for start in range(offset, end, max_records):
-            chunk = rows.iloc[start : min(start + max_records, end)].reset_index(drop=True)
+        bounds = [offset, *range(offset + (max_records if first is None else first), end, max_records), end]
+        for start, stop in itertools.pairwise(bounds):
+            if start >= stop:
+                continue
+            chunk = rows.iloc[start:stop].reset_index(drop=True)
             for i, complete, with_nulls in self.chunk_dtypes:
                 column = chunk.iloc[:, i]
                 if column.notna().all():

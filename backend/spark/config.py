@@ -49,6 +49,9 @@ class OperatorConfig:
     #: a wrongly typed state value raises ``StateValueError`` instead of being stored as Spark
     #: stores it (null where Spark stores null) with a warning
     strict_state_types: bool = False
+    #: rows per pandas DataFrame handed to the user's code (the session's
+    #: ``spark.sql.execution.arrow.maxRecordsPerBatch`` when the operator was built)
+    max_records_per_batch: int = 10_000
 
     def key_group_range(self, subtask: int) -> KeyGroupRange:
         return key_group_range_for_subtask(self.max_parallelism, self.parallelism, subtask)

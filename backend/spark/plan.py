@@ -163,7 +163,7 @@ def build(
         size_trigger_bytes=size_trigger_bytes, watermark_delay_ms=None if watermark is None else watermark[1],
         drop_late_rows=drop_late_rows and watermark is not None,
         no_data_batches=no_data_batches if _no_data_batches_enabled(spark) else None,
-        strict_state_types=strict_state_types,
+        strict_state_types=strict_state_types, max_records_per_batch=_max_records_per_batch(spark),
     )  # fmt: skip
     coordinator_for(spark, cfg, num_retained)
     process = make_process(cfg, keys)
@@ -186,6 +186,19 @@ def build(
         yield from run_partition(cfg, frames, process)
 
     return prepared.mapInPandas(task, output_schema)
+
+
+def _max_records_per_batch(spark: Any) -> int:
+    """Rows per DataFrame of the pandas APIs, as Spark's Python worker reads the setting (0 or
+    less: no limit)."""
+    value = spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch", "10000")
+    try:
+        records = int(value)
+    except ValueError:
+        raise ConfigurationError(
+            f"spark.sql.execution.arrow.maxRecordsPerBatch must be an integer, got {value!r}"
+        ) from None
+    return records if records > 0 else 2**31 - 1
 
 
 def _no_data_batches_enabled(spark: Any) -> bool:

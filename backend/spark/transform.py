@@ -79,6 +79,7 @@ def run_transform_with_state(
     watermark_ms: int = 0,
     initial_state: Iterable[Any] | None = None,
     initial_state_key_columns: Sequence[str] | None = None,
+    has_initial_state: bool = False,
     use_pandas: bool = True,
     key_group_column: str | None = None,
     max_records_per_batch: int = SPARK_MAX_RECORDS_PER_BATCH,
@@ -89,19 +90,22 @@ def run_transform_with_state(
 ) -> Iterator[Any]:
     """Run ``processor`` (a ``StatefulProcessor``) over one partition of micro-batch ``batch_id``.
 
-    ``data``: the partition's input, pandas DataFrames (or pyarrow batches; with ``use_pandas=False``
-    also Rows). Yields what the processor's methods yield: pandas DataFrames, or Rows with
-    ``use_pandas=False``. ``watermark_ms``: the eviction watermark (Spark reports 0 when the query
-    has none). ``initial_state`` is read only in batch 0, as in Spark. The grouping key given to
+    ``data``: the partition's input, pandas DataFrames (or pyarrow batches; with
+    ``use_pandas=False`` also Rows). Yields what the processor's methods yield: pandas DataFrames,
+    or Rows with ``use_pandas=False``. ``watermark_ms``: the eviction watermark (Spark reports 0
+    when the query has none). ``initial_state`` is read only in batch 0, as in Spark;
+    ``has_initial_state``: the query has one (also in later batches, where the Row API's calls then
+    differ, as in Spark). ``max_records_per_batch``: rows per DataFrame
+    (spark.sql.execution.arrow.maxRecordsPerBatch). The grouping key given to
     handleInputRows/handleInitialState is a tuple of the key columns' values; handleExpiredTimer
     gets a ``Row`` of them (as in Spark). ``key_group_column``: a column holding each row's key
     group as the plumbing computed it (else the backend computes key groups from the key's bytes);
     it is removed from the rows the processor sees. ``strict_types``: a state value of the wrong
     type raises ``StateValueError`` instead of being stored as Spark stores it. ``input_schema`` /
     ``initial_state_schema`` (pyspark ``StructType``) and ``session_timezone``
-    (spark.sql.session.timeZone): for the Row API, to hand out the Python types Spark's Row API
-    does (timestamps aware in the session time zone, maps as lists of pairs); without them the
-    types are what pyarrow infers from the frames.
+    (spark.sql.session.timeZone): for the Row API, to hand out the Python types Spark's Row API does
+    (timestamps aware in the session time zone, maps as lists of pairs); without them the types are
+    what pyarrow infers from the frames.
     """
     mode = normalize_time_mode(time_mode)
     timer_values_cls, expired_cls = _timer_classes()
@@ -112,6 +116,7 @@ def run_transform_with_state(
         row_types = None if input_schema is None else RowTypes.of(input_schema, session_timezone)
         init_types = None if initial_state_schema is None else RowTypes.of(initial_state_schema, session_timezone)
     key_columns = tuple(key_columns)
+    with_init = has_initial_state or initial_state is not None
     with BatchClock(backend, batch_timestamp_ms):
         data_part = Partition(data, key_columns, use_pandas, key_group_column, row_types=row_types)
         init_part = None
@@ -120,20 +125,17 @@ def run_transform_with_state(
             init_part = Partition(initial_state, init_columns, use_pandas, key_group_column, row_types=init_types)
         processor.init(handle)
         handle.phase = INITIALIZED
-        for bkey in key_order(data_part, *([init_part] if init_part else [])):
-            init_group = init_part.groups.get(bkey) if init_part else None
-            group = data_part.groups.get(bkey)
-            if init_part is not None and init_group is not None:
-                key_group = (
-                    init_group.key_group if group is None or init_group.key_group is not None else group.key_group
-                )
+        if init_part is not None:  # as Spark: every key's initial state before any key's input
+            for bkey in key_order(init_part):
+                init_group = init_part.groups[bkey]
                 chunks = init_part.frames(init_group, max_records_per_batch) if use_pandas else iter(init_group.rows)
                 for chunk in chunks:
-                    handle.set_implicit_key(init_group.key, key_group)
+                    handle.set_implicit_key(init_group.key, init_group.key_group)
                     processor.handleInitialState(init_group.key, chunk, timer_values)
-            if group is not None:
+        for bkey in key_order(data_part):
+            group = data_part.groups[bkey]
+            for rows in _input_calls(data_part, group, use_pandas, with_init, max_records_per_batch):
                 handle.set_implicit_key(group.key, group.key_group)
-                rows = data_part.frames(group, max_records_per_batch) if use_pandas else iter(group.rows)
                 yield from outputs(processor.handleInputRows(group.key, rows, timer_values), use_pandas,
                                     "handleInputRows")  # fmt: skip
         handle.phase = DATA_PROCESSED
@@ -150,3 +152,19 @@ def run_transform_with_state(
         handle.remove_implicit_key()
         processor.close()
         handle.phase = CLOSED
+
+
+def _input_calls(
+    part: Partition, group: Any, use_pandas: bool, has_initial_state: bool, max_records: int
+) -> Iterator[Iterator[Any]]:
+    """The ``rows`` argument of each handleInputRows call for one key, as Spark's Python worker
+    makes them: pandas, one call with the key's rows in DataFrames of ``max_records``; the Row API,
+    one call with every row, except in a query with an initial state, whose worker calls once per
+    ``max_records`` rows (in every batch, not only the first)."""
+    if use_pandas:
+        yield part.frames(group, max_records)
+    elif not has_initial_state:
+        yield iter(group.rows)
+    else:
+        for start in range(0, len(group.rows), max_records):
+            yield iter(group.rows[start : start + max_records])

@@ -592,10 +592,10 @@ def test_initial_state_is_handled_first_and_only_in_batch_zero(backend: Changelo
         run(p, backend, frame(id=[1, 2]), batch_id=batch_id, initial_state=[initial],
             initial_state_key_columns=["key"])  # fmt: skip
     assert [e for e in p.log if e[0] in ("initial", "count")] == [
-        ("initial", (1,), ["key", "seed"], 15),
+        ("initial", (1,), ["key", "seed"], 15),  # every key's initial state before any input, as Spark
+        ("initial", (3,), ["key", "seed"], 30),  # a key with initial state only: no handleInputRows
         ("count", (1,), 16),
         ("count", (2,), 1),
-        ("initial", (3,), ["key", "seed"], 30),  # a key with initial state only: no handleInputRows
         ("count", (1,), 17),  # batch 1: the initial state is not read again
         ("count", (2,), 2),
     ]
