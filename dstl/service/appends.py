@@ -1,0 +1,107 @@
+"""``APPEND``, the protocol's hot message: many changes of one writer as binary columns, no reply.
+
+Why it is shaped so: appends are nearly all the traffic, so ``APPEND`` is binary where every
+other message is JSON. Its payload is ``<u32 writer><u32 n>``, the key groups as
+``array('H')``, the lengths as ``array('I')`` (little-endian, whatever the host), then the
+payloads back to back, so encoding and decoding are a few C-level operations per frame, not per
+change. ``APPEND`` has no reply: the client streams, and an error surfaces on the writer's next
+control call. ``append_frames`` cuts a writer's buffered changes into frames of bounded size and
+is where a bad change (not bytes, a key group out of range, larger than a frame) is refused,
+once per cut, as ``ChangelogWriter`` validates at its cut.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+import sys
+from array import array
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from dstl.errors import ConfigurationError
+from dstl.service.framing import MAX_PAYLOAD, Kind, ProtocolError, pack_frame
+
+__all__ = ["Append", "append_frames"]
+
+_APPEND_HEAD = struct.Struct("<II")
+_SWAP = sys.byteorder == "big"  # arrays travel little-endian
+
+
+@dataclass(frozen=True, slots=True)
+class Append:
+    """Changes of one writer, ``pairs`` as ``[key_group, data, key_group, data, ...]``; no reply."""
+
+    KIND: ClassVar[Kind] = Kind.APPEND
+    writer: int
+    pairs: list[Any]
+
+    def payload(self) -> bytes:
+        key_groups, payloads = self.pairs[0::2], self.pairs[1::2]
+        return _columns_payload(self.writer, array("H", key_groups), array("I", map(len, payloads)), payloads)
+
+    @classmethod
+    def parse(cls, payload: bytes) -> Append:
+        size = len(payload)
+        if size < _APPEND_HEAD.size:
+            raise ProtocolError(f"APPEND payload of {size} bytes is shorter than its {_APPEND_HEAD.size}-byte header")
+        writer, n = _APPEND_HEAD.unpack_from(payload)
+        columns = _APPEND_HEAD.size + 6 * n
+        if size < columns:
+            raise ProtocolError(f"APPEND of {n} changes needs {columns} bytes of key groups and lengths, has {size}")
+        key_groups = array("H", payload[_APPEND_HEAD.size : _APPEND_HEAD.size + 2 * n])
+        lengths = array("I", payload[_APPEND_HEAD.size + 2 * n : columns])
+        if _SWAP:  # pragma: no cover - big-endian hosts only
+            key_groups.byteswap()
+            lengths.byteswap()
+        total = sum(lengths)
+        if columns + total != size:
+            raise ProtocolError(f"APPEND lengths add up to {total} bytes of changes but {size - columns} follow")
+        ends = list(itertools.accumulate(lengths, initial=columns))
+        pairs: list[Any] = [None] * (2 * n)
+        pairs[0::2] = key_groups.tolist()
+        pairs[1::2] = [payload[a:b] for a, b in itertools.pairwise(ends)]
+        return cls(writer, pairs)
+
+
+def _columns_payload(writer: int, kgs: array[int], lengths: array[int], payloads: list[Any]) -> bytes:
+    if _SWAP:  # pragma: no cover - big-endian hosts only
+        kgs, lengths = array("H", kgs), array("I", lengths)
+        kgs.byteswap()
+        lengths.byteswap()
+    return b"".join([_APPEND_HEAD.pack(writer, len(kgs)), kgs.tobytes(), lengths.tobytes(), *payloads])
+
+
+def append_frames(writer: int, pairs: list[Any], max_bytes: int, request_id: int = 0) -> list[bytes]:
+    """Encode ``pairs`` as APPEND frames of about ``max_bytes`` of changes each (at least one change
+    per frame). A bad change raises ``ConfigurationError`` saying what is wrong: a payload that is
+    not ``bytes``, a key group that is not an integer in [0, 65535], a change past ``MAX_PAYLOAD``."""
+    key_groups = pairs[0::2]
+    payloads = pairs[1::2]
+    if not set(map(type, payloads)) <= {bytes}:
+        bad = next(p for p in payloads if type(p) is not bytes)
+        raise ConfigurationError(f"changes must be bytes, got {type(bad).__name__}")
+    try:
+        kgs = array("H", key_groups)
+    except (TypeError, OverflowError) as exc:
+        bad = next((k for k in key_groups if type(k) is not int or not 0 <= k <= 0xFFFF), None)
+        raise ConfigurationError(f"key group {bad!r} is not an integer in [0, 65535] ({exc})") from None
+    try:
+        lengths = array("I", map(len, payloads))
+    except OverflowError:
+        raise ConfigurationError(f"a change is larger than the service's frame bound ({MAX_PAYLOAD})") from None
+    ends = list(itertools.accumulate(lengths))
+    frames: list[bytes] = []
+    start, base = 0, 0
+    while start < len(payloads):
+        stop = max(start + 1, bisect_right(ends, base + max_bytes, lo=start))
+        size = ends[stop - 1] - base + _APPEND_HEAD.size + 6 * (stop - start)
+        if size > MAX_PAYLOAD:
+            raise ConfigurationError(
+                f"a change of {ends[stop - 1] - base} bytes is larger than the service's frame bound ({MAX_PAYLOAD})"
+            )
+        payload = _columns_payload(writer, kgs[start:stop], lengths[start:stop], payloads[start:stop])
+        frames.append(pack_frame(Kind.APPEND, request_id, payload))
+        start, base = stop, ends[stop - 1]
+    return frames

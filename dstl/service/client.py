@@ -1,0 +1,278 @@
+"""``RemoteChangelogStorage``: what a Python worker uses when its executor's changelog service writes the log.
+
+It offers what the keyed backend, the materializer and the Spark tasks call on a
+``StateChangelogStorage``. Everything but writers is delegated to a local storage that never
+deletes log files (``owns_files=False``): reads and small files (chunks, metadata) go straight to
+the DFS, as before. ``create_writer`` returns a ``RemoteChangelogWriter``, whose changes travel to
+the service over one Unix-socket connection per storage (``connection``); the service's
+scheduler batches the changes of every worker into one file per flush.
+
+Why it is shaped so:
+
+- *The writer's hot path is ``ChangelogWriter``'s:* ``append`` extends a list the connection's
+  sender cuts and ships (``outbox``); control calls are requests on the connection, each behind
+  the writer's buffered appends, each with a deadline but ``persist_durably``'s future, which the
+  caller waits (a lost connection fails it at once).
+- *A writer never reconnects* (its SQNs died with its connection): after the connection is lost
+  every call of it raises. ``create_writer`` on a storage whose connection was lost connects
+  again, starting a new service if needed (``launch``).
+- *Start on demand.* The storage finds the service of its configuration, or starts one, and says
+  HELLO (protocol version and config fingerprint) under the start lock.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from dstl.config import ChangelogConfig
+from dstl.errors import ChangelogError, ConfigurationError, WriterClosedError
+from dstl.metrics import ChangelogMetrics
+from dstl.service.configjson import fingerprint
+from dstl.service.connection import Connection, expect
+from dstl.service.launch import reach_service, service_socket_path
+from dstl.service.outbox import WriterBuffer
+from dstl.service.protocol import (
+    Ack,
+    CloseWriter,
+    Confirm,
+    LastSqn,
+    Message,
+    Persist,
+    Persisted,
+    Release,
+    Sqn,
+    Truncate,
+)
+from dstl.storage import StateChangelogStorage
+from dstl.types import ChangelogHandle, KeyGroupRange, SequenceNumber
+
+__all__ = ["RemoteChangelogStorage", "RemoteChangelogWriter"]
+
+_log = logging.getLogger(__name__)
+
+
+class RemoteChangelogWriter(WriterBuffer):
+    """A ``dstl.api.StateChangelogWriter`` whose changes go to the changelog service (module doc).
+
+    Differences from ``ChangelogWriter``: ``persist_durably`` reports a bad ``after`` through its
+    future, not by raising; after the connection is lost every call raises
+    ``ServiceUnavailableError``, after a newer attempt took the writer over ``FencedWriterError``."""
+
+    def __init__(self, conn: Connection, number: int, log_id: str, key_group_range: KeyGroupRange) -> None:
+        super().__init__(conn.outbox, number, log_id)
+        self.key_group_range = key_group_range
+        self._conn = conn
+
+    # -- hot path -------------------------------------------------------------------------
+
+    def append(self, key_group: int, data: bytes) -> None:
+        """Append one change of ``key_group``; in memory, never does I/O (see module doc)."""
+        records = self._records
+        records += (key_group, data)
+
+    def append_many(self, pairs: list[Any]) -> None:
+        """Append many changes at once: ``[key_group, data, key_group, data, ...]``, in order."""
+        if len(pairs) % 2:
+            raise ConfigurationError(f"append_many(pairs): {len(pairs)} items are not key group and data pairs")
+        records = self._records
+        records += pairs
+
+    # -- control calls ----------------------------------------------------------------------
+
+    def _usable(self, op: str) -> None:
+        if self._dead is not None:
+            raise self._dead(op)
+        if self.closed:
+            raise WriterClosedError(f"changelog writer {self.log_id} is closed: cannot {op}")
+
+    def last_appended_sqn(self) -> SequenceNumber:
+        """Close the active changeset (on the service); every change appended so far is <= the result."""
+        self._usable("last_appended_sqn")
+        sqn: SequenceNumber = self._conn.call(
+            LastSqn(self.number), "last_appended_sqn", self, expect(Sqn, lambda m: SequenceNumber(m.sqn))
+        )
+        return sqn
+
+    def persist_durably(self, after: int) -> concurrent.futures.Future[ChangelogHandle]:
+        """Make every change with SQN > ``after`` durable; the future yields their handle once the
+        service replies (no deadline here: the caller waits; a lost connection fails it at once)."""
+        self._usable("persist_durably")
+        _, future = self._conn.submit(
+            Persist(self.number, after),
+            "persist_durably",
+            self,
+            expect(Persisted, lambda m: m.handle),
+            callback_thread=True,
+        )
+        return future
+
+    def _control(self, op: str, message: Message) -> None:
+        if self.closed and self._dead is None:
+            return  # as ChangelogWriter: a closed writer holds nothing any more
+        self._usable(op)
+        self._conn.call(message, op, self, expect(Ack))
+
+    def truncate(self, before: int) -> None:
+        self._control("truncate", Truncate(self.number, before))
+
+    def confirm(self, handle: ChangelogHandle) -> None:
+        self._control("confirm", Confirm(self.number, handle))
+
+    def release(self, handle: ChangelogHandle) -> None:
+        self._control("release", Release(self.number, handle))
+
+    def close(self) -> None:
+        """Drop the buffered changes and close the writer on the service (best effort: a service
+        that is gone closed it already)."""
+        conn = self._conn
+        if not conn.discard(self):
+            return
+        try:
+            conn.call(CloseWriter(self.number), "close", None, expect(Ack))
+        except ChangelogError as exc:
+            _log.info("closing changelog writer %s on %s: %s", self.log_id, conn.socket_path, exc)
+
+
+class RemoteChangelogStorage:
+    """The storage of a worker whose writers live in the executor's changelog service (module doc).
+
+    ``socket_dir``: where the service's socket lives (default ``<tmp>/dstl-svc-<uid>``);
+    ``start``: start a service if none listens (else ``ServiceUnavailableError``); ``local``: the
+    storage that serves reads and files (default: a new one with ``owns_files=False``, closed with
+    this one); ``idle_timeout_ms``: passed to a service this storage starts."""
+
+    def __init__(
+        self,
+        config: ChangelogConfig,
+        *,
+        socket_dir: str | os.PathLike[str] | None = None,
+        start: bool = True,
+        local: StateChangelogStorage | None = None,
+        idle_timeout_ms: int = 60_000,
+    ) -> None:
+        if local is not None and local.config.base_path != config.base_path:
+            raise ConfigurationError(
+                f"the local storage's base path {local.config.base_path} is not {config.base_path}"
+            )
+        self.config = config
+        self.socket_path = service_socket_path(config, socket_dir)
+        self._start = start
+        self._idle_timeout_ms = idle_timeout_ms
+        self._lock = threading.Lock()
+        self._closed = False
+        #: the service process this storage started (None if it found one running)
+        self.service_process: subprocess.Popen[bytes] | None = None
+        self._local = local if local is not None else StateChangelogStorage(config, owns_files=False)
+        self._owns_local = local is None
+        try:
+            self._conn = self._connect()
+        except BaseException:
+            if self._owns_local:
+                self._local.close()
+            raise
+
+    def _connect(self) -> Connection:
+        reached = reach_service(
+            self.config,
+            self.socket_path,
+            start=self._start,
+            idle_timeout_ms=self._idle_timeout_ms,
+            started=self._started,
+        )
+        with reached as sock:
+            conn = Connection(sock, self.socket_path, self.config)
+            conn.hello(fingerprint(self.config))
+        return conn
+
+    def _started(self, process: subprocess.Popen[bytes]) -> None:
+        self.service_process = process
+
+    # -- the service ------------------------------------------------------------------------
+
+    @property
+    def service_epoch(self) -> int:
+        """The epoch of the service this storage is connected to (one per service start)."""
+        return self._conn.epoch
+
+    @property
+    def service_pid(self) -> int:
+        return self._conn.pid
+
+    @property
+    def owns_files(self) -> bool:
+        """Always False: the service's writers never delete log files, nor does the local storage."""
+        return False
+
+    @property
+    def metrics(self) -> ChangelogMetrics:
+        """The local storage's metrics (reads, files); uploads are counted by the service."""
+        return self._local.metrics
+
+    def create_writer(self, operator_id: str, key_group_range: KeyGroupRange) -> RemoteChangelogWriter:
+        """A writer on the service; a newer writer of the same operator and range fences older ones."""
+        with self._lock:
+            if self._closed:
+                raise WriterClosedError("the changelog storage is closed: cannot create a writer")
+            if self._conn.lost is not None:  # its writers stay dead; new ones get a new connection
+                self._conn.close()
+                self._conn = self._connect()
+            conn = self._conn
+        opened = conn.open_writer(operator_id, key_group_range)
+        writer = RemoteChangelogWriter(conn, opened.writer, opened.log_id, key_group_range)
+        conn.register(writer)
+        return writer
+
+    # -- everything else: the local storage -----------------------------------------------------
+
+    def read(self, handle: ChangelogHandle, key_groups: KeyGroupRange | None = None) -> Iterator[tuple[int, bytes]]:
+        return self._local.read(handle, key_groups)
+
+    def put_file(self, path: str, data: bytes, timeout: float | None = None) -> None:
+        self._local.put_file(path, data, timeout)
+
+    def get_file(self, path: str, timeout: float | None = None) -> bytes:
+        return self._local.get_file(path, timeout)
+
+    def read_range(self, path: str, offset: int, length: int, timeout: float | None = None) -> bytes:
+        return self._local.read_range(path, offset, length, timeout)
+
+    def delete_file(self, path: str, timeout: float | None = None) -> None:
+        self._local.delete_file(path, timeout)
+
+    def delete_later(self, path: str, on_done: Callable[[bool], None] | None = None) -> None:
+        self._local.delete_later(path, on_done)
+
+    def undeleted_files(self) -> list[str]:
+        return self._local.undeleted_files()
+
+    def remove_empty_directory(self, path: str) -> None:
+        self._local.remove_empty_directory(path)
+
+    def list_all(self, prefix: str = "") -> list[str]:
+        return self._local.list_all(prefix)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for the local storage's background deletions (uploads are the service's)."""
+        self._local.flush(timeout)
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Close the connection (the service closes its writers) and the local storage if ours."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._conn.close()
+        if self._owns_local:
+            self._local.close(timeout)
+
+    def __enter__(self) -> RemoteChangelogStorage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,94 @@
+"""Frames of the changelog service's protocol: a fixed header, an explicit length, a bounded payload.
+
+Why it is shaped so: every frame is ``<u32 payload length><u8 kind><u32 request id><payload>``.
+A fixed header and an explicit length let both ends read a frame with two exact reads, and bound
+the memory a peer can make the other allocate (``MAX_PAYLOAD``): a length past the bound is
+refused before anything is read. A truncated header or payload raises ``ProtocolError`` naming
+what is wrong (``TruncatedFrameError``: the peer died mid-frame, which the service treats as a
+lost connection, not a broken protocol); no ``struct.error`` escapes. What a payload means is
+``protocol``'s (control messages) and ``appends``' (changes); this module only moves bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import Protocol
+
+from dstl.errors import ChangelogError
+
+__all__ = [
+    "HEADER",
+    "MAX_PAYLOAD",
+    "Kind",
+    "ProtocolError",
+    "Readable",
+    "TruncatedFrameError",
+    "pack_frame",
+    "read_frame",
+]
+
+#: the largest payload either end accepts (a bigger length is refused before it is read)
+MAX_PAYLOAD = 256 << 20
+#: ``<u32 payload length><u8 kind><u32 request id>``
+HEADER = struct.Struct("<IBI")
+
+
+class ProtocolError(ChangelogError):
+    """A frame or message broke the protocol (truncated, oversized, unknown kind, bad field)."""
+
+
+class TruncatedFrameError(ProtocolError):
+    """The stream ended inside a frame: the peer died or closed while sending."""
+
+
+class Kind(enum.IntEnum):
+    """The header's kind byte: requests below 64, replies from 64 (a reply is its own kind, so
+    decoding never depends on the request)."""
+
+    HELLO = 1
+    OPEN_WRITER = 2
+    APPEND = 3
+    LAST_SQN = 4
+    PERSIST = 5
+    TRUNCATE = 6
+    CONFIRM = 7
+    RELEASE = 8
+    CLOSE_WRITER = 9
+    WELCOME = 64
+    OPENED = 65
+    SQN = 66
+    PERSISTED = 67
+    ACK = 68
+    ERROR = 69
+
+
+def pack_frame(kind: int, request_id: int, payload: bytes) -> bytes:
+    """One frame: header and payload (the caller has checked the payload against ``MAX_PAYLOAD``)."""
+    return HEADER.pack(len(payload), kind, request_id) + payload
+
+
+class Readable(Protocol):
+    def read(self, size: int, /) -> bytes | None: ...
+
+
+def _read_exactly(stream: Readable, size: int, what: str) -> bytes:
+    data = stream.read(size) or b""
+    if len(data) != size:
+        raise TruncatedFrameError(f"truncated frame: {what} of {size} bytes ended after {len(data)}")
+    return data
+
+
+def read_frame(stream: Readable) -> tuple[int, int, bytes] | None:
+    """``(kind, request id, payload)`` of the next frame of a buffered binary stream (a socket's
+    ``makefile("rb")``); ``None`` at a clean end of stream (between frames). Checks the length
+    against ``MAX_PAYLOAD`` before reading the payload; does not check the kind."""
+    head = stream.read(HEADER.size) or b""
+    if not head:
+        return None
+    if len(head) != HEADER.size:
+        raise TruncatedFrameError(f"truncated frame: header of {HEADER.size} bytes ended after {len(head)}")
+    length, kind, request_id = HEADER.unpack(head)
+    if length > MAX_PAYLOAD:
+        raise ProtocolError(f"frame of kind {kind} announces {length} bytes, more than the bound {MAX_PAYLOAD}")
+    return kind, request_id, _read_exactly(stream, length, f"payload of kind {kind}")

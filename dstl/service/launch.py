@@ -1,0 +1,263 @@
+"""Finding or starting the changelog service of a configuration: its socket, the files beside it, the start lock.
+
+Why it is shaped so:
+
+- *One service per host and configuration.* The socket is ``<dir>/<fingerprint prefix>.v<protocol>.sock``
+  (``service_socket_path``): workers with one configuration share a service, workers with
+  another never do. The directory (default ``<tmp>/dstl-svc-<uid>``) must be ours and writable
+  by no one else: whoever can write there could replace the socket and receive every change.
+- *The start lock* (``flock`` on ``<socket>.lock``) is held to start a service, to connect and
+  say ``HELLO``, and by a service to exit idle, so two workers never start two services and a
+  client never reaches a service that is about to exit (``reach_service``).
+- *Epochs.* Each start takes the next integer from ``<socket>.epoch`` under that lock; the
+  service puts it in its log ids, so they never repeat across restarts.
+- *Start on demand.* If nothing listens, ``python -m dstl.service`` is spawned in a session of
+  its own (signals to a worker's process group do not reach it), the configuration on its stdin (it may hold S3
+  secrets), its stderr appended to ``<socket>.log``; the starter waits for its ``READY`` line at
+  most ``dfs_timeout_ms`` and otherwise raises ``ServiceUnavailableError`` with the log's tail.
+
+The service (``server``) and the client (``client``) both use these helpers; nothing here
+imports either of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import select
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+from dstl.config import ChangelogConfig
+from dstl.errors import ConfigurationError
+from dstl.service.configjson import dumps_config, fingerprint
+from dstl.service.protocol import PROTOCOL_VERSION, ServiceUnavailableError
+
+__all__ = [
+    "default_socket_dir",
+    "next_epoch",
+    "prepare_socket_dir",
+    "reach_service",
+    "service_socket_path",
+    "spawn_service",
+    "start_lock",
+    "try_connect",
+]
+
+#: AF_UNIX paths hold at most 107 bytes on Linux (108 with the terminating NUL)
+SOCKET_PATH_MAX = 107
+_LOG_TAIL_LINES = 20
+_LOG_MAX_BYTES = 1 << 20
+#: services this process started, polled (reaped) at the next start
+_SPAWNED: list[subprocess.Popen[bytes]] = []
+
+
+# -- the files of a service -------------------------------------------------------------------
+
+
+def default_socket_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), f"dstl-svc-{os.getuid()}")
+
+
+def service_socket_path(config: ChangelogConfig, socket_dir: str | os.PathLike[str] | None = None) -> str:
+    """The socket of the service for ``config``: ``<dir>/<fingerprint prefix>.v<protocol>.sock``
+    under ``socket_dir`` or ``<tmp>/dstl-svc-<uid>``. Named by the config's fingerprint, so that
+    workers with different configurations never share a service; short, because AF_UNIX paths
+    are limited (``ConfigurationError`` if the directory makes it too long)."""
+    directory = os.fspath(socket_dir) if socket_dir is not None else default_socket_dir()
+    path = os.path.join(os.path.abspath(directory), f"{fingerprint(config)[:24]}.v{PROTOCOL_VERSION}.sock")
+    if len(os.fsencode(path)) > SOCKET_PATH_MAX:
+        raise ConfigurationError(
+            f"changelog service socket path {path} is {len(os.fsencode(path))} bytes, more than the "
+            f"{SOCKET_PATH_MAX} a Unix socket allows: choose a shorter socket_dir"
+        )
+    return path
+
+
+def prepare_socket_dir(socket_path: str) -> None:
+    """Create the socket's directory (mode 700); refuse one that another user owns or may write to
+    (whoever can write there could replace the socket and receive every change)."""
+    directory = os.path.dirname(socket_path)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise ConfigurationError(
+            f"changelog service directory {directory} must be a directory owned by uid {os.getuid()} that "
+            f"no one else may write to (found uid {st.st_uid}, mode {stat.filemode(st.st_mode)})"
+        )
+
+
+@contextlib.contextmanager
+def start_lock(socket_path: str, timeout_s: float) -> Iterator[None]:
+    """The start lock of a service (``flock`` on ``<socket>.lock``): held to start a service, to
+    connect and say HELLO, and by a service to exit idle. ``ServiceUnavailableError`` after
+    ``timeout_s``."""
+    fd = os.open(f"{socket_path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + timeout_s
+        pause = 0.001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise ServiceUnavailableError(
+                        f"changelog service {socket_path}: its start lock {socket_path}.lock was held "
+                        f"for more than {timeout_s:g} s"
+                    ) from None
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def next_epoch(socket_path: str) -> int:
+    """Increment and return the epoch in ``<socket>.epoch`` (0 if missing); call under the start lock."""
+    path = f"{socket_path}.epoch"
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        text = "0"
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigurationError(f"changelog service epoch file {path} is unreadable: {exc}") from None
+    if not text.isdigit():
+        raise ConfigurationError(f"changelog service epoch file {path} holds {text[:40]!r}, not an epoch number")
+    epoch = int(text) + 1
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="ascii") as f:
+        f.write(f"{epoch}\n")
+    os.replace(tmp, path)
+    return epoch
+
+
+def try_connect(path: str, timeout_s: float | None) -> socket.socket | None:
+    """A connected socket, or None if nothing listens on ``path`` (``timeout_s`` bounds the connect)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        sock.close()
+        return None
+    except OSError as exc:
+        sock.close()
+        raise ServiceUnavailableError(f"cannot connect to the changelog service {path}: {exc}") from None
+    sock.settimeout(None)
+    return sock
+
+
+# -- start on demand ------------------------------------------------------------------------------
+
+
+def _log_tail(log_path: str) -> str:
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except OSError as exc:
+        return f"(cannot read {log_path}: {exc})"
+    return "\n".join(lines[-_LOG_TAIL_LINES:])
+
+
+def _read_ready_line(proc: subprocess.Popen[bytes], deadline: float) -> bytes | None:
+    """The service's first stdout line; ``b""`` if its stdout ended first, None at the deadline."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        readable, _, _ = select.select([fd], [], [], left)
+        if readable:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return b""
+            buf += chunk
+    return buf.split(b"\n", 1)[0]
+
+
+def spawn_service(config: ChangelogConfig, path: str, idle_timeout_ms: int) -> subprocess.Popen[bytes]:
+    """Start ``python -m dstl.service`` for ``path`` (under the start lock) and wait until it listens."""
+    for old in list(_SPAWNED):  # reap services of this process that exited
+        if old.poll() is not None:
+            _SPAWNED.remove(old)
+    epoch = next_epoch(path)
+    log_path = f"{path}.log"
+    with contextlib.suppress(FileNotFoundError):
+        if os.path.getsize(log_path) > _LOG_MAX_BYTES:
+            os.unlink(log_path)
+    command = [sys.executable, "-m", "dstl.service", "--socket", path, "--epoch", str(epoch)]
+    command += ["--idle-timeout-ms", str(idle_timeout_ms)]
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    try:
+        proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_fd, start_new_session=True
+        )
+    finally:
+        os.close(log_fd)
+    _SPAWNED.append(proc)
+    assert proc.stdin is not None and proc.stdout is not None
+    timeout_ms = config.dfs_timeout_ms
+    try:
+        with contextlib.suppress(BrokenPipeError):  # it died: the ready line says so
+            proc.stdin.write(dumps_config(config).encode())
+            proc.stdin.close()
+        line = _read_ready_line(proc, time.monotonic() + timeout_ms / 1000)
+    finally:
+        proc.stdout.close()
+    if line is None or not line.startswith(b"READY "):
+        if line is None:
+            proc.kill()
+            why = f"did not become ready within {timeout_ms} ms (killed)"
+        try:
+            proc.wait(timeout_ms / 1000)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if line is not None:
+            why = f"exited with status {proc.returncode} before it was ready"
+        raise ServiceUnavailableError(
+            f"the changelog service for {path} {why}; last lines of {log_path}:\n{_log_tail(log_path)}"
+        )
+    return proc
+
+
+@contextlib.contextmanager
+def reach_service(
+    config: ChangelogConfig,
+    path: str,
+    *,
+    start: bool,
+    idle_timeout_ms: int,
+    started: Callable[[subprocess.Popen[bytes]], None],
+) -> Iterator[socket.socket]:
+    """Under the start lock: a socket connected to the service on ``path``, starting one if none
+    listens (``start=False``: ``ServiceUnavailableError`` instead). ``started`` is told the process
+    as soon as it is spawned, even if connecting to it then fails. The caller says HELLO inside the
+    block, so the service cannot exit idle between the connect and the HELLO."""
+    prepare_socket_dir(path)
+    timeout_s = config.dfs_timeout_ms / 1000
+    with start_lock(path, 2 * timeout_s + 5):  # a holder may be starting a service: its deadlines
+        sock = try_connect(path, timeout_s)
+        if sock is None:
+            if not start:
+                raise ServiceUnavailableError(f"no changelog service listens on {path} (start=False)")
+            started(spawn_service(config, path, idle_timeout_ms))
+            sock = try_connect(path, timeout_s)
+            if sock is None:
+                raise ServiceUnavailableError(f"the changelog service for {path} was ready but nothing listens")
+        yield sock

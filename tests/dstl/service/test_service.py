@@ -1,0 +1,490 @@
+"""The changelog service as workers use it: real service processes started on demand, real client
+processes, a local directory as the DFS (``test_service_s3.py`` has the S3 side).
+
+What a user relies on: the writers of several workers land in one file per flush; a retried task
+fences its zombie predecessor; a dead worker releases its writers; backpressure reaches the
+appending thread and loses nothing; the service exits when idle; and every failure (no service,
+a broken start, a silent service, a bad change, a closed writer) is an error that says what
+happened and where.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
+from dstl import ChangelogConfig, HedgingPolicy, KeyGroupRange
+from dstl.errors import ConfigurationError, DeadlineExceededError, WriterClosedError
+from dstl.service import FencedWriterError, RemoteChangelogStorage, ServiceUnavailableError, service_socket_path
+from dstl.service.configjson import dumps_config
+from dstl.service.protocol import CloseWriter, Hello, Opened, OpenWriter, Welcome, encode, read_message
+from tests.dstl.service.conftest import (
+    WAIT_S,
+    Harness,
+    Records,
+    append_all,
+    local_config,
+    log_files,
+    make_records,
+    stop_process,
+    wait_until,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def run_in_threads(*jobs: Any) -> list[Any]:
+    results: list[Any] = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = jobs[i]()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    assert not errors, errors
+    return results
+
+
+# -- batching across workers -------------------------------------------------------------------------
+
+
+def test_two_workers_share_one_file_per_flush(tmp_path: Path, harness: Harness) -> None:
+    config = local_config(tmp_path)
+    a = harness.client(config)  # starts the service
+    b = harness.client(config)  # finds it running
+    assert a.service_process is not None and b.service_process is None
+    assert a.service_pid == b.service_pid == a.service_process.pid
+    wa = a.create_writer("left", KeyGroupRange(0, 9))
+    wb = b.create_writer("right", KeyGroupRange(10, 19))
+    assert wa.log_id.startswith(f"left.e{a.service_epoch}-0-9-")
+
+    def work(writer: Any, rng: range, tag: str, after: int) -> tuple[Records, Any]:
+        records = make_records(rng, tag, 3000)
+        append_all(writer, records)
+        return records, writer.persist_durably(after).result(WAIT_S)
+
+    (ra, ha), (rb, hb) = run_in_threads(lambda: work(wa, range(10), "a", 0), lambda: work(wb, range(10, 20), "b", 0))
+    # nobody flushes on a timer here: the one flush came when both writers waited
+    assert ha.files == hb.files and len(log_files(config)) == 1
+    assert list(a.read(ha)) == ra and list(b.read(hb)) == rb
+
+    (ra2, ha2), (rb2, hb2) = run_in_threads(
+        lambda: work(wa, range(10), "a2", ha.upto), lambda: work(wb, range(10, 20), "b2", hb.upto)
+    )
+    assert ha2.files == hb2.files and len(log_files(config)) == 2
+    assert list(a.read(ha2)) == ra2 and list(b.read(hb2)) == rb2
+    assert list(a.read(wa.persist_durably(0).result(WAIT_S))) == ra + ra2
+
+
+def test_handles_are_confirmed_released_and_truncated_on_the_service(tmp_path: Path, harness: Harness) -> None:
+    config = local_config(tmp_path, persist_delay_ms=1.0)
+    service = harness.serve(config, owns_files=True)
+    storage = harness.client(config, start=False)
+    writer = storage.create_writer("op", KeyGroupRange(0, 3))
+    append_all(writer, make_records(range(4), "kept", 10))
+    kept = writer.persist_durably(0).result(WAIT_S)
+    writer.confirm(kept)
+    append_all(writer, make_records(range(4), "dropped", 10))
+    dropped = writer.persist_durably(kept.upto).result(WAIT_S)
+    assert writer.last_appended_sqn() == dropped.upto
+    writer.release(dropped)
+    writer.truncate(dropped.upto + 1)
+    assert service.storage is not None
+    service.storage.flush(WAIT_S)
+    # the released, truncated file is gone; the confirmed one belongs to its checkpoint
+    assert log_files(config) == [p.removeprefix("dstl/") for p in sorted(kept.files)]
+
+
+# -- fencing and dead workers ------------------------------------------------------------------------
+
+
+def test_a_newer_attempt_fences_the_older_writer(tmp_path: Path, harness: Harness) -> None:
+    config = local_config(tmp_path)
+    zombie_storage = harness.client(config)
+    retry_storage = harness.client(config)
+    zombie = zombie_storage.create_writer("op", KeyGroupRange(0, 9))
+    bystander = zombie_storage.create_writer("bystander", KeyGroupRange(20, 29))  # holds the flush back
+    append_all(zombie, make_records(range(10), "zombie", 100))
+    outstanding = zombie.persist_durably(0)
+    retry = retry_storage.create_writer("op", KeyGroupRange(0, 9))
+
+    with pytest.raises(FencedWriterError) as exc_info:
+        zombie.last_appended_sqn()
+    message = str(exc_info.value)
+    assert f"writer {zombie.log_id} was taken over by a newer attempt (writer {retry.log_id})" in message
+    assert zombie_storage.socket_path in message
+    with pytest.raises(FencedWriterError):
+        zombie.append(0, b"late")
+    with pytest.raises(FencedWriterError):
+        zombie.persist_durably(0)
+    zombie.close()  # closing a fenced writer is quiet
+
+    records = make_records(range(10), "retry", 100)
+    append_all(retry, records)
+    bystander.append(20, b"flush now")
+    persists = [retry.persist_durably(0), bystander.persist_durably(0)]
+    assert list(retry_storage.read(persists[0].result(WAIT_S))) == records
+    # the zombie's persist was answered too, once its changes were uploaded, with the fencing
+    assert isinstance(outstanding.exception(WAIT_S), FencedWriterError)
+
+
+CLIENT = """
+import sys
+from dstl import ChangelogConfig, KeyGroupRange
+from dstl.service import RemoteChangelogStorage
+from dstl.service.configjson import loads_config
+config = loads_config(sys.stdin.readline())
+storage = RemoteChangelogStorage(config, socket_dir=sys.argv[1], start=False)
+writer = storage.create_writer("dead", KeyGroupRange(0, 9))
+for i in range(1000):
+    writer.append(i % 10, b"unpersisted")
+writer.last_appended_sqn()  # the appends reached the service
+print("READY", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_killed_worker_releases_its_writers_and_the_service_serves_on(
+    tmp_path: Path, harness: Harness, socket_dir: Path
+) -> None:
+    config = local_config(tmp_path)
+    storage = harness.client(config)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, str(socket_dir)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert worker.stdin is not None and worker.stdout is not None
+        worker.stdin.write(dumps_config(config) + "\n")
+        worker.stdin.flush()
+        assert worker.stdout.readline() == "READY\n"
+        worker.kill()
+        worker.wait(WAIT_S)
+    finally:
+        stop_process(worker)
+
+    # With no timer flush, a persist completes only once every registered writer waits: the dead
+    # worker's writer must be gone for this one to finish.
+    writer = storage.create_writer("live", KeyGroupRange(10, 19))
+    records = make_records(range(10, 20), "live", 200)
+    append_all(writer, records)
+    handle = writer.persist_durably(0).result(WAIT_S)
+    assert list(storage.read(handle)) == records
+    # its operator and range are free for a new attempt, which fences nobody alive
+    writer.close()
+    again = storage.create_writer("dead", KeyGroupRange(0, 9))
+    append_all(again, [(0, b"new")])
+    assert list(storage.read(again.persist_durably(0).result(WAIT_S))) == [(0, b"new")]
+
+
+# -- backpressure --------------------------------------------------------------------------------------
+
+
+def test_backpressure_blocks_the_appending_thread_and_loses_nothing(tmp_path: Path, harness: Harness) -> None:
+    with FaultPlan() as plan:
+        config = ChangelogConfig(
+            base_path=faulty_base_path(tmp_path / "dfs", plan),
+            persist_delay_ms=1.0,
+            preemptive_persist_threshold=16 * 1024,
+            max_in_flight_bytes=64 * 1024,
+            upload_timeout_ms=30_000,
+            hedging=HedgingPolicy.disabled(),
+        )
+        service = harness.serve(config)
+        storage = harness.client(config, start=False)
+        writer = storage.create_writer("op", KeyGroupRange(0, 15))
+        plan.add(Fault(op="put", action="stall"))
+        # 30 MiB: far more than every buffer on the way holds (the client's bound plus what one
+        # sender interval lets through, both socket buffers, the service's bound and one frame)
+        total = 300_000
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def operator() -> None:
+            try:
+                for i in range(total):
+                    writer.append(i % 16, change(i))
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=operator, name="operator", daemon=True)
+        thread.start()
+        assert plan.wait_stalled(1, WAIT_S)
+        assert service.storage is not None
+        metrics = service.storage.metrics
+        wait_until(lambda: metrics.backpressure_waits > 0, "the service to stop reading")
+        wait_until(lambda: writer.backpressure_waits > 0, "the appending thread to wait for the sender")
+        assert not done.is_set()  # it cannot finish while the upload is held
+
+        plan.release()
+        assert done.wait(WAIT_S) and not errors, errors
+        handle = writer.persist_durably(0).result(WAIT_S)
+        assert list(storage.read(handle)) == [(i % 16, change(i)) for i in range(total)]
+
+
+def change(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 25
+
+
+# -- idle exit -----------------------------------------------------------------------------------------
+
+
+def test_the_service_exits_once_idle_after_the_last_client_left(tmp_path: Path, harness: Harness) -> None:
+    config = local_config(tmp_path)
+    path = service_socket_path(config, harness.socket_dir)
+    os.makedirs(harness.socket_dir, exist_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dstl.service", "--socket", path, "--idle-timeout-ms", "200"],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    harness.processes.append(proc)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(dumps_config(config).encode())
+    proc.stdin.close()
+    assert proc.stdout.readline().split()[:2] == [b"READY", str(proc.pid).encode()]
+
+    storage = RemoteChangelogStorage(config, socket_dir=harness.socket_dir, start=False)
+    writer = storage.create_writer("op", KeyGroupRange(0, 3))
+    records = make_records(range(4), "idle", 100)
+    append_all(writer, records)
+    handle = writer.persist_durably(0).result(WAIT_S)
+    assert proc.poll() is None  # a client is connected
+    storage.close()
+
+    assert proc.wait(WAIT_S) == 0
+    assert not os.path.exists(path)
+    reader = harness.client(config)  # starts a new service: the old one is gone for good
+    assert reader.service_epoch == 2
+    assert list(reader.read(handle)) == records
+
+
+def test_sigterm_stops_the_service_cleanly_and_a_bad_config_is_refused(tmp_path: Path, harness: Harness) -> None:
+    config = local_config(tmp_path)
+    storage = harness.client(config)
+    proc = storage.service_process
+    assert proc is not None
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(WAIT_S) == 0
+    assert not os.path.exists(storage.socket_path)
+
+    refused = subprocess.run(
+        [sys.executable, "-m", "dstl.service", "--socket", storage.socket_path],
+        cwd=ROOT,
+        input=b'{"base_path": 1}',
+        capture_output=True,
+        timeout=WAIT_S,
+    )
+    assert (
+        refused.returncode == 2
+        and b"refused to start" in refused.stderr
+        and b"base_path must be str, got 1" in refused.stderr
+    )
+
+
+def test_a_closing_service_fails_its_clients_calls(tmp_path: Path, harness: Harness) -> None:
+    config = local_config(tmp_path)
+    service = harness.serve(config)
+    storage = harness.client(config, start=False)
+    writer = storage.create_writer("op", KeyGroupRange(0, 3))
+    writer.append(0, b"x")
+    service.close()
+    with pytest.raises(ServiceUnavailableError, match=f"changelog service {service.socket_path} unavailable"):
+        writer.last_appended_sqn()
+    writer.close()  # quiet: the service closed it already
+
+
+# -- failures ------------------------------------------------------------------------------------------
+
+
+def test_no_service_and_start_false_names_the_socket(tmp_path: Path, harness: Harness) -> None:
+    config = local_config(tmp_path)
+    with pytest.raises(ServiceUnavailableError) as exc_info:
+        harness.client(config, start=False)
+    assert f"no changelog service listens on {service_socket_path(config, harness.socket_dir)}" in str(exc_info.value)
+
+
+def broken_installation(directory: Path, init: str) -> None:
+    (directory / "dstl").mkdir()
+    (directory / "dstl" / "__init__.py").write_text(init)
+
+
+def test_a_service_that_dies_on_start_is_reported_with_its_log(
+    tmp_path: Path, harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = local_config(tmp_path)
+    broken_installation(tmp_path, "raise RuntimeError('broken installation for this test')\n")
+    monkeypatch.chdir(tmp_path)  # ``python -m dstl.service`` imports this dstl first
+    with pytest.raises(ServiceUnavailableError) as exc_info:
+        harness.client(config)
+    message = str(exc_info.value)
+    path = service_socket_path(config, harness.socket_dir)
+    assert f"the changelog service for {path} exited with status 1 before it was ready" in message
+    assert f"last lines of {path}.log" in message and "broken installation for this test" in message
+
+
+def test_a_service_that_never_gets_ready_is_killed_at_the_deadline(
+    tmp_path: Path, harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = local_config(tmp_path, dfs_timeout_ms=500)
+    broken_installation(tmp_path, "import threading\nthreading.Event().wait()\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ServiceUnavailableError, match="did not become ready within 500 ms \\(killed\\)"):
+        harness.client(config)
+
+
+def test_a_silent_service_fails_the_call_at_its_deadline(tmp_path: Path, harness: Harness) -> None:
+    config = local_config(tmp_path, dfs_timeout_ms=300)
+    path = service_socket_path(config, harness.socket_dir)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen(1)  # accepts (the kernel does) and never answers
+        with pytest.raises(DeadlineExceededError) as exc_info:
+            harness.client(config, start=False)
+    assert str(exc_info.value) == f"changelog service {path}: hello: no reply within 300 ms"
+
+
+def test_a_writer_opened_after_its_deadline_is_closed_again(tmp_path: Path, harness: Harness) -> None:
+    """A scripted service answers OPEN_WRITER only after the client gave up: the client closes
+    the writer it no longer knows, so it cannot hold back the service's flushes."""
+    config = local_config(tmp_path, dfs_timeout_ms=300)
+    path = service_socket_path(config, harness.socket_dir)
+    outcome: list[BaseException] = []
+    gave_up = threading.Event()
+
+    def worker() -> None:
+        try:
+            harness.client(config, start=False).create_writer("op", KeyGroupRange(0, 3))
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            gave_up.set()
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen(1)
+        threading.Thread(target=worker, daemon=True).start()
+        conn, _ = listener.accept()
+        with conn, conn.makefile("rb") as stream:
+            conn.settimeout(WAIT_S)
+            got = read_message(stream)
+            assert got is not None and isinstance(got[1], Hello)
+            conn.sendall(encode(Welcome(1, os.getpid()), got[0]))
+            got = read_message(stream)
+            assert got is not None and got[1] == OpenWriter("op", KeyGroupRange(0, 3))
+            assert gave_up.wait(WAIT_S)
+            (error,) = outcome
+            assert isinstance(error, DeadlineExceededError)
+            assert str(error) == f"changelog service {path}: create_writer: no reply within 300 ms"
+            conn.sendall(encode(Opened(5, "op.e1-0-3-late"), got[0]))
+            closed = read_message(stream)
+            assert closed is not None and closed[1] == CloseWriter(5)
+
+
+def test_a_persist_callback_may_call_its_writer(tmp_path: Path, harness: Harness) -> None:
+    config = local_config(tmp_path)
+    harness.serve(config)
+    storage = harness.client(config, start=False)
+    first = storage.create_writer("first", KeyGroupRange(0, 3))
+    second = storage.create_writer("second", KeyGroupRange(4, 7))
+    first.append(0, b"a")
+    second.append(4, b"b")
+    persist = first.persist_durably(0)  # waits for the second writer: no timer flushes here
+    seen: list[tuple[int, int]] = []
+    called = threading.Event()
+
+    def callback(future: Any) -> None:
+        seen.append((future.result().upto, first.last_appended_sqn()))  # a request from the callback
+        called.set()
+
+    persist.add_done_callback(callback)
+    second.persist_durably(0).result(WAIT_S)
+    assert called.wait(WAIT_S) and seen == [(1, 1)]
+
+
+def test_a_service_of_another_configuration_is_refused_at_hello(tmp_path: Path, harness: Harness) -> None:
+    mine, other = local_config(tmp_path / "mine"), local_config(tmp_path / "other")
+    harness.serve(other, path=service_socket_path(mine, harness.socket_dir))
+    with pytest.raises(ConfigurationError, match="serves another configuration"):
+        harness.client(mine, start=False)
+
+
+def test_bad_changes_and_bad_calls_raise_the_errors_of_a_local_writer(tmp_path: Path, harness: Harness) -> None:
+    config = local_config(tmp_path, persist_delay_ms=1.0)
+    storage = harness.client(config)
+    outside = storage.create_writer("outside", KeyGroupRange(0, 3))
+    outside.append(7, b"key group 7 is not ours")
+    with pytest.raises(ConfigurationError, match="owns key groups \\[0, 3\\] but key group 7 was appended"):
+        outside.last_appended_sqn()
+
+    typed = storage.create_writer("typed", KeyGroupRange(0, 3))
+    typed.append(0, "not bytes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=f"changelog writer {typed.log_id}: bad change appended: .*str"):
+        typed.persist_durably(0)
+    with pytest.raises(ConfigurationError, match="not key group and data pairs"):
+        typed.append_many([1])
+
+    writer = storage.create_writer("ok", KeyGroupRange(0, 3))
+    writer.append(1, b"x")
+    with pytest.raises(ConfigurationError, match="outside \\[0, 1\\]"):
+        writer.persist_durably(5).result(WAIT_S)
+    assert writer.persist_durably(0).result(WAIT_S).upto == 1
+
+    writer.close()
+    writer.close()
+    writer.truncate(1)  # as a local writer: nothing is held any more
+    with pytest.raises(WriterClosedError, match="is closed"):
+        writer.persist_durably(0)
+    storage.close()
+    with pytest.raises(WriterClosedError, match="storage is closed"):
+        storage.create_writer("late", KeyGroupRange(0, 3))
+    with pytest.raises(WriterClosedError):
+        outside.last_appended_sqn()
+
+
+def test_the_socket_and_the_files_next_to_it_are_checked(tmp_path: Path, harness: Harness) -> None:
+    config = local_config(tmp_path)
+    with pytest.raises(ConfigurationError, match="more than the 107 a Unix socket allows"):
+        service_socket_path(config, "/tmp/" + "d" * 100)
+    open_dir = harness.socket_dir / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    with pytest.raises(ConfigurationError, match="that no one else may write to"):
+        RemoteChangelogStorage(config, socket_dir=open_dir)
+
+    path = service_socket_path(config, harness.socket_dir)
+    Path(f"{path}.epoch").write_text("garbage")
+    with pytest.raises(ConfigurationError, match=f"epoch file {path}.epoch holds 'garbage'"):
+        harness.client(config)
+    Path(f"{path}.epoch").write_text("41\n")
+    os.mkdir(path)
+    with pytest.raises(ConfigurationError, match="exists and is not a socket"):
+        harness.serve(config)
+    os.rmdir(path)
+    service = harness.serve(config)
+    assert service.epoch == 43  # each start takes the next epoch, failed ones too
+    with pytest.raises(ConfigurationError, match=f"a changelog service already listens on {path}"):
+        harness.serve(config)
