@@ -3,8 +3,9 @@ and on Spark's own operator (RocksDB state store), in one SparkSession.
 
 One example costs seconds (two streaming queries, Python workers), so examples are neither shrunk
 nor many in CI: ``PARITY_EXAMPLES`` sets their number (default 2; 200 under
-``HYPOTHESIS_PROFILE=slow``, ``tox -e slow``). A failure prints the scenario as Python to paste
-into ``@example`` and, per round, the rows only one side emitted. ``PARITY_SELF_EXAMPLES`` runs
+``HYPOTHESIS_PROFILE=slow``; ``tox -e slow`` runs 5 x 40 with fixed seeds, one Spark session
+each). A failure prints the scenario as Python to paste into ``@example`` and, per round, the rows
+only one side emitted. ``PARITY_SELF_EXAMPLES`` runs
 the harness with Spark's own operator on both sides (it must find no difference: the waiting and
 the attribution of batches to rounds are then what is tested).
 """
