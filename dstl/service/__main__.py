@@ -6,12 +6,15 @@ line or in a file: it may hold S3 secrets. Once listening, the service prints on
 started it may close its end of the pipe. Logs go to stderr (the client that starts a service
 sends them to ``<socket>.log``). SIGTERM and SIGINT close the service gracefully: connections are
 dropped, uploads are flushed, the socket is unlinked. Exit status 0 after a clean stop, 2 when
-the configuration or arguments are refused, 1 when the service could not start.
+the configuration or arguments are refused, 1 when the service could not start or its final
+flush or close failed. If nobody reads the ``READY`` line (its starter died), the service logs
+it and serves on: other workers may use it, and it exits once idle.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -48,17 +51,27 @@ def main(argv: list[str] | None = None) -> int:
         log.error("could not start on %s: %s", args.socket, exc)
         return 1
 
+    def close() -> None:
+        with contextlib.suppress(Exception):  # logged, and kept in close_error
+            service.close()
+
     def stop(signum: int, frame: FrameType | None) -> None:
         log.info("signal %d: closing", signum)
-        threading.Thread(target=service.close, name="dstl-svc-stop", daemon=True).start()
+        threading.Thread(target=close, name="dstl-svc-stop", daemon=True).start()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    print(f"READY {os.getpid()} {service.epoch}", flush=True)
+    try:
+        print(f"READY {os.getpid()} {service.epoch}", flush=True)
+    except BrokenPipeError:
+        log.warning("nobody reads the READY line on %s (its starter is gone): serving on", args.socket)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
     service.serve_forever()
+    if service.close_error is not None:
+        log.error("stopped on %s, but the final flush or close failed: %r", args.socket, service.close_error)
+        return 1
     return 0
 
 

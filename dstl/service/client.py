@@ -11,8 +11,9 @@ Why it is shaped so:
 
 - *The writer's hot path is ``ChangelogWriter``'s:* ``append`` extends a list the connection's
   sender cuts and ships (``outbox``); control calls are requests on the connection, each behind
-  the writer's buffered appends, each with a deadline but ``persist_durably``'s future, which the
-  caller waits (a lost connection fails it at once).
+  the writer's buffered appends. A call waits for its reply and ``persist_durably``'s future for
+  its handle as long as the service is alive; one that stops answering is declared lost by the
+  connection's liveness rule (``liveness``), which fails them all at once.
 - *A writer never reconnects* (its SQNs died with its connection): after the connection is lost
   every call of it raises. ``create_writer`` on a storage whose connection was lost connects
   again, starting a new service if needed (``launch``).
@@ -35,7 +36,8 @@ from dstl.errors import ChangelogError, ConfigurationError, WriterClosedError
 from dstl.metrics import ChangelogMetrics
 from dstl.service.configjson import fingerprint
 from dstl.service.connection import Connection, expect
-from dstl.service.launch import reach_service, service_socket_path
+from dstl.service.launch import START_TIMEOUT_MS, reach_service, service_socket_path
+from dstl.service.liveness import Liveness
 from dstl.service.outbox import WriterBuffer
 from dstl.service.protocol import (
     Ack,
@@ -101,7 +103,8 @@ class RemoteChangelogWriter(WriterBuffer):
 
     def persist_durably(self, after: int) -> concurrent.futures.Future[ChangelogHandle]:
         """Make every change with SQN > ``after`` durable; the future yields their handle once the
-        service replies (no deadline here: the caller waits; a lost connection fails it at once)."""
+        service replies (no deadline of its own: a lost connection, the liveness rule's verdict on
+        a service that stopped answering included, fails it at once)."""
         self._usable("persist_durably")
         _, future = self._conn.submit(
             Persist(self.number, after),
@@ -145,7 +148,9 @@ class RemoteChangelogStorage:
     ``socket_dir``: where the service's socket lives (default ``<tmp>/dstl-svc-<uid>``);
     ``start``: start a service if none listens (else ``ServiceUnavailableError``); ``local``: the
     storage that serves reads and files (default: a new one with ``owns_files=False``, closed with
-    this one); ``idle_timeout_ms``: passed to a service this storage starts."""
+    this one); ``idle_timeout_ms``: passed to a service this storage starts; ``start_timeout_ms``:
+    how long a service this storage starts may take to be ready; ``liveness``: how long the
+    service may be silent (default ``Liveness.of(config)``, from ``dfs_timeout_ms``)."""
 
     def __init__(
         self,
@@ -155,6 +160,8 @@ class RemoteChangelogStorage:
         start: bool = True,
         local: StateChangelogStorage | None = None,
         idle_timeout_ms: int = 60_000,
+        start_timeout_ms: int = START_TIMEOUT_MS,
+        liveness: Liveness | None = None,
     ) -> None:
         if local is not None and local.config.base_path != config.base_path:
             raise ConfigurationError(
@@ -164,6 +171,8 @@ class RemoteChangelogStorage:
         self.socket_path = service_socket_path(config, socket_dir)
         self._start = start
         self._idle_timeout_ms = idle_timeout_ms
+        self._start_timeout_ms = start_timeout_ms
+        self._liveness = liveness
         self._lock = threading.Lock()
         self._closed = False
         #: the service process this storage started (None if it found one running)
@@ -183,10 +192,11 @@ class RemoteChangelogStorage:
             self.socket_path,
             start=self._start,
             idle_timeout_ms=self._idle_timeout_ms,
+            start_timeout_ms=self._start_timeout_ms,
             started=self._started,
         )
         with reached as sock:
-            conn = Connection(sock, self.socket_path, self.config)
+            conn = Connection(sock, self.socket_path, self.config, self._liveness)
             conn.hello(fingerprint(self.config))
         return conn
 
@@ -203,6 +213,16 @@ class RemoteChangelogStorage:
     @property
     def service_pid(self) -> int:
         return self._conn.pid
+
+    @property
+    def lost(self) -> str | None:
+        """Why the current connection to the service ended (None while it is up)."""
+        return self._conn.lost
+
+    @property
+    def liveness_probes(self) -> int:
+        """How many liveness probes the service answered on the current connection (``liveness``)."""
+        return self._conn.probes_answered
 
     @property
     def owns_files(self) -> bool:

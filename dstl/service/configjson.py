@@ -10,7 +10,9 @@ secrets, so it only ever travels on the service's stdin, never in a file or a co
 The fingerprint is the SHA-256 of the canonical JSON (sorted keys, no spaces, floats where the
 dataclass says float: ``persist_delay_ms=10`` and ``10.0`` are one configuration). Workers with
 one configuration share one service (the socket is named by the fingerprint), workers with
-another never do, and ``HELLO`` refuses a service that serves a different one.
+another never do, and ``HELLO`` refuses a service that serves a different one. Credentials are
+part of it: a worker with a rotated credential reaches a new service, started with the new
+credential, and the service of the old one exits once idle.
 """
 
 from __future__ import annotations

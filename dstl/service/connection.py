@@ -1,20 +1,30 @@
-"""A worker's connection to its changelog service: requests matched to replies, a sender and a reader thread.
+"""A worker's connection to its changelog service: requests matched to replies, a sender, a reader and a watch.
 
 One connection per ``RemoteChangelogStorage``; every writer of that storage ships through it
 (what waits to be sent, and the backpressure on appends, is ``outbox``'s). Why it is shaped so:
 
 - *The sender never blocks on the socket.* It sends without waiting and polls a blocked socket
   for a few milliseconds (``SEND_INTERVAL_S``) at a time, so that while the service applies
-  backpressure it goes on measuring and gating the writers' buffers.
+  backpressure it goes on measuring and gating the writers' buffers; idle, it sleeps until an
+  append wakes it (``outbox``).
 - *Order.* Every request first moves its writer's buffered appends into the outbox, under the
   same lock, so the service sees them before the request. Replies are matched by request id on
   a reader thread; persist futures are resolved on a thread of their own, so a callback that
   calls the writer again never blocks the reader it would wait for.
-- *Deadlines and loss.* ``call`` waits at most ``dfs_timeout_ms`` (``DeadlineExceededError``);
-  ``submit``'s futures are waited by the caller, but a lost connection fails every outstanding
-  one at once, and kills every writer for good, with ``ServiceUnavailableError`` naming the
-  operation, socket and writer: their SQNs died with the connection, so they never reconnect.
-  A reply to an ``OPEN_WRITER`` whose caller gave up waiting closes that orphan writer.
+- *Liveness is every wait's deadline.* A control call, a persist's future and a gated append
+  wait as long as the service is alive: under backpressure a healthy service answers late (a
+  request waits behind another writer's appends on the service's connection thread), so a
+  per-call deadline would fail calls of a working service. One that stopped answering is found by
+  the liveness rule (``liveness``), which declares the connection lost. Only ``HELLO``, which
+  nothing is queued ahead of, has a deadline (``DeadlineExceededError``).
+- *Loss is settled in one place.* ``_lose`` (whichever thread comes first: reader, sender, watch,
+  ``close``) fails every outstanding request and kills every writer for good, then stops the
+  callback thread. A pending request is popped under the lock by exactly one party, and a
+  persist's settlement is queued under that lock too, so every future is settled exactly once,
+  before the callback thread stops. The errors are ``ServiceUnavailableError`` naming operation,
+  socket and writer (``WriterClosedError`` after ``close``): SQNs die with the connection, so
+  writers never reconnect. An ``ERROR`` with request id 0 is the service's reason for ending the
+  connection (a protocol violation, a refusal) and becomes the cause every failure reports.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import queue
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,17 +45,18 @@ from typing import Any
 from dstl.config import ChangelogConfig
 from dstl.errors import ChangelogError, DeadlineExceededError, WriterClosedError
 from dstl.service.framing import ProtocolError
-from dstl.service.outbox import Outbox, WriterBuffer
+from dstl.service.liveness import Liveness, probe
+from dstl.service.outbox import IDLE_WAKE_S, Outbox, WriterBuffer
 from dstl.service.protocol import (
+    JOIN_S,
     PROTOCOL_VERSION,
-    Ack,
-    CloseWriter,
     Error,
     FencedWriterError,
     Hello,
     Message,
     Opened,
     OpenWriter,
+    Pong,
     ServiceUnavailableError,
     Welcome,
     encode,
@@ -59,7 +71,6 @@ _log = logging.getLogger(__name__)
 
 #: how often the sender cuts the writers' lists and looks at a blocked socket
 SEND_INTERVAL_S = 0.005
-_JOIN_S = 10.0
 
 
 def expect(cls: type[Any], convert: Callable[[Any], Any] = lambda m: m) -> Callable[[Message], Any]:
@@ -86,17 +97,24 @@ class _Pending:
     callback_thread: bool = False
 
 
-class Connection:
-    """One connection to the service: outbox and sender thread, reader thread, pending requests (module doc)."""
+def _settler(future: concurrent.futures.Future[Any], ok: bool, value: Any) -> Callable[[], None]:
+    return (lambda: future.set_result(value)) if ok else (lambda: future.set_exception(value))
 
-    def __init__(self, sock: socket.socket, socket_path: str, config: ChangelogConfig) -> None:
+
+class Connection:
+    """One connection to the service: outbox and sender, reader, watch, pending requests (module doc)."""
+
+    def __init__(
+        self, sock: socket.socket, socket_path: str, config: ChangelogConfig, liveness: Liveness | None = None
+    ) -> None:
         self.socket_path = socket_path
         self._sock = sock
         self._timeout_ms = config.dfs_timeout_ms
+        self._liveness = liveness or Liveness.of(config)
         self._lock = threading.Lock()
-        #: what is still to be sent; its writers' buffers point at it (guarded by ``_lock``)
-        self.outbox = Outbox(self._lock, config.preemptive_persist_threshold)
         self._wake = threading.Event()
+        #: what is still to be sent; its writers' buffers point at it (guarded by ``_lock``)
+        self.outbox = Outbox(self._lock, config.preemptive_persist_threshold, self._wake.set)
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self._callbacks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -105,10 +123,18 @@ class Connection:
         self.closed = False
         self.epoch = 0
         self.pid = 0
+        #: when a byte last moved either way, or a probe was answered (``time.monotonic``)
+        self._progress = time.monotonic()
+        self._send_failure: str | None = None
+        self._stop_watch = threading.Event()
+        self._probe_sock: socket.socket | None = None
+        #: liveness probes the service answered
+        self.probes_answered = 0
         self._threads = [
             threading.Thread(target=target, name=f"dstl-remote-{name}", daemon=True)
             for target, name in ((self._read_loop, "reader"), (self._send_loop, "sender"), (self._run_callbacks, "cb"))
         ]
+        self._watch_thread = threading.Thread(target=self._watch, name="dstl-remote-watch", daemon=True)
         for thread in self._threads:
             thread.start()
 
@@ -123,9 +149,6 @@ class Connection:
             f"changelog service {self.socket_path} unavailable: {what} failed: {self.lost}; "
             "the writer's unpersisted changes and SQNs are lost with the connection, it never reconnects"
         )
-
-    def _writer_error(self, writer: WriterBuffer, op: str) -> ChangelogError:
-        return self.error(op, writer)
 
     def submit(
         self,
@@ -145,32 +168,51 @@ class Connection:
                 if writer._failure is not None and op in ("last_appended_sqn", "persist_durably"):
                     raise writer._failure
             request_id = next(self._ids) & 0xFFFFFFFF
+            while not request_id or request_id in self._pending:  # 0 is the service's own
+                request_id = next(self._ids) & 0xFFFFFFFF
             self._pending[request_id] = _Pending(future, op, writer, convert, callback_thread)
             self.outbox.put_locked(encode(message, request_id))
         self._wake.set()
         return request_id, future
 
-    def call(self, message: Message, op: str, writer: WriterBuffer | None, convert: Callable[[Message], Any]) -> Any:
-        """Send a request and wait for its reply, at most ``dfs_timeout_ms``."""
+    def call(
+        self,
+        message: Message,
+        op: str,
+        writer: WriterBuffer | None,
+        convert: Callable[[Message], Any],
+        deadline_ms: int | None = None,
+    ) -> Any:
+        """Send a request and wait for its reply: while the service is alive (module doc), or at
+        most ``deadline_ms`` (``DeadlineExceededError``)."""
         request_id, future = self.submit(message, op, writer, convert)
         try:
-            return future.result(self._timeout_ms / 1000)
+            return future.result(None if deadline_ms is None else deadline_ms / 1000)
         except concurrent.futures.TimeoutError:
             with self._lock:
                 self._pending.pop(request_id, None)
             raise DeadlineExceededError(
-                f"changelog service {self.socket_path}: {_what(op, writer)}: no reply within {self._timeout_ms} ms"
+                f"changelog service {self.socket_path}: {_what(op, writer)}: no reply within {deadline_ms} ms"
             ) from None
 
     def hello(self, config_fingerprint: str) -> None:
         """The first request: protocol version and configuration; the service's epoch and pid come
-        back. Closes the connection if the service refuses or does not answer."""
+        back, and the liveness watch starts. Closes the connection if the service refuses or does
+        not answer within ``dfs_timeout_ms``."""
         try:
-            welcome: Welcome = self.call(Hello(PROTOCOL_VERSION, config_fingerprint), "hello", None, expect(Welcome))
+            welcome: Welcome = self.call(
+                Hello(PROTOCOL_VERSION, config_fingerprint),
+                "hello",
+                None,
+                expect(Welcome),
+                deadline_ms=self._timeout_ms,
+            )
         except BaseException:
             self.close()
             raise
         self.epoch, self.pid = welcome.epoch, welcome.pid
+        self._progress = time.monotonic()
+        self._watch_thread.start()
 
     def open_writer(self, operator_id: str, key_group_range: KeyGroupRange) -> Opened:
         """Open a writer on the service: its number on this connection and its log id."""
@@ -209,9 +251,9 @@ class Connection:
                     self.outbox.service_writers_locked()
                     if not current and (frame := self.outbox.next_frame_locked()) is not None:
                         current, length = memoryview(frame), len(frame)
-                    busy = bool(self.outbox.writers)
+                    idle = not current and self.outbox.sleep_locked()
                 if not current:
-                    self._wake.wait(SEND_INTERVAL_S if busy else None)
+                    self._wake.wait(IDLE_WAKE_S if idle else SEND_INTERVAL_S)
                     self._wake.clear()
                     continue
                 try:
@@ -219,63 +261,73 @@ class Connection:
                 except BlockingIOError:  # the service stopped reading (backpressure): keep measuring
                     poller.poll(SEND_INTERVAL_S * 1000)
                     continue
+                self._progress = time.monotonic()
                 current = current[sent:]
                 if not current:
                     with self._lock:
                         self.outbox.sent_locked(length)
         except OSError as exc:
-            self._lose(f"sending failed: {exc}")
+            # The service closed or reset the connection: the reader owns the loss, so that it
+            # reports what the service said last (an ERROR with request id 0), then this.
+            self._send_failure = f"sending failed: {exc}"
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+        except BaseException as exc:
+            _log.exception("the sender of the connection to %s failed", self.socket_path)
+            self._lose(f"the sender failed: {exc!r}")
 
     def _read_loop(self) -> None:
         cause = "the service closed the connection"
         stream = self._sock.makefile("rb")
         try:
             while (got := read_message(stream)) is not None:
+                self._progress = time.monotonic()
                 request_id, message = got
-                with self._lock:
-                    pending = self._pending.pop(request_id, None)
-                if pending is not None:
-                    self._resolve(pending, message)
-                elif isinstance(message, Opened):  # its caller gave up waiting: close the orphan
-                    self.submit(CloseWriter(message.writer), "close", None, expect(Ack))
+                if request_id == 0 and isinstance(message, Error):
+                    cause = f"the service ended the connection: {message.type}: {message.message}"
+                    break
+                self._resolve(request_id, message)
+            else:
+                cause = self._send_failure or cause
         except ProtocolError as exc:
             cause = f"the service broke the protocol: {exc}"
-        except (OSError, ChangelogError) as exc:
+        except OSError as exc:
             cause = f"connection error: {exc}"
+        except BaseException as exc:
+            _log.exception("the reader of the connection to %s failed", self.socket_path)
+            cause = f"the reader failed: {exc!r}"
         finally:
             stream.close()
             self._lose(cause)
-            self._callbacks.put(None)  # after every resolution this thread or _lose queued
 
-    def _resolve(self, pending: _Pending, message: Message) -> None:
+    def _resolve(self, request_id: int, message: Message) -> None:
+        with self._lock:
+            pending = self._pending.get(request_id)
+        if pending is None:  # hello's caller gave up, or the connection was lost meanwhile
+            return
         writer = pending.writer
-        outcome: tuple[bool, Any]
+        ok: bool
+        value: Any
         if isinstance(message, Error):
-            exc = error_from_reply(message, f"changelog service {self.socket_path}: {_what(pending.op, writer)}")
-            if isinstance(exc, FencedWriterError) and writer is not None:
-                self._fence(writer, str(exc))
-            outcome = (False, exc)
+            ok, value = (
+                False,
+                error_from_reply(message, f"changelog service {self.socket_path}: {_what(pending.op, writer)}"),
+            )
+            if isinstance(value, FencedWriterError) and writer is not None:
+                self._fence(writer, str(value))
         else:
             try:
-                outcome = (True, pending.convert(message))
+                ok, value = True, pending.convert(message)
             except ChangelogError as exc:
-                outcome = (False, exc)
-        self._settle(pending, outcome)
-
-    def _settle(self, pending: _Pending, outcome: tuple[bool, Any]) -> None:
-        ok, value = outcome
-        future = pending.future
-
-        def settle() -> None:
-            if ok:
-                future.set_result(value)
-            else:
-                future.set_exception(value)
-
-        if pending.callback_thread:
-            self._callbacks.put(settle)
-        else:
-            settle()
+                ok, value = False, exc
+        settle = _settler(pending.future, ok, value)
+        with self._lock:
+            if self._pending.pop(request_id, None) is None:
+                return  # _lose settled it
+            if pending.callback_thread:
+                self._callbacks.put(settle)  # under the lock: before _lose's end of the queue
+                return
+        settle()
 
     def _run_callbacks(self) -> None:
         while (callback := self._callbacks.get()) is not None:
@@ -284,28 +336,75 @@ class Connection:
             except Exception:
                 _log.exception("a persist callback failed")
 
+    def _watch(self) -> None:
+        """The liveness rule (``liveness``): probe when something is awaited and nothing moved."""
+        rule = self._liveness
+        try:
+            while True:
+                with self._lock:
+                    if self.lost is not None:
+                        return
+                    awaiting = bool(self._pending) or self.outbox.queued
+                    quiet = time.monotonic() - self._progress
+                if not awaiting or quiet < rule.quiet_s:
+                    self._stop_watch.wait(rule.quiet_s - quiet if awaiting else rule.quiet_s)
+                    continue
+                why = self._probe()
+                if why is not None:
+                    self._lose(f"no answer for {time.monotonic() - self._progress:.1f} s ({why})")
+        except BaseException as exc:
+            _log.exception("the liveness watch of the connection to %s failed", self.socket_path)
+            self._lose(f"the liveness watch failed: {exc!r}")
+
+    def _probe(self) -> str | None:
+        """None if the service answered a probe; else why it counts as not answering."""
+        try:
+            reply = probe(self.socket_path, self._liveness.answer_s, self._track_probe)
+        except (OSError, ChangelogError) as exc:
+            return f"a liveness probe got no answer within {self._liveness.answer_s:g} s: {exc or type(exc).__name__}"
+        if isinstance(reply, Pong) and (reply.epoch, reply.pid) != (self.epoch, self.pid):
+            return f"its socket is served by another service now (epoch {reply.epoch}, pid {reply.pid})"
+        with self._lock:  # a Pong, or the refusal of a service that has too many connections
+            self._progress = time.monotonic()
+            self.probes_answered += 1
+        return None
+
+    def _track_probe(self, sock: socket.socket | None) -> None:
+        self._probe_sock = sock
+
     def _fence(self, writer: WriterBuffer, message: str) -> None:
         with self._lock:
             self.outbox.kill_locked(writer, lambda op: FencedWriterError(message))
 
     def _lose(self, cause: str, closed: bool = False) -> None:
-        """The connection ended: fail every outstanding request and every writer, for good."""
+        """The connection ended: fail every outstanding request and every writer, for good, then
+        stop the callback thread (module doc: the one place that does)."""
+        direct: list[Callable[[], None]] = []
         with self._lock:
             if self.lost is not None:
                 return
             self.lost, self.closed = cause, closed
-            pending = list(self._pending.values())
+            for p in self._pending.values():
+                settle = _settler(p.future, False, self.error(p.op, p.writer))
+                if p.callback_thread:
+                    self._callbacks.put(settle)
+                else:
+                    direct.append(settle)
             self._pending.clear()
-            self.outbox.clear_locked(self._writer_error)
+            self.outbox.clear_locked(lambda writer, op: self.error(op, writer))
+            self._callbacks.put(None)  # after every settlement: they are all queued under this lock
         self._wake.set()
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        for p in pending:
-            self._settle(p, (False, self.error(p.op, p.writer)))
+        self._stop_watch.set()
+        for sock in (self._sock, self._probe_sock):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+        for settle in direct:
+            settle()
 
     def close(self) -> None:
         self._lose("the RemoteChangelogStorage was closed", closed=True)
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(_JOIN_S)
+        for thread in (*self._threads, self._watch_thread):
+            if thread.ident is not None and thread is not threading.current_thread():
+                thread.join(JOIN_S)
         self._sock.close()

@@ -9,11 +9,20 @@ Why it is shaped so:
   reaches the worker with no mechanism of its own.
 - *Replies leave through a sender thread per connection.* A ``PERSIST`` is answered when its
   future resolves, on the storage's loop thread; a client that stops reading must never block
-  that loop (every upload of the process runs on it), so replies are queued, not sent there.
+  that loop (every upload of the process runs on it), so replies are queued, not sent there. The
+  queue is bounded (``Service.max_queued_replies``): a client that sends requests and never reads
+  their replies is cut off rather than filling the service's memory.
+- *Nothing untrusted is read unbounded.* Until ``HELLO`` every frame may hold only a few hundred
+  bytes, and ``HELLO`` must come within ``Service.hello_timeout_s``; after it each kind has its
+  bound (``framing.payload_limit``). A connection whose first frame is ``PING`` is a liveness
+  probe: it is answered ``PONG`` at once, from this thread, which has touched no storage yet
+  (``liveness``), and closed.
 - *Errors are replies, protocol violations end the connection.* A request that fails answers
   ``ERROR`` with its ``dstl.errors`` class; an ``APPEND`` has no reply, so its error is kept and
-  raised by its writer's next request. A frame that breaks the protocol is answered once with an
-  ``ERROR`` and the connection is closed; a peer that dies mid-frame is a lost connection.
+  raised by its writer's next request. A request of a writer that was fenced while it ran answers
+  ``FencedWriterError``, whatever the closed writer raised. A frame that breaks the protocol is
+  answered once with an ``ERROR`` of request id 0 and the connection is closed; a peer that dies
+  mid-frame is a lost connection.
 - *A closed connection closes its writers* (those not fenced): a dead worker releases what it
   held, and the scheduler stops waiting for it before flushing (its "every writer waits" trigger).
 
@@ -33,10 +42,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from dstl.errors import ChangelogError, StorageClosedError, WriterClosedError
+from dstl.errors import ChangelogError, ConfigurationError, StorageClosedError, WriterClosedError
 from dstl.service.appends import Append
-from dstl.service.framing import ProtocolError, TruncatedFrameError
+from dstl.service.framing import MAX_SMALL_PAYLOAD, ProtocolError, TruncatedFrameError
 from dstl.service.protocol import (
+    JOIN_S,
     PROTOCOL_VERSION,
     Ack,
     CloseWriter,
@@ -50,6 +60,8 @@ from dstl.service.protocol import (
     OpenWriter,
     Persist,
     Persisted,
+    Ping,
+    Pong,
     Release,
     Sqn,
     Truncate,
@@ -65,8 +77,9 @@ __all__ = ["ConnectionHandler", "Service", "Slot"]
 
 _log = logging.getLogger(__name__)
 
-#: how long finishing a connection waits for its reply sender
-_JOIN_S = 10.0
+
+def _small(kind: int) -> int:
+    return MAX_SMALL_PAYLOAD
 
 
 @dataclass(eq=False)
@@ -86,6 +99,10 @@ class Service(Protocol):
     socket_path: str
     fingerprint: str
     epoch: int
+    #: how long a new connection may take to say HELLO (or PING)
+    hello_timeout_s: float
+    #: replies a connection may have queued before the service cuts it off
+    max_queued_replies: int
 
     def open_writer(self, conn: ConnectionHandler, message: OpenWriter) -> Slot: ...
 
@@ -102,7 +119,8 @@ class ConnectionHandler:
         self.name = f"connection {number}"
         self.writers: dict[int, Slot] = {}  # touched by the connection's own thread only
         self._service = service
-        self._replies: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._replies: queue.Queue[bytes | None] = queue.Queue(service.max_queued_replies)
+        self._overflowed = False
         self.thread = threading.Thread(target=self._serve, name=f"dstl-svc-{self.name}", daemon=True)
         self.sender = threading.Thread(target=self._send_replies, name=f"dstl-svc-reply-{number}", daemon=True)
 
@@ -118,12 +136,24 @@ class ConnectionHandler:
     # -- the socket -------------------------------------------------------------------------
 
     def reply(self, request_id: int, message: Message) -> None:
-        """Queue a reply (any thread; never blocks, never raises)."""
+        """Queue a reply (any thread; never blocks, never raises); a client with too many replies
+        unread is cut off (module doc)."""
         try:
             frame = encode(message, request_id)
         except ProtocolError as exc:
             frame = encode(error_reply(exc), request_id)
-        self._replies.put(frame)
+        try:
+            self._replies.put_nowait(frame)
+        except queue.Full:
+            if not self._overflowed:
+                self._overflowed = True
+                _log.warning(
+                    "%s on %s does not read its replies (%d queued): cutting it off",
+                    self.name,
+                    self._service.socket_path,
+                    self._replies.maxsize,
+                )
+            self.shutdown()  # the reading thread sees the end and drops the connection
 
     def _send_replies(self) -> None:
         while (frame := self._replies.get()) is not None:
@@ -139,9 +169,12 @@ class ConnectionHandler:
 
     def _finish(self) -> None:
         """After the reading thread is done: send what is queued, then close the socket."""
-        self._replies.put(None)
+        try:
+            self._replies.put_nowait(None)
+        except queue.Full:  # cut off: its sender fails on the shut socket
+            self.shutdown()
         if self.sender.is_alive() and self.sender is not threading.current_thread():
-            self.sender.join(_JOIN_S)
+            self.sender.join(JOIN_S)
         self.shutdown()
         self.sock.close()
 
@@ -156,6 +189,10 @@ class ConnectionHandler:
                     self._dispatch(*got)
         except TruncatedFrameError as exc:  # the client died or closed mid-frame: a lost connection
             _log.info("%s on %s lost: %s", self.name, socket_path, exc)
+        except TimeoutError:  # only the handshake has a deadline
+            timeout = self._service.hello_timeout_s
+            _log.warning("%s on %s said no HELLO within %g s: closing it", self.name, socket_path, timeout)
+            self.reply(0, Error("ProtocolError", f"no HELLO within {timeout:g} s"))
         except ProtocolError as exc:
             _log.warning("%s on %s broke the protocol, closing it: %s", self.name, socket_path, exc)
             self.reply(0, error_reply(exc))
@@ -167,10 +204,15 @@ class ConnectionHandler:
 
     def _handshake(self, stream: Any) -> bool:
         service = self._service
-        got = read_message(stream)
+        self.sock.settimeout(service.hello_timeout_s)
+        got = read_message(stream, _small)  # nothing but HELLO or PING, and small, before HELLO
+        self.sock.settimeout(None)
         if got is None:
             return False
         request_id, hello = got
+        if isinstance(hello, Ping):  # a liveness probe (``liveness``): answered, then closed
+            self.reply(request_id, Pong(service.epoch, os.getpid()))
+            return False
         if not isinstance(hello, Hello):
             raise ProtocolError(f"the first frame must be HELLO, got {hello.KIND.name}")
         if hello.version != PROTOCOL_VERSION:
@@ -237,7 +279,22 @@ class ConnectionHandler:
         if not isinstance(message, LastSqn | Persist | Truncate | Confirm | Release):
             raise ProtocolError(f"{message.KIND.name} is not a request")
         slot = self._slot(message.writer)
+        try:
+            return self._writer_request(request_id, slot, message)
+        except ChangelogError:
+            if slot.fenced is not None:  # fenced while it ran: the writer was closed under it
+                raise FencedWriterError(slot.fenced) from None
+            raise
+
+    def _writer_request(
+        self, request_id: int, slot: Slot, message: LastSqn | Persist | Truncate | Confirm | Release
+    ) -> Message | None:
         writer = slot.writer
+        if isinstance(message, Confirm | Release) and message.handle.log_id != writer.log_id:
+            raise ConfigurationError(
+                f"{message.KIND.name.lower()}: the handle of log {message.handle.log_id} does not belong to "
+                f"writer {writer.log_id}"
+            )
         if isinstance(message, LastSqn):
             return Sqn(writer.last_appended_sqn())
         if isinstance(message, Persist):

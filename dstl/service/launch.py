@@ -9,12 +9,18 @@ Why it is shaped so:
 - *The start lock* (``flock`` on ``<socket>.lock``) is held to start a service, to connect and
   say ``HELLO``, and by a service to exit idle, so two workers never start two services and a
   client never reaches a service that is about to exit (``reach_service``).
-- *Epochs.* Each start takes the next integer from ``<socket>.epoch`` under that lock; the
-  service puts it in its log ids, so they never repeat across restarts.
+- *Epochs.* Each start takes the next integer from ``<socket>.epoch`` under that lock (written
+  to a temporary file, fsynced, renamed, the directory fsynced); the service puts it in its log
+  ids, so a restarted service is recognisable in them (their uuid alone keeps them unique). An
+  epoch file that cannot be read or holds no number counts as 0, with a warning: it never stops
+  a service from starting.
 - *Start on demand.* If nothing listens, ``python -m dstl.service`` is spawned in a session of
   its own (signals to a worker's process group do not reach it), the configuration on its stdin (it may hold S3
-  secrets), its stderr appended to ``<socket>.log``; the starter waits for its ``READY`` line at
-  most ``dfs_timeout_ms`` and otherwise raises ``ServiceUnavailableError`` with the log's tail.
+  secrets; the command line holds none), its stderr appended to ``<socket>.log`` (mode 600); the
+  starter reads its stdout lines until ``READY`` for at most ``start_timeout_ms`` (30 s by
+  default: a cold interpreter importing the storage's dependencies, not a DFS call) and
+  otherwise kills it and raises ``ServiceUnavailableError`` with the log's tail. A thread reaps
+  the child when it exits.
 
 The service (``server``) and the client (``client``) both use these helpers; nothing here
 imports either of them.
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import select
 import socket
@@ -31,6 +38,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -40,6 +48,7 @@ from dstl.service.configjson import dumps_config, fingerprint
 from dstl.service.protocol import PROTOCOL_VERSION, ServiceUnavailableError
 
 __all__ = [
+    "START_TIMEOUT_MS",
     "default_socket_dir",
     "next_epoch",
     "prepare_socket_dir",
@@ -54,8 +63,10 @@ __all__ = [
 SOCKET_PATH_MAX = 107
 _LOG_TAIL_LINES = 20
 _LOG_MAX_BYTES = 1 << 20
-#: services this process started, polled (reaped) at the next start
-_SPAWNED: list[subprocess.Popen[bytes]] = []
+#: how long a service started on demand may take to print READY, by default
+START_TIMEOUT_MS = 30_000
+
+_log = logging.getLogger(__name__)
 
 
 # -- the files of a service -------------------------------------------------------------------
@@ -123,22 +134,32 @@ def start_lock(socket_path: str, timeout_s: float) -> Iterator[None]:
 
 
 def next_epoch(socket_path: str) -> int:
-    """Increment and return the epoch in ``<socket>.epoch`` (0 if missing); call under the start lock."""
+    """Increment and return the epoch in ``<socket>.epoch``, durably; call under the start lock. A
+    missing file counts as 0, and so, with a warning, does one that is unreadable or holds no number."""
     path = f"{socket_path}.epoch"
     try:
         with open(path, encoding="ascii") as f:
-            text = f.read().strip()
+            text = f.read(64).strip()
     except FileNotFoundError:
         text = "0"
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigurationError(f"changelog service epoch file {path} is unreadable: {exc}") from None
-    if not text.isdigit():
-        raise ConfigurationError(f"changelog service epoch file {path} holds {text[:40]!r}, not an epoch number")
+        _log.warning("changelog service epoch file %s is unreadable (%s): counting from 0", path, exc)
+        text = "0"
+    if not (text.isascii() and text.isdigit() and len(text) <= 18):
+        _log.warning("changelog service epoch file %s holds %r, not an epoch number: counting from 0", path, text)
+        text = "0"
     epoch = int(text) + 1
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="ascii") as f:
         f.write(f"{epoch}\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
     return epoch
 
 
@@ -173,11 +194,16 @@ def _log_tail(log_path: str) -> str:
 
 
 def _read_ready_line(proc: subprocess.Popen[bytes], deadline: float) -> bytes | None:
-    """The service's first stdout line; ``b""`` if its stdout ended first, None at the deadline."""
+    """The service's ``READY`` line (other lines of its stdout are skipped); ``b""`` if its stdout
+    ended first, None at the deadline."""
     assert proc.stdout is not None
     fd = proc.stdout.fileno()
     buf = b""
-    while b"\n" not in buf:
+    while True:
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            if line.startswith(b"READY "):
+                return line
         left = deadline - time.monotonic()
         if left <= 0:
             return None
@@ -186,15 +212,14 @@ def _read_ready_line(proc: subprocess.Popen[bytes], deadline: float) -> bytes | 
             chunk = os.read(fd, 4096)
             if not chunk:
                 return b""
-            buf += chunk
-    return buf.split(b"\n", 1)[0]
+            buf = buf[-4096:] + chunk  # a line without end must not fill the memory
 
 
-def spawn_service(config: ChangelogConfig, path: str, idle_timeout_ms: int) -> subprocess.Popen[bytes]:
-    """Start ``python -m dstl.service`` for ``path`` (under the start lock) and wait until it listens."""
-    for old in list(_SPAWNED):  # reap services of this process that exited
-        if old.poll() is not None:
-            _SPAWNED.remove(old)
+def spawn_service(
+    config: ChangelogConfig, path: str, idle_timeout_ms: int, start_timeout_ms: int = START_TIMEOUT_MS
+) -> subprocess.Popen[bytes]:
+    """Start ``python -m dstl.service`` for ``path`` (under the start lock) and wait until it
+    listens, at most ``start_timeout_ms``."""
     epoch = next_epoch(path)
     log_path = f"{path}.log"
     with contextlib.suppress(FileNotFoundError):
@@ -204,27 +229,28 @@ def spawn_service(config: ChangelogConfig, path: str, idle_timeout_ms: int) -> s
     command += ["--idle-timeout-ms", str(idle_timeout_ms)]
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     try:
+        os.fchmod(log_fd, 0o600)  # also a log an older start left readable
         proc = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_fd, start_new_session=True
         )
     finally:
         os.close(log_fd)
-    _SPAWNED.append(proc)
+    # reap the child whenever it exits (Popen's waits may run concurrently)
+    threading.Thread(target=proc.wait, name=f"dstl-svc-reap-{proc.pid}", daemon=True).start()
     assert proc.stdin is not None and proc.stdout is not None
-    timeout_ms = config.dfs_timeout_ms
     try:
         with contextlib.suppress(BrokenPipeError):  # it died: the ready line says so
             proc.stdin.write(dumps_config(config).encode())
             proc.stdin.close()
-        line = _read_ready_line(proc, time.monotonic() + timeout_ms / 1000)
+        line = _read_ready_line(proc, time.monotonic() + start_timeout_ms / 1000)
     finally:
         proc.stdout.close()
     if line is None or not line.startswith(b"READY "):
         if line is None:
             proc.kill()
-            why = f"did not become ready within {timeout_ms} ms (killed)"
+            why = f"did not become ready within {start_timeout_ms} ms (killed)"
         try:
-            proc.wait(timeout_ms / 1000)
+            proc.wait(start_timeout_ms / 1000)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -243,6 +269,7 @@ def reach_service(
     *,
     start: bool,
     idle_timeout_ms: int,
+    start_timeout_ms: int = START_TIMEOUT_MS,
     started: Callable[[subprocess.Popen[bytes]], None],
 ) -> Iterator[socket.socket]:
     """Under the start lock: a socket connected to the service on ``path``, starting one if none
@@ -251,12 +278,13 @@ def reach_service(
     block, so the service cannot exit idle between the connect and the HELLO."""
     prepare_socket_dir(path)
     timeout_s = config.dfs_timeout_ms / 1000
-    with start_lock(path, 2 * timeout_s + 5):  # a holder may be starting a service: its deadlines
+    # a holder may be starting a service and saying HELLO: wait out its deadlines
+    with start_lock(path, start_timeout_ms / 1000 + 2 * timeout_s + 5):
         sock = try_connect(path, timeout_s)
         if sock is None:
             if not start:
                 raise ServiceUnavailableError(f"no changelog service listens on {path} (start=False)")
-            started(spawn_service(config, path, idle_timeout_ms))
+            started(spawn_service(config, path, idle_timeout_ms, start_timeout_ms))
             sock = try_connect(path, timeout_s)
             if sock is None:
                 raise ServiceUnavailableError(f"the changelog service for {path} was ready but nothing listens")

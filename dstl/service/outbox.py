@@ -13,7 +13,11 @@ Why it is shaped so:
   the queued frames exceed ``preemptive_persist_threshold`` no writer is cut, and a writer with
   more than that many bytes unsent gets a gate whose ``+=`` blocks the appending thread until
   the sender cut its list; closing the writer or losing the connection meanwhile raises
-  ``WriterClosedError`` (``ServiceUnavailableError`` is one).
+  ``WriterClosedError`` (``ServiceUnavailableError`` is one). That wait has no deadline of its
+  own: the connection's liveness rule ends it by declaring the connection lost (``liveness``).
+- *An idle sender sleeps.* When every buffer is empty and nothing is queued, the sender swaps each
+  writer's list for a stand-in (``_Waker``) whose ``+=`` appends and wakes it, and sleeps until
+  then (or ``IDLE_WAKE_S``, which also ships an append that raced with the swap).
 
 Everything here is guarded by the connection's lock (the ``*_locked`` methods expect it held):
 a request must cut its writer's buffer and queue itself behind the cut atomically.
@@ -30,10 +34,12 @@ from typing import Any
 from dstl.errors import ChangelogError, ConfigurationError, WriterClosedError
 from dstl.service.appends import append_frames
 
-__all__ = ["APPEND_FRAME_BYTES", "Outbox", "WriterBuffer"]
+__all__ = ["APPEND_FRAME_BYTES", "IDLE_WAKE_S", "Outbox", "WriterBuffer"]
 
 #: changes per APPEND frame, about (one change more if it is larger)
 APPEND_FRAME_BYTES = 1 << 20
+#: how long an idle sender sleeps at most (see module doc)
+IDLE_WAKE_S = 1.0
 
 
 class WriterBuffer:
@@ -48,6 +54,7 @@ class WriterBuffer:
         self._active: list[Any] = []
         self._records: Any = self._active
         self._gate = _Gate(self)
+        self._waker = _Waker(self)
         self._measured = 0  # items of _active whose bytes are counted (sender thread)
         self._measured_bytes = 0
         self._failure: ChangelogError | None = None
@@ -76,6 +83,19 @@ class _Gate:
         return writer._active
 
 
+class _Waker:
+    """Stands in for a writer's list while the sender sleeps: appends, then wakes it (module doc)."""
+
+    def __init__(self, writer: WriterBuffer) -> None:
+        self._writer = writer
+
+    def __iadd__(self, items: tuple[int, bytes] | list[Any]) -> list[Any]:
+        writer = self._writer
+        writer._active += items
+        writer._outbox.wake()
+        return writer._active
+
+
 class _Raising:
     """Stands in for a writer's list once it can never ship again (connection lost, fenced)."""
 
@@ -89,8 +109,10 @@ class _Raising:
 class Outbox:
     """The frames a connection has still to send, and the buffers of its writers (module doc)."""
 
-    def __init__(self, lock: threading.Lock, bound: int) -> None:
+    def __init__(self, lock: threading.Lock, bound: int, wake: Callable[[], None]) -> None:
         self._bound = bound
+        #: wakes the sender (an append to a writer whose list is the ``_Waker``)
+        self.wake = wake
         self._drained = threading.Condition(lock)
         self._frames: deque[bytes] = deque()
         self._bytes = 0
@@ -107,6 +129,21 @@ class Outbox:
 
     def sent_locked(self, length: int) -> None:
         self._bytes -= length
+
+    @property
+    def queued(self) -> bool:
+        """Whether any frame is queued or partly sent."""
+        return self._bytes > 0
+
+    def sleep_locked(self) -> bool:
+        """Nothing is queued and every buffer is empty: make each writer's next append wake the
+        sender (True). False, and nothing changed, if there is something to ship."""
+        if self._frames or any(w._active for w in self.writers.values()):
+            return False
+        for writer in self.writers.values():
+            if writer._records is writer._active:
+                writer._records = writer._waker
+        return True
 
     def cut_locked(self, writer: WriterBuffer) -> None:
         """Move the writer's buffered changes into the outbox as APPEND frames."""
@@ -133,6 +170,8 @@ class Outbox:
     def service_writers_locked(self) -> None:
         """Measure every writer's buffer, cut it while the outbox has room, gate it when it cannot."""
         for writer in list(self.writers.values()):
+            if writer._records is writer._waker:
+                writer._records = writer._active
             active = writer._active
             n = len(active)
             if n > writer._measured:
@@ -164,7 +203,7 @@ class Outbox:
         writer.closed = True
         del writer._active[:]
         writer._measured = writer._measured_bytes = 0
-        if writer._records is writer._gate:
+        if writer._records is writer._gate or writer._records is writer._waker:
             writer._records = writer._active
         self.writers.pop(writer.number, None)
         self._drained.notify_all()

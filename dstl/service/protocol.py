@@ -12,6 +12,9 @@ Why it is shaped so:
   in order, except ``PERSIST``, whose reply is sent when the changes are durable, so a client
   keeps a table of outstanding request ids. A reply is its own kind (``WELCOME``, ``OPENED``,
   ``SQN``, ``PERSISTED``, ``ACK``, ``ERROR``), so decoding never depends on the request.
+- *Liveness.* ``PING`` is the first and only frame of a connection of its own; the service answers
+  ``PONG`` (its epoch and pid) from that connection's thread, which never touches the storage, so
+  a service busy with backpressure answers and a stopped one does not (``liveness``).
 - *Errors cross the socket by class name.* ``ERROR`` carries ``{"type", "message"}``; the client
   raises the ``dstl.errors`` class of that name from a whitelist (``error_from_reply``), anything
   else as ``StorageError``.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
@@ -38,10 +42,11 @@ from dstl.errors import (
     WriterClosedError,
 )
 from dstl.service.appends import Append
-from dstl.service.framing import MAX_PAYLOAD, Kind, ProtocolError, Readable, pack_frame, read_frame
+from dstl.service.framing import Kind, ProtocolError, Readable, pack_frame, payload_limit, read_frame
 from dstl.types import MAX_SQN, ChangelogHandle, KeyGroupRange
 
 __all__ = [
+    "JOIN_S",
     "PROTOCOL_VERSION",
     "Ack",
     "CloseWriter",
@@ -55,6 +60,8 @@ __all__ = [
     "Opened",
     "Persist",
     "Persisted",
+    "Ping",
+    "Pong",
     "Release",
     "ServiceUnavailableError",
     "Sqn",
@@ -69,6 +76,8 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 _U32 = (1 << 32) - 1
+#: how long either end, closing a connection, waits for each of that connection's threads
+JOIN_S = 10.0
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -200,6 +209,22 @@ class Welcome(_Json):
 
 
 @dataclass(frozen=True, slots=True)
+class Ping(_Json):
+    """The one request of a liveness probe's connection (instead of HELLO)."""
+
+    KIND: ClassVar[Kind] = Kind.PING
+
+
+@dataclass(frozen=True, slots=True)
+class Pong(_Json):
+    """Reply to PING: the service's epoch and pid (the prober checks it is the service it knows)."""
+
+    KIND: ClassVar[Kind] = Kind.PONG
+    epoch: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
 class OpenWriter(_Json):
     KIND: ClassVar[Kind] = Kind.OPEN_WRITER
     operator_id: str
@@ -303,6 +328,8 @@ _BY_KIND: dict[int, Any] = {
         CloseWriter,
         Ack,
         Error,
+        Ping,
+        Pong,
     )
 }
 
@@ -311,10 +338,10 @@ _BY_KIND: dict[int, Any] = {
 
 
 def encode(message: Message, request_id: int) -> bytes:
-    """One frame: header and payload."""
+    """One frame: header and payload (``ProtocolError`` past its kind's bound, which the peer refuses)."""
     payload = message.payload()
-    if len(payload) > MAX_PAYLOAD:
-        raise ProtocolError(f"{message.KIND.name} payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+    if len(payload) > (bound := payload_limit(message.KIND)):
+        raise ProtocolError(f"{message.KIND.name} payload of {len(payload)} bytes exceeds {bound}")
     return pack_frame(message.KIND, request_id, payload)
 
 
@@ -327,9 +354,10 @@ def decode(kind: int, payload: bytes) -> Message:
     return message
 
 
-def read_message(stream: Readable) -> tuple[int, Message] | None:
-    """``(request id, message)`` of the next frame, or ``None`` at a clean end of stream."""
-    frame = read_frame(stream)
+def read_message(stream: Readable, limit: Callable[[int], int] = payload_limit) -> tuple[int, Message] | None:
+    """``(request id, message)`` of the next frame, or ``None`` at a clean end of stream; a frame
+    longer than ``limit(kind)`` is refused before it is read."""
+    frame = read_frame(stream, limit)
     if frame is None:
         return None
     kind, request_id, payload = frame

@@ -10,11 +10,16 @@ Why it is shaped so:
 - *Accepting is all the service does itself.* Each connection is served by a
   ``handler.ConnectionHandler`` on threads of its own (its order, backpressure and replies are
   explained there); the service keeps the storage, the set of connections and who owns what.
+  It serves at most ``max_connections`` at once (liveness probes count): the accept thread
+  answers one more with an ``ERROR`` of request id 0 and closes it, starting no thread for it.
 - *Fencing.* A retried Spark task opens the same operator and key-group range while its
   predecessor may still run (a zombie). ``OPEN_WRITER`` for a pair another writer holds closes
-  the older writer; every later request naming it fails with ``FencedWriterError``.
+  the older writer; every later request naming it fails with ``FencedWriterError``. This only
+  stops a stale writer of this service from holding resources and writing: exactly-once does not
+  rest on it (a zombie on another executor, or of another service, is not fenced; the driver
+  commits the handles of one attempt).
 - *Epochs.* Each start takes the next integer from ``<socket>.epoch`` under the start lock; log
-  ids carry it, so they never repeat across restarts of the service.
+  ids carry it, so a restarted service is recognisable in them (their uuid alone makes them unique).
 - *Idle exit.* With no connection and nothing uploading for ``idle_timeout_ms``, the service
   takes the start lock, stops listening, unlinks its socket, flushes and closes the storage.
   Clients connect and say ``HELLO`` under that lock, so a client never reaches a service that
@@ -42,7 +47,7 @@ from dstl.errors import ConfigurationError, StorageClosedError
 from dstl.service.configjson import fingerprint
 from dstl.service.handler import ConnectionHandler, Slot
 from dstl.service.launch import next_epoch, prepare_socket_dir, start_lock, try_connect
-from dstl.service.protocol import OpenWriter, ServiceUnavailableError
+from dstl.service.protocol import JOIN_S, Error, OpenWriter, ServiceUnavailableError, encode
 from dstl.storage import StateChangelogStorage
 from dstl.uploaders import Uploader
 
@@ -54,8 +59,10 @@ _log = logging.getLogger(__name__)
 LOCK_WAIT_S = 30.0
 #: how often an idle service with uploads still running looks again
 _IDLE_POLL_S = 0.05
-#: how long closing waits for a connection's threads
-_JOIN_S = 10.0
+#: defaults of the bounds on what clients may make the service hold (``ChangelogService``)
+MAX_CONNECTIONS = 256
+HELLO_TIMEOUT_S = 10.0
+MAX_QUEUED_REPLIES = 4096
 
 
 class ChangelogService:
@@ -65,7 +72,9 @@ class ChangelogService:
     stops (``close()``, a signal handled by ``__main__``, or the idle timeout; ``None``: never).
     ``epoch=None`` takes the next epoch itself under the start lock (a client starting a service
     passes the one it took). ``owns_files`` goes to the storage: False, the default, never deletes
-    a log file (under Spark the driver's registry decides which files die)."""
+    a log file (under Spark the driver's registry decides which files die). ``max_connections``,
+    ``hello_timeout_s`` and ``max_queued_replies`` bound what clients may make it hold (module
+    doc, ``handler``). ``close_error``: why the final flush or close failed, if it did."""
 
     def __init__(
         self,
@@ -76,9 +85,21 @@ class ChangelogService:
         epoch: int | None = None,
         uploader: Uploader | None = None,
         owns_files: bool = False,
+        max_connections: int = MAX_CONNECTIONS,
+        hello_timeout_s: float = HELLO_TIMEOUT_S,
+        max_queued_replies: int = MAX_QUEUED_REPLIES,
     ) -> None:
         if idle_timeout_ms is not None and idle_timeout_ms < 0:
             raise ConfigurationError(f"idle_timeout_ms must not be negative, got {idle_timeout_ms}")
+        if max_connections < 1 or max_queued_replies < 1 or not hello_timeout_s > 0:
+            raise ConfigurationError(
+                f"max_connections ({max_connections}), max_queued_replies ({max_queued_replies}) and "
+                f"hello_timeout_s ({hello_timeout_s}) must be positive"
+            )
+        self.max_connections = max_connections
+        self.hello_timeout_s = hello_timeout_s
+        self.max_queued_replies = max_queued_replies
+        self.close_error: BaseException | None = None
         self.config = config
         self.socket_path = os.fspath(socket_path)
         self.fingerprint = fingerprint(config)
@@ -92,7 +113,8 @@ class ChangelogService:
         self._changed = threading.Condition(self._lock)
         self._connections: set[ConnectionHandler] = set()
         self._owners: dict[tuple[str, int, int], Slot] = {}
-        self._numbers = itertools.count(1)
+        self._connection_numbers = itertools.count(1)
+        self._writer_numbers = itertools.count(1)
         self._idle_since = time.monotonic()
         self._closing = False
         self._closed = False
@@ -166,7 +188,11 @@ class ChangelogService:
             if self.storage is not None:
                 self.storage.close()  # also ends appends and persists waiting for capacity
             for conn in connections:
-                conn.join(_JOIN_S)
+                conn.join(JOIN_S)
+        except BaseException as exc:
+            self.close_error = exc
+            _log.error("changelog service %s: closing failed: %r", self.socket_path, exc)
+            raise
         finally:
             for fd in self._wake or ():
                 with contextlib.suppress(OSError):
@@ -189,7 +215,7 @@ class ChangelogService:
             with contextlib.suppress(OSError):
                 os.write(self._wake[1], b"x")
         if self._accept_thread is not None and self._accept_thread is not threading.current_thread():
-            self._accept_thread.join(_JOIN_S)
+            self._accept_thread.join(JOIN_S)
         listener.close()
         try:
             st = os.lstat(self.socket_path)
@@ -225,10 +251,23 @@ class ChangelogService:
             if self._closing:
                 sock.close()
                 return
-            conn = ConnectionHandler(sock, next(self._numbers), self)
-            self._connections.add(conn)
-            self._changed.notify_all()
-        conn.start()
+            full = len(self._connections) >= self.max_connections
+            if not full:
+                conn = ConnectionHandler(sock, next(self._connection_numbers), self)
+                self._connections.add(conn)
+                self._changed.notify_all()
+        if full:
+            self._refuse(sock)
+        else:
+            conn.start()
+
+    def _refuse(self, sock: socket.socket) -> None:
+        """One connection too many: say why (request id 0) without waiting, and close it."""
+        why = f"the changelog service on {self.socket_path} serves at most {self.max_connections} connections"
+        _log.warning("refusing a connection: %s", why)
+        with contextlib.suppress(OSError):
+            sock.send(encode(Error("ServiceUnavailableError", why), 0), socket.MSG_DONTWAIT)
+        sock.close()
 
     def disconnected(self, conn: ConnectionHandler, slots: list[Slot]) -> None:
         """The connection ended (its thread then closes ``slots``, the writers it held): forget it."""
@@ -254,7 +293,7 @@ class ChangelogService:
                 raise StorageClosedError(f"the changelog service on {self.socket_path} is shutting down")
             # the epoch in the log id: log ids never repeat across restarts of the service
             writer = self.storage.create_writer(f"{operator_id}.e{self.epoch}", rng)
-            slot = Slot(next(self._numbers), writer, key)
+            slot = Slot(next(self._writer_numbers), writer, key)
             old = self._owners.get(key)
             self._owners[key] = slot
             if old is not None:
@@ -316,5 +355,6 @@ class ChangelogService:
             _log.warning("changelog service %s could not exit idle: %s", self.socket_path, exc)
             return False
         _log.info("changelog service %s idle for %s ms: exiting", self.socket_path, self._idle_timeout_ms)
-        self.close()
+        with contextlib.suppress(Exception):  # logged, and kept in close_error
+            self.close()
         return True

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -29,6 +30,7 @@ from benchmarks.support.fault_proxy import FaultProxy
 from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, create_bucket, start_s3_server
 from dstl import ChangelogConfig, S3Options
 from dstl.service import ChangelogService, RemoteChangelogStorage, service_socket_path
+from dstl.service.protocol import Hello, Welcome, encode, read_message
 
 WAIT_S = 30.0
 
@@ -41,6 +43,17 @@ def wait_until(predicate: Callable[[], bool], what: str) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.005)
+
+
+def accept_hello(listener: socket.socket) -> tuple[socket.socket, Any]:
+    """A scripted service's first steps: accept a client, read its HELLO, answer WELCOME (epoch 1)."""
+    conn, _ = listener.accept()
+    conn.settimeout(WAIT_S)
+    stream = conn.makefile("rb")
+    got = read_message(stream)
+    assert got is not None and isinstance(got[1], Hello)
+    conn.sendall(encode(Welcome(1, os.getpid()), got[0]))
+    return conn, stream
 
 
 def make_records(key_groups: range, tag: str, count: int) -> Records:

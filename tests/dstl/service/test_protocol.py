@@ -1,10 +1,12 @@
 """The service's wire protocol and config JSON: every message round-trips, every bad frame is a
-``ProtocolError`` naming what is wrong, and a client speaking garbage is cut off while the service
+``ProtocolError`` naming what is wrong, and a client speaking garbage, saying nothing, never
+reading its replies or coming one connection too many is cut off (and told why) while the service
 keeps serving everyone else."""
 
 from __future__ import annotations
 
 import io
+import logging
 import socket
 import struct
 from pathlib import Path
@@ -26,7 +28,7 @@ from dstl.errors import (
 from dstl.service import FencedWriterError, ProtocolError, ServiceUnavailableError, service_socket_path
 from dstl.service.appends import Append, append_frames
 from dstl.service.configjson import config_from_json, config_to_json, dumps_config, fingerprint, loads_config
-from dstl.service.framing import HEADER, MAX_PAYLOAD, Kind, read_frame
+from dstl.service.framing import HEADER, MAX_CONTROL_PAYLOAD, MAX_PAYLOAD, MAX_SMALL_PAYLOAD, Kind, read_frame
 from dstl.service.protocol import (
     PROTOCOL_VERSION,
     Ack,
@@ -40,6 +42,8 @@ from dstl.service.protocol import (
     OpenWriter,
     Persist,
     Persisted,
+    Ping,
+    Pong,
     Release,
     Sqn,
     Truncate,
@@ -76,6 +80,8 @@ MESSAGES: list[Message] = [
     CloseWriter(2),
     Ack(),
     Error("FencedWriterError", "writer x was taken over"),
+    Ping(),
+    Pong(7, 4242),
     Append(9, [0, b"", 65535, b"\x00" * 3, 7, "é".encode()]),
 ]
 
@@ -150,6 +156,14 @@ BAD_FRAMES = {
     "truncated payload": (HEADER.pack(10, Kind.ACK, 1) + b"{}", "payload of kind 68 of 10 bytes ended after 2"),
     "oversized": (HEADER.pack(MAX_PAYLOAD + 1, Kind.APPEND, 1), f"more than the bound {MAX_PAYLOAD}"),
     "unknown kind": (frame(200, b"{}"), "unknown frame kind 200"),
+    "oversized control message": (
+        HEADER.pack(MAX_CONTROL_PAYLOAD + 1, Kind.CONFIRM, 1),
+        f"CONFIRM frame announces {MAX_CONTROL_PAYLOAD + 1} bytes, more than the {MAX_CONTROL_PAYLOAD} allowed",
+    ),
+    "oversized hello": (
+        HEADER.pack(MAX_SMALL_PAYLOAD + 1, Kind.HELLO, 1),
+        f"HELLO frame announces {MAX_SMALL_PAYLOAD + 1} bytes, more than the {MAX_SMALL_PAYLOAD} allowed",
+    ),
     "bad UTF-8": (frame(Kind.HELLO, b'{"version": "\xff"}'), "HELLO payload is not UTF-8"),
     "not JSON": (frame(Kind.PERSIST, b"{writer: 1"), "PERSIST payload is not JSON"),
     "huge integer": (frame(Kind.SQN, b'{"sqn": ' + b"9" * 5000 + b"}"), "SQN payload is not JSON"),
@@ -309,6 +323,7 @@ def talk(path: str, data: bytes) -> bytes:
     [
         (b"\xff" * 64, "more than the bound"),
         (frame(42, b"x"), "unknown frame kind 42"),
+        (HEADER.pack(4096, Kind.APPEND, 1), "APPEND frame announces 4096 bytes, more than the 512 allowed for it here"),
         (encode(LastSqn(1), 1), "the first frame must be HELLO, got LAST_SQN"),
         (encode(Hello(PROTOCOL_VERSION + 1, "x"), 1), f"protocol version {PROTOCOL_VERSION + 1} is not spoken"),
         (frame(Kind.HELLO, b"\xc3\x28"), "HELLO payload is not UTF-8"),
@@ -350,3 +365,47 @@ def test_a_garbage_frame_after_hello_ends_only_that_connection(tmp_path: Path, h
     records = make_records(range(4), "ok", 20)
     append_all(writer, records)
     assert list(storage.read(writer.persist_durably(0).result(WAIT_S))) == records
+
+
+def test_a_client_that_says_nothing_is_cut_off_at_the_hello_deadline(tmp_path: Path, harness: Harness) -> None:
+    service = harness.serve(local_config(tmp_path), hello_timeout_s=0.2)
+    replies = io.BytesIO(talk(service.socket_path, b""))
+    got = read_message(replies)
+    assert got == (0, Error("ProtocolError", "no HELLO within 0.2 s"))
+    assert read_message(replies) is None
+
+
+def test_a_client_that_never_reads_its_replies_is_cut_off(
+    tmp_path: Path, harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = local_config(tmp_path)
+    service = harness.serve(config, max_queued_replies=4)
+    caplog.set_level(logging.WARNING, logger="dstl.service.handler")
+    requests = b"".join(encode(LastSqn(7), i + 1) for i in range(1000))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(WAIT_S)
+        sock.connect(service.socket_path)
+        sock.sendall(encode(Hello(PROTOCOL_VERSION, fingerprint(config)), 1))
+        with pytest.raises(OSError):  # the service shuts the connection: sending fails
+            for _ in range(10_000):  # the replies fill the socket, then the bounded queue
+                sock.sendall(requests)
+    assert "does not read its replies (4 queued): cutting it off" in caplog.text
+    storage = harness.client(config, start=False)  # everyone else is served
+    writer = storage.create_writer("op", KeyGroupRange(0, 3))
+    writer.append(0, b"x")
+    assert writer.last_appended_sqn() == 1
+
+
+def test_one_connection_more_than_the_bound_is_told_why(tmp_path: Path, harness: Harness) -> None:
+    config = local_config(tmp_path)
+    service = harness.serve(config, max_connections=1)
+    first = harness.client(config, start=False)
+    with pytest.raises(ServiceUnavailableError) as exc_info:
+        harness.client(config, start=False)
+    assert (
+        f"changelog service {service.socket_path} unavailable: hello failed: the service ended the connection: "
+        f"ServiceUnavailableError: the changelog service on {service.socket_path} serves at most 1 connections"
+    ) in str(exc_info.value)
+    writer = first.create_writer("op", KeyGroupRange(0, 3))
+    writer.append(0, b"x")
+    assert writer.last_appended_sqn() == 1

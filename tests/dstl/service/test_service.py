@@ -2,17 +2,17 @@
 processes, a local directory as the DFS (``test_service_s3.py`` has the S3 side).
 
 What a user relies on: the writers of several workers land in one file per flush; a retried task
-fences its zombie predecessor; a dead worker releases its writers; backpressure reaches the
-appending thread and loses nothing; the service exits when idle; and every failure (no service,
-a broken start, a silent service, a bad change, a closed writer) is an error that says what
-happened and where.
+fences its zombie predecessor, even one whose request races the fencing; a dead worker releases
+its writers; backpressure reaches the appending thread and loses nothing; the service exits when
+idle; and a bad change, a bad call or a closed writer is an error that says what happened and
+where (``test_failures.py`` has starting and reaching a service, ``test_liveness.py`` a service
+that stops answering).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,10 +23,10 @@ import pytest
 
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from dstl import ChangelogConfig, HedgingPolicy, KeyGroupRange
-from dstl.errors import ConfigurationError, DeadlineExceededError, WriterClosedError
-from dstl.service import FencedWriterError, RemoteChangelogStorage, ServiceUnavailableError, service_socket_path
+from dstl.errors import ConfigurationError, WriterClosedError
+from dstl.service import FencedWriterError, ServiceUnavailableError
 from dstl.service.configjson import dumps_config
-from dstl.service.protocol import CloseWriter, Hello, Opened, OpenWriter, Welcome, encode, read_message
+from dstl.writer import ChangelogWriter
 from tests.dstl.service.conftest import (
     WAIT_S,
     Harness,
@@ -144,6 +144,41 @@ def test_a_newer_attempt_fences_the_older_writer(tmp_path: Path, harness: Harnes
     assert isinstance(outstanding.exception(WAIT_S), FencedWriterError)
 
 
+def test_a_request_racing_the_fencing_fails_as_fenced(tmp_path: Path, harness: Harness) -> None:
+    """The zombie's LAST_SQN passed the fencing check when the newer attempt took its writer over
+    and closed it: the zombie hears that it was fenced, not that its writer is closed."""
+    config = local_config(tmp_path)
+    service = harness.serve(config)
+    zombie_storage = harness.client(config, start=False)
+    retry_storage = harness.client(config, start=False)
+    zombie = zombie_storage.create_writer("op", KeyGroupRange(0, 9))
+    (slot,) = [s for h in list(service._connections) for s in h.writers.values()]
+    taken_over: list[Any] = []
+
+    def fenced_meanwhile() -> Any:  # on the zombie's connection thread, inside its request
+        taken_over.append(retry_storage.create_writer("op", KeyGroupRange(0, 9)))
+        assert slot.writer.closed
+        return ChangelogWriter.last_appended_sqn(slot.writer)
+
+    slot.writer.last_appended_sqn = fenced_meanwhile  # type: ignore[method-assign]
+    with pytest.raises(FencedWriterError, match=f"writer {zombie.log_id} was taken over by a newer attempt"):
+        zombie.last_appended_sqn()
+    assert taken_over and zombie_storage.lost is None  # the connection serves on
+
+
+def test_a_handle_of_another_writer_is_refused(tmp_path: Path, harness: Harness) -> None:
+    config = local_config(tmp_path, persist_delay_ms=1.0)
+    storage = harness.client(config)
+    mine = storage.create_writer("mine", KeyGroupRange(0, 3))
+    other = storage.create_writer("other", KeyGroupRange(4, 7))
+    other.append(4, b"x")
+    handle = other.persist_durably(0).result(WAIT_S)
+    for call in (mine.confirm, mine.release):
+        with pytest.raises(ConfigurationError, match=f"handle of log {handle.log_id} does not belong to writer"):
+            call(handle)
+    other.confirm(handle)  # its own writer may
+
+
 CLIENT = """
 import sys
 from dstl import ChangelogConfig, KeyGroupRange
@@ -251,23 +286,12 @@ def change(i: int) -> bytes:
 
 
 def test_the_service_exits_once_idle_after_the_last_client_left(tmp_path: Path, harness: Harness) -> None:
+    """The client that starts the service connects and says HELLO under the start lock, which the
+    service needs to exit idle: a short idle timeout cannot end it before its first client is in."""
     config = local_config(tmp_path)
-    path = service_socket_path(config, harness.socket_dir)
-    os.makedirs(harness.socket_dir, exist_ok=True)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dstl.service", "--socket", path, "--idle-timeout-ms", "200"],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    harness.processes.append(proc)
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(dumps_config(config).encode())
-    proc.stdin.close()
-    assert proc.stdout.readline().split()[:2] == [b"READY", str(proc.pid).encode()]
-
-    storage = RemoteChangelogStorage(config, socket_dir=harness.socket_dir, start=False)
+    storage = harness.client(config, idle_timeout_ms=200)
+    proc = storage.service_process
+    assert proc is not None
     writer = storage.create_writer("op", KeyGroupRange(0, 3))
     records = make_records(range(4), "idle", 100)
     append_all(writer, records)
@@ -276,9 +300,9 @@ def test_the_service_exits_once_idle_after_the_last_client_left(tmp_path: Path, 
     storage.close()
 
     assert proc.wait(WAIT_S) == 0
-    assert not os.path.exists(path)
+    assert not os.path.exists(storage.socket_path)
     reader = harness.client(config)  # starts a new service: the old one is gone for good
-    assert reader.service_epoch == 2
+    assert reader.service_epoch == storage.service_epoch + 1
     assert list(reader.read(handle)) == records
 
 
@@ -317,93 +341,6 @@ def test_a_closing_service_fails_its_clients_calls(tmp_path: Path, harness: Harn
     writer.close()  # quiet: the service closed it already
 
 
-# -- failures ------------------------------------------------------------------------------------------
-
-
-def test_no_service_and_start_false_names_the_socket(tmp_path: Path, harness: Harness) -> None:
-    config = local_config(tmp_path)
-    with pytest.raises(ServiceUnavailableError) as exc_info:
-        harness.client(config, start=False)
-    assert f"no changelog service listens on {service_socket_path(config, harness.socket_dir)}" in str(exc_info.value)
-
-
-def broken_installation(directory: Path, init: str) -> None:
-    (directory / "dstl").mkdir()
-    (directory / "dstl" / "__init__.py").write_text(init)
-
-
-def test_a_service_that_dies_on_start_is_reported_with_its_log(
-    tmp_path: Path, harness: Harness, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    config = local_config(tmp_path)
-    broken_installation(tmp_path, "raise RuntimeError('broken installation for this test')\n")
-    monkeypatch.chdir(tmp_path)  # ``python -m dstl.service`` imports this dstl first
-    with pytest.raises(ServiceUnavailableError) as exc_info:
-        harness.client(config)
-    message = str(exc_info.value)
-    path = service_socket_path(config, harness.socket_dir)
-    assert f"the changelog service for {path} exited with status 1 before it was ready" in message
-    assert f"last lines of {path}.log" in message and "broken installation for this test" in message
-
-
-def test_a_service_that_never_gets_ready_is_killed_at_the_deadline(
-    tmp_path: Path, harness: Harness, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    config = local_config(tmp_path, dfs_timeout_ms=500)
-    broken_installation(tmp_path, "import threading\nthreading.Event().wait()\n")
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(ServiceUnavailableError, match="did not become ready within 500 ms \\(killed\\)"):
-        harness.client(config)
-
-
-def test_a_silent_service_fails_the_call_at_its_deadline(tmp_path: Path, harness: Harness) -> None:
-    config = local_config(tmp_path, dfs_timeout_ms=300)
-    path = service_socket_path(config, harness.socket_dir)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
-        listener.bind(path)
-        listener.listen(1)  # accepts (the kernel does) and never answers
-        with pytest.raises(DeadlineExceededError) as exc_info:
-            harness.client(config, start=False)
-    assert str(exc_info.value) == f"changelog service {path}: hello: no reply within 300 ms"
-
-
-def test_a_writer_opened_after_its_deadline_is_closed_again(tmp_path: Path, harness: Harness) -> None:
-    """A scripted service answers OPEN_WRITER only after the client gave up: the client closes
-    the writer it no longer knows, so it cannot hold back the service's flushes."""
-    config = local_config(tmp_path, dfs_timeout_ms=300)
-    path = service_socket_path(config, harness.socket_dir)
-    outcome: list[BaseException] = []
-    gave_up = threading.Event()
-
-    def worker() -> None:
-        try:
-            harness.client(config, start=False).create_writer("op", KeyGroupRange(0, 3))
-        except BaseException as exc:
-            outcome.append(exc)
-        finally:
-            gave_up.set()
-
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
-        listener.bind(path)
-        listener.listen(1)
-        threading.Thread(target=worker, daemon=True).start()
-        conn, _ = listener.accept()
-        with conn, conn.makefile("rb") as stream:
-            conn.settimeout(WAIT_S)
-            got = read_message(stream)
-            assert got is not None and isinstance(got[1], Hello)
-            conn.sendall(encode(Welcome(1, os.getpid()), got[0]))
-            got = read_message(stream)
-            assert got is not None and got[1] == OpenWriter("op", KeyGroupRange(0, 3))
-            assert gave_up.wait(WAIT_S)
-            (error,) = outcome
-            assert isinstance(error, DeadlineExceededError)
-            assert str(error) == f"changelog service {path}: create_writer: no reply within 300 ms"
-            conn.sendall(encode(Opened(5, "op.e1-0-3-late"), got[0]))
-            closed = read_message(stream)
-            assert closed is not None and closed[1] == CloseWriter(5)
-
-
 def test_a_persist_callback_may_call_its_writer(tmp_path: Path, harness: Harness) -> None:
     config = local_config(tmp_path)
     harness.serve(config)
@@ -423,13 +360,6 @@ def test_a_persist_callback_may_call_its_writer(tmp_path: Path, harness: Harness
     persist.add_done_callback(callback)
     second.persist_durably(0).result(WAIT_S)
     assert called.wait(WAIT_S) and seen == [(1, 1)]
-
-
-def test_a_service_of_another_configuration_is_refused_at_hello(tmp_path: Path, harness: Harness) -> None:
-    mine, other = local_config(tmp_path / "mine"), local_config(tmp_path / "other")
-    harness.serve(other, path=service_socket_path(mine, harness.socket_dir))
-    with pytest.raises(ConfigurationError, match="serves another configuration"):
-        harness.client(mine, start=False)
 
 
 def test_bad_changes_and_bad_calls_raise_the_errors_of_a_local_writer(tmp_path: Path, harness: Harness) -> None:
@@ -463,28 +393,3 @@ def test_bad_changes_and_bad_calls_raise_the_errors_of_a_local_writer(tmp_path: 
         storage.create_writer("late", KeyGroupRange(0, 3))
     with pytest.raises(WriterClosedError):
         outside.last_appended_sqn()
-
-
-def test_the_socket_and_the_files_next_to_it_are_checked(tmp_path: Path, harness: Harness) -> None:
-    config = local_config(tmp_path)
-    with pytest.raises(ConfigurationError, match="more than the 107 a Unix socket allows"):
-        service_socket_path(config, "/tmp/" + "d" * 100)
-    open_dir = harness.socket_dir / "open"
-    open_dir.mkdir()
-    open_dir.chmod(0o777)
-    with pytest.raises(ConfigurationError, match="that no one else may write to"):
-        RemoteChangelogStorage(config, socket_dir=open_dir)
-
-    path = service_socket_path(config, harness.socket_dir)
-    Path(f"{path}.epoch").write_text("garbage")
-    with pytest.raises(ConfigurationError, match=f"epoch file {path}.epoch holds 'garbage'"):
-        harness.client(config)
-    Path(f"{path}.epoch").write_text("41\n")
-    os.mkdir(path)
-    with pytest.raises(ConfigurationError, match="exists and is not a socket"):
-        harness.serve(config)
-    os.rmdir(path)
-    service = harness.serve(config)
-    assert service.epoch == 43  # each start takes the next epoch, failed ones too
-    with pytest.raises(ConfigurationError, match=f"a changelog service already listens on {path}"):
-        harness.serve(config)
