@@ -68,8 +68,6 @@ def _transform(
         row_types["session_timezone"] = grouped._df.sparkSession.conf.get("spark.sql.session.timeZone")
         row_types["initial_state_schema"] = None if initial_state is None else initial_state._df.schema
 
-    has_init = initial_state is not None  # (the closure below must not capture the DataFrame)
-
     def make_process(cfg: OperatorConfig, keys: list[str]) -> Callable[..., list[Any]]:
         init_keys = None
         if initial_state is not None:
@@ -91,7 +89,7 @@ def _transform(
                 processor, backend, [f.drop(columns=_internal(f)) for f in frames], key_columns=keys,
                 time_mode=time_mode, batch_id=batch_id, batch_timestamp_ms=now_ms, use_pandas=use_pandas,
                 key_group_column=KEY_GROUP, watermark_ms=watermark or 0, initial_state=initial,
-                initial_state_key_columns=init_keys, has_initial_state=has_init,
+                initial_state_key_columns=init_keys,
                 strict_types=cfg.strict_state_types, max_records_per_batch=cfg.max_records_per_batch, **row_types,
             )  # fmt: skip
             if use_pandas:

@@ -16,6 +16,7 @@ run (state updates, timers, ``close``) completes only when the generator is exha
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -79,7 +80,6 @@ def run_transform_with_state(
     watermark_ms: int = 0,
     initial_state: Iterable[Any] | None = None,
     initial_state_key_columns: Sequence[str] | None = None,
-    has_initial_state: bool = False,
     use_pandas: bool = True,
     key_group_column: str | None = None,
     max_records_per_batch: int = SPARK_MAX_RECORDS_PER_BATCH,
@@ -93,9 +93,8 @@ def run_transform_with_state(
     ``data``: the partition's input, pandas DataFrames (or pyarrow batches; with
     ``use_pandas=False`` also Rows). Yields what the processor's methods yield: pandas DataFrames,
     or Rows with ``use_pandas=False``. ``watermark_ms``: the eviction watermark (Spark reports 0
-    when the query has none). ``initial_state`` is read only in batch 0, as in Spark;
-    ``has_initial_state``: the query has one (also in later batches, where the Row API's calls then
-    differ, as in Spark). ``max_records_per_batch``: rows per DataFrame
+    when the query has none). ``initial_state`` is read only in batch 0, as in Spark.
+    ``max_records_per_batch``: rows per DataFrame
     (spark.sql.execution.arrow.maxRecordsPerBatch). The grouping key given to
     handleInputRows/handleInitialState is a tuple of the key columns' values; handleExpiredTimer
     gets a ``Row`` of them (as in Spark). ``key_group_column``: a column holding each row's key
@@ -116,7 +115,6 @@ def run_transform_with_state(
         row_types = None if input_schema is None else RowTypes.of(input_schema, session_timezone)
         init_types = None if initial_state_schema is None else RowTypes.of(initial_state_schema, session_timezone)
     key_columns = tuple(key_columns)
-    with_init = has_initial_state or initial_state is not None
     with BatchClock(backend, batch_timestamp_ms):
         data_part = Partition(data, key_columns, use_pandas, key_group_column, row_types=row_types)
         init_part = None
@@ -125,16 +123,25 @@ def run_transform_with_state(
             init_part = Partition(initial_state, init_columns, use_pandas, key_group_column, row_types=init_types)
         processor.init(handle)
         handle.phase = INITIALIZED
+        init_keys: list[tuple[Any, ...]] = []
         if init_part is not None:  # as Spark: every key's initial state before any key's input
-            for bkey in key_order(init_part):
+            init_keys = key_order(init_part)
+            for bkey in init_keys:
                 init_group = init_part.groups[bkey]
                 chunks = init_part.frames(init_group, max_records_per_batch) if use_pandas else iter(init_group.rows)
                 for chunk in chunks:
                     handle.set_implicit_key(init_group.key, init_group.key_group)
                     processor.handleInitialState(init_group.key, chunk, timer_values)
-        for bkey in key_order(data_part):
+        for index, bkey in enumerate(key_order(data_part)):
             group = data_part.groups[bkey]
-            for rows in _input_calls(data_part, group, use_pandas, with_init, max_records_per_batch):
+            first = max_records_per_batch
+            if index == 0 and init_part is not None and init_keys and init_keys[-1] == bkey:
+                # Spark's worker regroups the partition's rows (all initial state, then all input)
+                # by consecutive key: the last initial-state key and the first input key, if the
+                # same, share one run of chunks, so the input's first chunk fills the last one's
+                first -= len(init_part.groups[bkey]) % max_records_per_batch
+            calls = _input_calls(data_part, group, use_pandas, init_part is not None, max_records_per_batch, first)
+            for rows in calls:
                 handle.set_implicit_key(group.key, group.key_group)
                 yield from outputs(processor.handleInputRows(group.key, rows, timer_values), use_pandas,
                                     "handleInputRows")  # fmt: skip
@@ -155,16 +162,18 @@ def run_transform_with_state(
 
 
 def _input_calls(
-    part: Partition, group: Any, use_pandas: bool, has_initial_state: bool, max_records: int
+    part: Partition, group: Any, use_pandas: bool, chunked: bool, max_records: int, first: int
 ) -> Iterator[Iterator[Any]]:
     """The ``rows`` argument of each handleInputRows call for one key, as Spark's Python worker
-    makes them: pandas, one call with the key's rows in DataFrames of ``max_records``; the Row API,
-    one call with every row, except in a query with an initial state, whose worker calls once per
-    ``max_records`` rows (in every batch, not only the first)."""
+    makes them: pandas, one call with the key's rows in DataFrames of ``max_records`` (the first
+    of ``first``); the Row API, one call with every row, except in the first batch of a query with
+    an initial state (``chunked``), where the worker calls once per chunk."""
     if use_pandas:
-        yield part.frames(group, max_records)
-    elif not has_initial_state:
+        yield part.frames(group, max_records, first)
+    elif not chunked:
         yield iter(group.rows)
     else:
-        for start in range(0, len(group.rows), max_records):
-            yield iter(group.rows[start : start + max_records])
+        bounds = [0, *range(first, len(group.rows), max_records), len(group.rows)]
+        for start, stop in itertools.pairwise(bounds):
+            if start < stop:
+                yield iter(group.rows[start:stop])

@@ -6,9 +6,10 @@ hands over with ``maxRecordsPerBatch=2`` (observed on Spark's own operators, one
 
 - ``transformWithStateInPandas``: every key's initial state first (DataFrames of at most 2 rows),
   then per key one ``handleInputRows`` call with DataFrames of at most 2 rows;
-- ``transformWithState`` (Row API) of a query with an initial state: one ``handleInitialState`` per
-  row, then one ``handleInputRows`` call per 2 rows of a key, in every batch; without one, a single
-  call per key;
+- ``transformWithState`` (Row API) in the first batch of a query with an initial state: one
+  ``handleInitialState`` per row, then one ``handleInputRows`` call per 2 rows of a key; otherwise a
+  single call per key;
+- in both, the partition's last initial-state key and first input key, if the same, share chunks;
 - ``applyInPandasWithState``: the keys of a partition are packed into Arrow batches of 2 rows and a
   key is split where a batch ends, so a key's first chunk fills what the previous key left.
 
@@ -78,22 +79,42 @@ def transform(backend: ChangelogKeyedStateBackend, use_pandas: bool, batch_id: i
 
 
 def test_pandas_initial_state_first_then_each_keys_rows_in_chunks(backend: ChangelogKeyedStateBackend) -> None:
-    calls = transform(backend, True, initial_state=[INITIAL], has_initial_state=True).calls
+    calls = transform(backend, True, initial_state=[INITIAL]).calls
     assert calls == [
         ("init", "a", [10]), ("init", "b", [20, 21]), ("init", "b", [22]), ("init", "c", [30]),
         ("data", "a", [[1, 2], [3]]), ("data", "b", [[4, 5], [6]]), ("data", "d", [[7]]),
     ]  # fmt: skip
 
 
-def test_row_api_with_initial_state_calls_once_per_chunk_in_every_batch(backend: ChangelogKeyedStateBackend) -> None:
-    calls = transform(backend, False, initial_state=[INITIAL], has_initial_state=True).calls
+def test_row_api_with_initial_state_calls_once_per_chunk_in_the_first_batch(
+    backend: ChangelogKeyedStateBackend,
+) -> None:
+    calls = transform(backend, False, initial_state=[INITIAL]).calls
     assert calls == [
         ("init", "a", [10]), ("init", "b", [20]), ("init", "b", [21]), ("init", "b", [22]), ("init", "c", [30]),
         ("data", "a", [[1], [2]]), ("data", "a", [[3]]), ("data", "b", [[4], [5]]), ("data", "b", [[6]]),
         ("data", "d", [[7]]),
     ]  # fmt: skip
-    later = transform(backend, False, batch_id=1, has_initial_state=True).calls
-    assert later == [c for c in calls if c[0] == "data"]
+    later = transform(backend, False, batch_id=1).calls  # Spark's worker without initial state: a call per key
+    assert later == [("data", "a", [[1], [2], [3]]), ("data", "b", [[4], [5], [6]]), ("data", "d", [[7]])]
+
+
+def test_the_last_initial_key_and_the_first_input_key_share_chunks(backend: ChangelogKeyedStateBackend) -> None:
+    """Spark's worker regroups a partition's rows (all initial state, then all input) by consecutive
+    key, so when a partition's last initial-state key is also its first input key, their rows run
+    into the same chunks (observed: a partition holding key b alone)."""
+    data = pd.DataFrame({"k": ["b", "b", "b"], "v": [4, 5, 6]})
+    initial = pd.DataFrame({"k": ["b", "b", "b"], "v": [20, 21, 22]})
+    for use_pandas, expected in (
+        (True, [("init", "b", [20, 21]), ("init", "b", [22]), ("data", "b", [[4], [5, 6]])]),
+        (False, [("init", "b", [20]), ("init", "b", [21]), ("init", "b", [22]), ("data", "b", [[4]]),
+                 ("data", "b", [[5], [6]])]),
+    ):  # fmt: skip
+        processor = ChunkLog()
+        list(run_transform_with_state(processor, backend, [data], key_columns=["k"], batch_id=0,
+                                      batch_timestamp_ms=1_000, use_pandas=use_pandas, max_records_per_batch=2,
+                                      initial_state=[initial]))  # fmt: skip
+        assert processor.calls == expected
 
 
 def test_row_api_without_initial_state_calls_once_per_key(backend: ChangelogKeyedStateBackend) -> None:
