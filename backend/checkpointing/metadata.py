@@ -7,7 +7,7 @@ Layout of a job directory (the changelog storage's base path is ``<root>/<job>``
     <root>/<job>/_ids/<start>-<end>               checkpoint ids start..end reserved by one run
     <root>/<job>/shared/<uuid>.chunk              materialized chunks
     <root>/<job>/dstl/<xx>/<uuid>                 changelog files
-    <root>/<job>/pending/<b>/<uid>/<i>.json       Spark: a subtask's handle of batch b, until chk-<b>
+    <root>/<job>/pending/<b>/<uid>/<i>-<j>.json   Spark: the handles of subtasks i..j (one task) of batch b
 
 A savepoint directory holds ``_metadata`` at its top and the files it names below it.
 
@@ -70,7 +70,7 @@ PENDING_DIR = "pending"
 IDS_DIR = "_ids"
 
 _CHECKPOINT_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
-_PENDING_PATH = re.compile(rf"^{PENDING_DIR}/(\d+)/([^/]+)/(\d+)\.json$")
+_PENDING_PATH = re.compile(rf"^{PENDING_DIR}/(\d+)/([^/]+)/(\d+)(?:-(\d+))?\.json$")
 _ID_BLOCK_PATH = re.compile(rf"^{IDS_DIR}/(\d+)-(\d+)$")
 
 #: A progress report: ``(what, done, total)``, e.g. ``("copy", 3, 10)``; called after each unit.
@@ -136,15 +136,20 @@ def pending_dir(batch: int, uid: str | None = None) -> str:
     return f"{PENDING_DIR}/{batch}" if uid is None else f"{PENDING_DIR}/{batch}/{uid}"
 
 
-def pending_path(batch: int, uid: str, subtask: int) -> str:
-    """``pending/<b>/<uid>/<i>.json``: subtask ``i``'s handle of batch ``b``."""
-    return f"{pending_dir(batch, uid)}/{subtask}.json"
+def pending_path(batch: int, uid: str, first: int, last: int | None = None) -> str:
+    """``pending/<b>/<uid>/<first>-<last>.json``: the handles of subtasks ``first..last`` (the
+    subtasks one Spark task ran) of batch ``b``."""
+    return f"{pending_dir(batch, uid)}/{first}-{first if last is None else last}.json"
 
 
-def parse_pending_path(path: str) -> tuple[int, str, int] | None:
-    """``(batch, uid, subtask)`` of a ``pending_path``, or None for any other path."""
+def parse_pending_path(path: str) -> tuple[int, str, int, int] | None:
+    """``(batch, uid, first, last)`` of a ``pending_path``, or None for any other path (the
+    single-subtask name ``<i>.json`` of earlier versions reads as ``i..i``)."""
     match = _PENDING_PATH.match(path)
-    return (int(match.group(1)), match.group(2), int(match.group(3))) if match else None
+    if not match:
+        return None
+    first = int(match.group(3))
+    return int(match.group(1)), match.group(2), first, first if match.group(4) is None else int(match.group(4))
 
 
 def snapshot_location(url: str) -> tuple[str, str]:

@@ -23,7 +23,6 @@ from backend.checkpointing.metadata import (
     parse_metadata_path,
     parse_pending_path,
     pending_dir,
-    pending_path,
 )
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
@@ -34,11 +33,13 @@ __all__ = [
     "OWNER_FILE",
     "BatchState",
     "claim_directory",
-    "committed_handle",
+    "committed_handles",
     "pending_batches",
     "pending_records",
     "read_checkpoint",
+    "read_pending",
     "state_after",
+    "subtask_records",
 ]
 
 
@@ -78,23 +79,63 @@ def read_checkpoint(storage: StateChangelogStorage, cfg: OperatorConfig, batch: 
     return SnapshotMetadata.loads(data, f"{cfg.job_dir}/{metadata_path(batch)}")
 
 
-def pending_records(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> list[dict[str, Any]] | None:
-    """The complete set of this operator's pending records of ``batch``, or None. Records of an
-    earlier attempt at another parallelism may linger (a re-run overwrites only its own indices):
-    only the parallelism whose every index is present counts."""
-    by_parallelism: dict[int, dict[int, dict[str, Any]]] = {}
-    for path in storage.list_all(pending_dir(batch, cfg.uid)):
-        if not path.endswith(".json"):
+def read_pending(storage: StateChangelogStorage, uid: str, batch: int) -> list[dict[str, Any]] | None:
+    """Every subtask record the tasks of ``batch`` left for operator ``uid`` (a task's file holds
+    one record per subtask it ran), or None if a file vanished while we read (the driver
+    completed the batch meanwhile)."""
+    records: list[dict[str, Any]] = []
+    for path in storage.list_all(pending_dir(batch, uid)):
+        if parse_pending_path(path) is None:
             continue
         try:
-            record = json.loads(storage.get_file(path))
+            records += subtask_records(json.loads(storage.get_file(path)))
         except FileNotFoundError:
-            return None  # the driver completed the batch meanwhile
-        by_parallelism.setdefault(int(record["parallelism"]), {})[int(record["subtask"])] = record
-    complete = [p for p, records in by_parallelism.items() if set(records) == set(range(p))]
+            return None
+    return records
+
+
+def subtask_records(record: Any) -> list[dict[str, Any]]:
+    """The per-subtask records of one pending file (``backend.spark.tasks`` writes one file per
+    task, listing its subtasks; a file of an earlier version holds one subtask's record)."""
+    if not isinstance(record, dict):
+        return []
+    subtasks = record.get("subtasks")
+    if subtasks is None:
+        return [record]
+    common = {k: record.get(k) for k in ("query_id", "batch", "parallelism", "written_ns")}
+    return [{**common, **s} for s in subtasks if isinstance(s, dict)]
+
+
+def latest_per_subtask(records: list[dict[str, Any]], parallelism: int) -> dict[int, dict[str, Any]]:
+    """Per subtask of ``parallelism``, the record written last (a batch evaluated twice, or re-run
+    with another grouping of subtasks into tasks, leaves several: the last write wins, as it did
+    when each subtask had a file of its own)."""
+    chosen: dict[int, dict[str, Any]] = {}
+    for record in records:
+        if record.get("parallelism") != parallelism:
+            continue
+        subtask = int(record["subtask"])
+        known = chosen.get(subtask)
+        if known is None or int(record.get("written_ns") or 0) >= int(known.get("written_ns") or 0):
+            chosen[subtask] = record
+    return chosen
+
+
+def pending_records(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> list[dict[str, Any]] | None:
+    """The complete set of this operator's pending records of ``batch``, or None. Records of an
+    earlier attempt at another parallelism may linger (a re-run overwrites only its own tasks'
+    files): only the parallelism whose every subtask is present counts."""
+    records = read_pending(storage, cfg.uid, batch)
+    if records is None:
+        return None
+    complete = []
+    for parallelism in {int(r["parallelism"]) for r in records if isinstance(r.get("parallelism"), int)}:
+        chosen = latest_per_subtask(records, parallelism)
+        if set(chosen) == set(range(parallelism)):
+            complete.append(chosen)
     if len(complete) != 1:
         return None
-    return list(by_parallelism[complete[0]].values())
+    return [complete[0][i] for i in sorted(complete[0])]
 
 
 def state_after(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> BatchState:
@@ -150,23 +191,26 @@ def _last_batch_with_state(storage: StateChangelogStorage, cfg: OperatorConfig, 
     return max(earlier) if earlier else -1
 
 
-def committed_handle(storage: StateChangelogStorage, cfg: OperatorConfig, subtask: int, batch: int) -> Any:
-    """The handle JSON this subtask committed for ``batch`` (None if unknown): local tables are
-    only trusted if they hold exactly that state (not a superseded attempt, not another life)."""
-    try:
-        record = json.loads(storage.get_file(pending_path(batch, cfg.uid, subtask)))
-        if record.get("parallelism") == cfg.parallelism:
-            return record.get("handle")
-    except FileNotFoundError:
-        pass
+def committed_handles(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> dict[int, Any]:
+    """Per subtask, the handle JSON it committed for ``batch`` (subtasks missing: unknown): local
+    tables are only trusted if they hold exactly that state (not a superseded attempt, not another
+    life). The pending records first (the driver may not have completed the checkpoint), then
+    ``chk-<batch>``."""
+    handles = {
+        i: r.get("handle")
+        for i, r in latest_per_subtask(read_pending(storage, cfg.uid, batch) or [], cfg.parallelism).items()
+    }
+    if len(handles) == cfg.parallelism:
+        return handles
     meta = read_checkpoint(storage, cfg, batch)
     if meta is None or cfg.uid not in meta.operators:
-        return None
-    rng = cfg.key_group_range(subtask)
+        return handles
+    ranges = {cfg.key_group_range(i): i for i in range(cfg.parallelism)}
     for handle in meta.operators[cfg.uid].get("subtasks", []):
-        if KeyedStateHandle.from_json(handle).key_group_range == rng:
-            return handle
-    return None
+        subtask = ranges.get(KeyedStateHandle.from_json(handle).key_group_range)
+        if subtask is not None:
+            handles.setdefault(subtask, handle)
+    return handles
 
 
 def pending_batches(storage: StateChangelogStorage, cfg: OperatorConfig) -> list[int]:

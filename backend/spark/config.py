@@ -52,9 +52,25 @@ class OperatorConfig:
     #: rows per pandas DataFrame handed to the user's code (the session's
     #: ``spark.sql.execution.arrow.maxRecordsPerBatch`` when the operator was built)
     max_records_per_batch: int = 10_000
+    #: Spark tasks per batch (None: one per subtask); task ``j`` runs the subtasks of
+    #: ``subtasks_of_task(j)``, a contiguous run, and persists them together
+    tasks: int | None = None
 
     def key_group_range(self, subtask: int) -> KeyGroupRange:
         return key_group_range_for_subtask(self.max_parallelism, self.parallelism, subtask)
+
+    @property
+    def task_count(self) -> int:
+        return min(self.tasks or self.parallelism, self.parallelism)
+
+    def task_of_subtask(self, subtask: int) -> int:
+        """The Spark task (partition of the repartitioned input) that runs ``subtask``."""
+        return subtask * self.task_count // self.parallelism
+
+    def subtasks_of_task(self, task: int) -> range:
+        """The subtasks Spark task ``task`` runs: those ``i`` with ``task_of_subtask(i) == task``."""
+        tasks, parallelism = self.task_count, self.parallelism
+        return range(-(-task * parallelism // tasks), -(-(task + 1) * parallelism // tasks))
 
     def local_dir(self, subtask: int) -> Path:
         name = self.job_dir.replace("://", "_").replace("/", "_").strip("_")

@@ -28,10 +28,10 @@ from collections import Counter
 from typing import Any
 
 from backend.checkpointing.coordinator import CheckpointCoordinator
-from backend.checkpointing.metadata import PENDING_DIR, SnapshotMetadata, parse_pending_path, pending_path
+from backend.checkpointing.metadata import PENDING_DIR, SnapshotMetadata, parse_pending_path
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
-from backend.spark.committed import OWNER_FILE
+from backend.spark.committed import OWNER_FILE, latest_per_subtask, read_pending, subtask_records
 from backend.spark.config import OperatorConfig
 from dstl import ConfigurationError, StateChangelogStorage, StorageClosedError
 
@@ -66,12 +66,13 @@ class DriverCoordinator:
             pending = parse_pending_path(path)
             if pending and pending[0] > latest:
                 protect.add(path)
-                protect |= self._record_handle(path).referenced_files()
+                for handle in self._record_handles(path):
+                    protect |= handle.referenced_files()
         return protect
 
-    def _record_handle(self, path: str) -> KeyedStateHandle:
-        record = json.loads(self.storage.get_file(path))
-        return KeyedStateHandle.from_json(record["handle"])
+    def _record_handles(self, path: str) -> list[KeyedStateHandle]:
+        records = subtask_records(json.loads(self.storage.get_file(path)))
+        return [KeyedStateHandle.from_json(r["handle"]) for r in records]
 
     def register(self, cfg: OperatorConfig) -> None:
         with self.lock:
@@ -91,16 +92,14 @@ class DriverCoordinator:
                 return None
             records: list[tuple[str, dict[str, Any]]] = []
             for uid, parallelism in self.operators.items():
-                for subtask in range(parallelism):
-                    try:
-                        record = json.loads(self.storage.get_file(pending_path(batch, uid, subtask)))
-                    except FileNotFoundError:
-                        return None  # not this location's batch (yet)
-                    if record.get("parallelism") != parallelism:
-                        return None
-                    if query_id is not None and record.get("query_id") != query_id:
-                        return None
-                    records.append((uid, record))
+                found = [
+                    r for r in read_pending(self.storage, uid, batch) or []
+                    if query_id is None or r.get("query_id") == query_id
+                ]  # fmt: skip
+                chosen = latest_per_subtask(found, parallelism)
+                if set(chosen) != set(range(parallelism)):
+                    return None  # not this location's batch (yet)
+                records += [(uid, chosen[i]) for i in range(parallelism)]
             checkpoint_id = self.coordinator.trigger(batch)
             for uid, record in records:
                 handle = KeyedStateHandle.from_json(record["handle"])

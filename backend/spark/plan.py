@@ -6,15 +6,18 @@ partitions of a query. We build the operator from Spark's public parts instead (
     input --withColumn(key group = pmod(hash(grouping columns), max_parallelism))   (JVM, Spark SQL hash)
          [--unionByName(ticks: one row per subtask when a batch without input is due)]  (backend.spark.ticks)
           --withColumn(batch time = current_timestamp())                             (fixed per batch)
-          --repartition(parallelism, route(subtask of the key group))
-          --mapInPandas(task: one subtask of one micro-batch, backend.spark.tasks)  -> output rows
+          --repartition(tasks, route(task of the key group's subtask))
+          --mapInPandas(task: its subtasks of one micro-batch, backend.spark.tasks)  -> output rows
 
-``route`` maps subtask ``i`` to an integer whose Spark hash lands in partition ``i``, so partition
-``i`` holds exactly the key groups of subtask ``i`` (Flink's key-group ranges); the task checks
-it. The key group of a key is Spark's SQL hash, computed once in the JVM: the same in every run,
-so a restart at another parallelism re-splits the same key groups (rescaling). The task drops
-tick rows and, where Spark does, late rows (event time at or behind the previous batch's
-watermark) before the user's code sees the input.
+``route`` maps task ``j`` to an integer whose Spark hash lands in partition ``j``, so partition
+``j`` holds exactly the key groups of the subtasks of task ``j`` (Flink's key-group ranges, a
+contiguous run of subtasks per task: ``OperatorConfig.subtasks_of_task``); the task checks it.
+There are ``tasks`` Spark tasks per batch (one per core by default), not one per subtask: a task
+makes all its subtasks durable in one flush (``backend.spark.tasks``). The key group of a key is
+Spark's SQL hash, computed once in the JVM: the same in every run, so a restart at another
+parallelism re-splits the same key groups (rescaling). The task drops tick rows and, where Spark
+does, late rows (event time at or behind the previous batch's watermark) before the user's code
+sees the input.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import mmh3
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
 from backend.spark.config import OperatorConfig, Watermarks
 from backend.spark.driver import coordinator_for
-from backend.spark.tasks import run_subtask
+from backend.spark.tasks import run_subtasks
 from backend.spark.ticks import TICK, register_tick_source
 from dstl import ChangelogConfig, ConfigurationError
 
@@ -115,13 +118,16 @@ def build(
     materialization_interval_ms: int = 600_000,
     size_trigger_bytes: int | None = 64 << 20,
     strict_state_types: bool = False,
+    tasks: int | None = None,
 ) -> Any:
     """The streaming DataFrame running ``make_process(cfg, key columns)`` per subtask and batch.
 
     ``no_data_batches`` (``backend.spark.config.PROCESSING`` / ``EVENT`` / None): which batches
     without input the operator needs, as Spark's operator would ask for them (only while the
     session's ``spark.sql.streaming.noDataMicroBatches.enabled`` is on); ``drop_late_rows``: drop
-    rows behind the watermark as Spark's operator does in event-time modes."""
+    rows behind the watermark as Spark's operator does in event-time modes. ``tasks``: Spark
+    tasks per batch, each running a contiguous run of subtasks (None: one per core of the
+    cluster, ``SparkContext.defaultParallelism``, at most ``parallelism``)."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import StructType
 
@@ -151,6 +157,9 @@ def build(
     parallelism = parallelism or int(spark.conf.get("spark.sql.shuffle.partitions"))
     if not 1 <= parallelism <= max_parallelism:
         raise ConfigurationError(f"parallelism must be in 1..{max_parallelism} (max_parallelism), got {parallelism}")
+    if tasks is not None and tasks < 1:
+        raise ConfigurationError(f"tasks must be positive or None, got {tasks}")
+    tasks = min(tasks or int(spark.sparkContext.defaultParallelism), parallelism)
     watermark = find_watermark(df)
     if watermark is not None and watermark[0] not in df.columns:
         raise ConfigurationError(f"the watermark's event time column {watermark[0]!r} is not a column of the input")
@@ -163,13 +172,15 @@ def build(
         size_trigger_bytes=size_trigger_bytes, watermark_delay_ms=None if watermark is None else watermark[1],
         drop_late_rows=drop_late_rows and watermark is not None,
         no_data_batches=no_data_batches if _no_data_batches_enabled(spark) else None,
-        strict_state_types=strict_state_types, max_records_per_batch=_max_records_per_batch(spark),
+        strict_state_types=strict_state_types, max_records_per_batch=_max_records_per_batch(spark), tasks=tasks,
     )  # fmt: skip
     coordinator_for(spark, cfg, num_retained)
     process = make_process(cfg, keys)
     kg = F.pmod(F.hash(*[F.col(k) for k in keys]), F.lit(max_parallelism))
-    subtask = F.floor(F.col(KEY_GROUP) * F.lit(parallelism) / F.lit(max_parallelism)).cast("int")
-    route = F.element_at(F.array(*[F.lit(v) for v in route_values(parallelism)]), subtask + F.lit(1))
+    # the Spark task of a key group: that of its subtask (OperatorConfig.task_of_subtask)
+    subtask = F.floor(F.col(KEY_GROUP) * F.lit(parallelism) / F.lit(max_parallelism))
+    task_index = F.floor(subtask * F.lit(cfg.task_count) / F.lit(parallelism)).cast("int")
+    route = F.element_at(F.array(*[F.lit(v) for v in route_values(cfg.task_count)]), task_index + F.lit(1))
     if watermark is not None:  # microseconds: Spark compares event times with the watermark in them
         df = df.withColumn(EVENT_TIME, F.unix_micros(F.col(watermark[0]).cast("timestamp")))
     keyed = df.withColumn(KEY_GROUP, kg.cast("int"))
@@ -178,7 +189,7 @@ def build(
     prepared = (
         keyed.withColumn(BATCH_TIME, F.unix_millis(F.current_timestamp()))
         .withColumn(_ROUTE, route)
-        .repartition(parallelism, F.col(_ROUTE))
+        .repartition(cfg.task_count, F.col(_ROUTE))
         .drop(_ROUTE)
     )
 
@@ -226,19 +237,20 @@ def run_partition(cfg: OperatorConfig, frames: Iterator[Any], process: Callable[
     batch_id = context.getLocalProperty("streaming.sql.batchId") if context is not None else None
     if context is None or batch_id is None:
         raise RuntimeError("backend.spark operators run inside a streaming query only (no micro-batch id)")
-    subtask = context.partitionId()
+    task = context.partitionId()
     query_id = context.getLocalProperty("sql.streaming.queryId") or ""
-    data: list[Any] = []
-    rng = cfg.key_group_range(subtask)
+    subtasks = cfg.subtasks_of_task(task)
+    data: dict[int, list[Any]] = {subtask: [] for subtask in subtasks}
+    start, end = cfg.key_group_range(subtasks[0]).start, cfg.key_group_range(subtasks[-1]).end
     now_ms = None
     max_event: int | None = None
     for frame in frames:
         if not len(frame):
             continue
         groups = frame[KEY_GROUP]
-        if int(groups.min()) < rng.start or int(groups.max()) > rng.end:
+        if int(groups.min()) < start or int(groups.max()) > end:
             raise RuntimeError(
-                f"partition {subtask} received key groups outside [{rng.start}, {rng.end}]: the input was not "
+                f"partition {task} received key groups outside [{start}, {end}]: the input was not "
                 "partitioned by backend.spark (adaptive coalescing of shuffle partitions must stay off)"
             )
         if now_ms is None:
@@ -248,14 +260,28 @@ def run_partition(cfg: OperatorConfig, frames: Iterator[Any], process: Callable[
         if EVENT_TIME in frame.columns and frame[EVENT_TIME].notna().any():
             top = int(frame[EVENT_TIME].max()) // 1000  # Spark's watermark counts whole milliseconds
             max_event = top if max_event is None else max(max_event, top)
-        if len(frame):
-            data.append(frame)
+        for subtask, rows in _by_subtask(cfg, subtasks, frame):
+            data[subtask].append(rows)
 
-    def body(backend: Any, now: int, watermarks: Watermarks | None) -> list[Any]:
-        rows = data
+    def body(subtask: int, backend: Any, now: int, watermarks: Watermarks | None) -> list[Any]:
+        rows = data[subtask]
         if cfg.drop_late_rows and watermarks is not None:
-            rows = [kept for f in data if len(kept := f[~(f[EVENT_TIME] <= watermarks.late_ms * 1000)])]
+            rows = [kept for f in rows if len(kept := f[~(f[EVENT_TIME] <= watermarks.late_ms * 1000)])]
         return process(backend, rows, now, int(batch_id), None if watermarks is None else watermarks.eviction_ms)
 
-    outputs, _ = run_subtask(cfg, subtask, int(batch_id), query_id, now_ms, body, max_event)
+    outputs, _ = run_subtasks(cfg, subtasks, int(batch_id), query_id, now_ms, body, max_event)
     yield from outputs
+
+
+def _by_subtask(cfg: OperatorConfig, subtasks: range, frame: Any) -> Iterator[tuple[int, Any]]:
+    """The rows of ``frame`` per subtask (in their order), for the subtasks holding any."""
+    if not len(frame):
+        return
+    if len(subtasks) == 1:
+        yield subtasks[0], frame
+        return
+    owner = frame[KEY_GROUP].to_numpy() * cfg.parallelism // cfg.max_parallelism
+    for subtask in subtasks:
+        mask = owner == subtask
+        if mask.any():
+            yield subtask, frame[mask]

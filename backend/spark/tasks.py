@@ -1,22 +1,26 @@
-"""What runs in a Spark task: one operator subtask for one micro-batch, exactly once.
+"""What runs in a Spark task: the operator subtasks of one partition for one micro-batch, exactly once.
 
-Partition ``p`` of the repartitioned input holds exactly the key groups of subtask ``p`` (see
-``backend.spark.plan``). The task:
+A batch runs ``cfg.task_count`` Spark tasks (by default one per executor core, see
+``backend.spark.plan``); task ``j`` holds exactly the key groups of the contiguous subtasks
+``cfg.subtasks_of_task(j)``. Running several subtasks in one task is what lets their changes share
+one log file: each task must make its state durable before it returns (Spark commits a batch
+once every task returned, and nothing of ours runs in between), so subtasks that ran one after
+another in tasks of their own would each flush alone. The task:
 
-1. takes the subtask's host-local lock (a task retry or a zombie attempt never shares the
-   tables with a running one);
-2. gets a backend holding exactly the state after batch ``b - 1``: the one this process kept
-   (fast path), or the host's local LMDB directory if its marker says it holds that state (left by
-   another Python worker of this host: ``adopt_local``), or else a restore from the DFS
-   (``chk-<b-1>/_metadata``, or the subtask handles of batch ``b - 1`` the tasks left under
-   ``pending/`` if the driver has not completed that checkpoint yet; at any old parallelism).
-   A retried task, a batch evaluated twice, a batch re-run after a driver restart, a dead
-   Python worker and a deleted local directory all land in one of these cases;
-3. marks the local directory dirty, runs the user's processor over the partition, materializes
-   when due (synchronously: the worker that runs a subtask changes from batch to batch and idle
-   workers exit), makes the log durable (``snapshot``) and writes the subtask's handle to
-   ``pending/<b>/<uid>/<p>.json``;
-4. flushes the tables (another worker may adopt them), writes the marker (state = batch ``b``),
+1. takes its subtasks' host-local locks, in ascending order (a task retry or a zombie attempt
+   never shares the tables with a running one, and two attempts never wait in a cycle);
+2. gets, per subtask, a backend holding exactly the state after batch ``b - 1``: the one this
+   process kept (fast path), or the host's local LMDB directory if its marker says it holds that
+   state (left by another Python worker of this host: ``adopt_local``), or else a restore from
+   the DFS (``chk-<b-1>/_metadata``, or the subtask handles of batch ``b - 1`` the tasks left
+   under ``pending/`` if the driver has not completed that checkpoint yet; at any old
+   parallelism). A retried task, a batch evaluated twice, a batch re-run after a driver restart,
+   a dead Python worker and a deleted local directory all land in one of these cases;
+3. marks the local directories dirty, runs the user's processor over each subtask's rows,
+   materializes those due (synchronously: the worker that runs a subtask changes from batch to
+   batch and idle workers exit), makes every subtask's log durable at once (``snapshot``: one
+   flush) and writes the subtasks' handles to one file, ``pending/<b>/<uid>/<first>-<last>.json``;
+4. flushes the tables (another worker may adopt them), writes the markers (state = batch ``b``),
    and only then hands the output rows to Spark.
 
 The driver (``backend.spark.driver``) turns the pending handles of a committed batch into
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import shutil
@@ -41,7 +46,7 @@ from typing import Any
 from backend.checkpointing.metadata import pending_path
 from backend.core.errors import StateRestoreError
 from backend.core.handles import KeyedStateHandle
-from backend.spark.committed import claim_directory, committed_handle, state_after
+from backend.spark.committed import BatchState, claim_directory, committed_handles, read_pending, state_after
 from backend.spark.config import OperatorConfig, Watermarks
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from backend.state.timers import EVENT_TIME, PROCESSING_TIME
@@ -109,7 +114,26 @@ def _fresh(cfg: OperatorConfig, storage: StateChangelogStorage, subtask: int, di
     return _Kept(backend, materializer, -1, uuid.uuid4().hex)
 
 
-def acquire(cfg: OperatorConfig, storage: StateChangelogStorage, subtask: int, batch: int) -> tuple[_Kept, str]:
+class _Previous:
+    """What a task needs of batch ``b - 1``, read from the DFS once per task and only if needed:
+    the committed state (for a restore and the watermarks) and each subtask's committed handle
+    (to trust local tables)."""
+
+    def __init__(self, storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> None:
+        self.storage, self.cfg, self.batch = storage, cfg, batch
+
+    @functools.cached_property
+    def state(self) -> BatchState:
+        return state_after(self.storage, self.cfg, self.batch - 1)
+
+    @functools.cached_property
+    def handles(self) -> dict[int, Any]:
+        return committed_handles(self.storage, self.cfg, self.batch - 1) if self.batch > 0 else {}
+
+
+def acquire(
+    cfg: OperatorConfig, storage: StateChangelogStorage, subtask: int, batch: int, previous: _Previous
+) -> tuple[_Kept, str]:
     """A backend holding exactly the state after ``batch - 1``, and how it was obtained."""
     directory = cfg.local_dir(subtask)
     key = (cfg.job_dir, cfg.uid, cfg.parallelism, subtask)
@@ -117,7 +141,7 @@ def acquire(cfg: OperatorConfig, storage: StateChangelogStorage, subtask: int, b
     kept = _KEPT.pop(key, None)
     trusted = marker is not None and batch > 0 and marker.get("version") == batch - 1
     if trusted and marker is not None:
-        trusted = marker.get("handle") == committed_handle(storage, cfg, subtask, batch - 1)
+        trusted = marker.get("handle") == previous.handles.get(subtask)
     if kept is not None:
         if trusted and marker is not None and marker.get("token") == kept.token and kept.version == batch - 1:
             return kept, "kept"
@@ -128,7 +152,7 @@ def acquire(cfg: OperatorConfig, storage: StateChangelogStorage, subtask: int, b
             return fresh, "local"
     fresh = _fresh(cfg, storage, subtask, directory)
     try:
-        handles = state_after(storage, cfg, batch - 1).handles
+        handles = previous.state.handles
         if handles:
             restore(fresh.backend, handles)
     except BaseException:
@@ -163,16 +187,72 @@ def _discard(kept: _Kept) -> None:
         kept.backend.close()
 
 
-def existing_now_ms(storage: StateChangelogStorage, batch: int, uid: str, subtask: int) -> int | None:
-    """The processing time an earlier attempt of this task used (for partitions without rows)."""
-    try:
-        return int(json.loads(storage.get_file(pending_path(batch, uid, subtask)))["now_ms"])
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
-        return None
+def existing_now_ms(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int, subtasks: range) -> int | None:
+    """The processing time an earlier attempt of these subtasks used (for partitions without rows)."""
+    for record in read_pending(storage, cfg.uid, batch) or []:
+        try:
+            if record.get("parallelism") == cfg.parallelism and int(record["subtask"]) in subtasks:
+                return int(record["now_ms"])
+        except (KeyError, ValueError, TypeError):
+            continue
+    return None
 
 
-#: the body of a task: (backend, the batch's processing time, its watermarks or None) -> output
-Process = Callable[[ChangelogKeyedStateBackend, int, Watermarks | None], list[Any]]
+#: the body of a task for one subtask: (subtask, backend, the batch's processing time, its
+#: watermarks or None) -> output
+Process = Callable[[int, ChangelogKeyedStateBackend, int, Watermarks | None], list[Any]]
+
+
+def run_subtasks(
+    cfg: OperatorConfig,
+    subtasks: range,
+    batch: int,
+    query_id: str,
+    now_ms: int | None,
+    process: Process,
+    max_event_time_ms: int | None = None,
+) -> tuple[list[Any], list[dict[str, Any]]]:
+    """Steps 1-4 of the module docstring for the subtasks one Spark task runs; returns the output
+    and each subtask's figures."""
+    storage = storage_for(cfg)
+    claim_directory(storage, cfg, query_id)
+    previous = _Previous(storage, cfg, batch)
+    with contextlib.ExitStack() as locks:
+        for subtask in subtasks:  # ascending: two attempts never wait on each other in a cycle
+            locks.enter_context(_locked(cfg.local_dir(subtask)))
+        acquired: dict[int, tuple[_Kept, str, float]] = {}
+        try:
+            for subtask in subtasks:
+                began = time.perf_counter()
+                kept, source = acquire(cfg, storage, subtask, batch, previous)
+                acquired[subtask] = (kept, source, round((time.perf_counter() - began) * 1000, 2))
+                directory = cfg.local_dir(subtask)
+                directory.mkdir(parents=True, exist_ok=True)
+                _write_marker(directory, {"version": None})  # dirty until this batch's state is complete
+            if now_ms is None:
+                now_ms = existing_now_ms(storage, cfg, batch, subtasks) or time.time_ns() // 1_000_000
+            outputs, handles, stats = _run_batch(cfg, acquired, previous, batch, now_ms, process, max_event_time_ms)
+            record = {
+                "query_id": query_id, "batch": batch, "parallelism": cfg.parallelism, "written_ns": time.time_ns(),
+                "subtasks": [
+                    {"subtask": i, "now_ms": now_ms, "handle": handles[i].to_json(), "stats": stats[i]}
+                    for i in subtasks
+                ],
+            }  # fmt: skip
+            storage.put_file(pending_path(batch, cfg.uid, subtasks[0], subtasks[-1]), json.dumps(record).encode())
+        except BaseException:
+            for kept, _, _ in acquired.values():
+                _discard(kept)  # its tables may hold part of this batch: the marker says dirty
+            raise
+        for subtask, (kept, _, _) in acquired.items():
+            kept.backend.notify_checkpoint_complete(batch)  # only bookkeeping: workers own no files
+            kept.backend.flush()
+            kept.version = batch
+            _write_marker(
+                cfg.local_dir(subtask), {"version": batch, "token": kept.token, "handle": handles[subtask].to_json()}
+            )
+            _KEPT[(cfg.job_dir, cfg.uid, cfg.parallelism, subtask)] = kept
+    return outputs, [stats[i] for i in subtasks]
 
 
 def run_subtask(
@@ -181,72 +261,61 @@ def run_subtask(
     batch: int,
     query_id: str,
     now_ms: int | None,
-    process: Process,
+    process: Callable[[ChangelogKeyedStateBackend, int, Watermarks | None], list[Any]],
     max_event_time_ms: int | None = None,
 ) -> tuple[list[Any], dict[str, Any]]:
-    """Steps 1-4 of the module docstring; returns the output and the task's figures."""
-    storage = storage_for(cfg)
-    directory = cfg.local_dir(subtask)
-    claim_directory(storage, cfg, query_id)
-    with _locked(directory):
-        began = time.perf_counter()
-        kept, source = acquire(cfg, storage, subtask, batch)
-        directory.mkdir(parents=True, exist_ok=True)
-        _write_marker(directory, {"version": None})  # dirty until this batch's state is complete
-        if now_ms is None:
-            now_ms = existing_now_ms(storage, batch, cfg.uid, subtask) or time.time_ns() // 1_000_000
-        try:
-            outputs, handle, stats = _run_batch(cfg, storage, kept, source, batch, now_ms, process, max_event_time_ms)
-        except BaseException:
-            _discard(kept)  # its tables hold part of this batch: the marker says dirty
-            raise
-        stats["restore_ms"] = round((time.perf_counter() - began) * 1000 - stats["run_ms"], 2)
-        record = {"query_id": query_id, "batch": batch, "subtask": subtask, "parallelism": cfg.parallelism,
-                  "now_ms": stats.pop("now_ms"), "handle": handle.to_json(), "stats": stats}  # fmt: skip
-        storage.put_file(pending_path(batch, cfg.uid, subtask), json.dumps(record).encode())
-        kept.backend.notify_checkpoint_complete(batch)  # only bookkeeping: workers own no files
-        kept.backend.flush()
-        kept.version = batch
-        _write_marker(directory, {"version": batch, "token": kept.token, "handle": handle.to_json()})
-        _KEPT[(cfg.job_dir, cfg.uid, cfg.parallelism, subtask)] = kept
-    return outputs, stats
+    """``run_subtasks`` for a task of one subtask."""
+    outputs, stats = run_subtasks(
+        cfg, range(subtask, subtask + 1), batch, query_id, now_ms, lambda _, *args: process(*args), max_event_time_ms
+    )
+    return outputs, stats[0]
 
 
 def _run_batch(
     cfg: OperatorConfig,
-    storage: StateChangelogStorage,
-    kept: _Kept,
-    source: str,
+    acquired: dict[int, tuple[_Kept, str, float]],
+    previous: _Previous,
     batch: int,
     now_ms: int,
     process: Process,
     max_event_time_ms: int | None,
-) -> tuple[list[Any], KeyedStateHandle, dict[str, Any]]:
-    began = time.perf_counter()
+) -> tuple[list[Any], dict[int, KeyedStateHandle], dict[int, dict[str, Any]]]:
+    """Run every subtask, materialize those due (side by side), then make all their logs durable
+    at once: their changes share one flush."""
     basis, watermarks = None, None
     if cfg.watermark_delay_ms is not None:
-        previous = state_after(storage, cfg, batch - 1)
-        basis, watermarks = previous.event_time_basis_ms, previous.watermarks(cfg, batch)
-    outputs = process(kept.backend, now_ms, watermarks)
-    materialized = kept.materializer.metrics.completed
-    kept.materializer.poll()
-    kept.materializer.wait()  # a materialization finishes inside the task that started it
+        basis, watermarks = previous.state.event_time_basis_ms, previous.state.watermarks(cfg, batch)
+    outputs: list[Any] = []
+    run_ms: dict[int, float] = {}
+    for subtask, (kept, _, _) in acquired.items():
+        began = time.perf_counter()
+        outputs += process(subtask, kept.backend, now_ms, watermarks)
+        run_ms[subtask] = (time.perf_counter() - began) * 1000
+    materialized = {subtask: kept.materializer.metrics.completed for subtask, (kept, _, _) in acquired.items()}
+    for kept, _, _ in acquired.values():
+        kept.materializer.poll()
+    for kept, _, _ in acquired.values():
+        kept.materializer.wait()  # a materialization finishes inside the task that started it
     persist_began = time.perf_counter()
-    handle = kept.backend.snapshot(batch).result(cfg.snapshot_timeout_ms / 1000)
-    persist_s = time.perf_counter() - persist_began
-    stats: dict[str, Any] = {
-        "source": source,  # where the state came from: kept | local | dfs
-        "now_ms": now_ms,
-        "run_ms": round((time.perf_counter() - began) * 1000, 2),
-        "persist_ms": round(persist_s * 1000, 2),
-        "materialized": kept.materializer.metrics.completed - materialized,
-        "log_records": sum(s.records for e in handle.changelog for s in e.log.segments),
-        "chunks": len(handle.materialized),
-        # when the no-data batch source (backend.spark.ticks) must ask for the next batch
-        "next_processing_timer_ms": kept.backend.timers.earliest(PROCESSING_TIME),
-        "next_event_timer_ms": kept.backend.timers.earliest(EVENT_TIME),
-    }
-    if basis is not None and watermarks is not None:
-        stats["event_time_basis_ms"] = max(basis, max_event_time_ms or 0)
-        stats["watermark_ms"] = watermarks.eviction_ms
-    return outputs, handle, stats
+    futures = {subtask: kept.backend.snapshot(batch) for subtask, (kept, _, _) in acquired.items()}
+    handles = {subtask: future.result(cfg.snapshot_timeout_ms / 1000) for subtask, future in futures.items()}
+    persist_ms = round((time.perf_counter() - persist_began) * 1000, 2)
+    stats: dict[int, dict[str, Any]] = {}
+    for subtask, (kept, source, restore_ms) in acquired.items():
+        handle = handles[subtask]
+        stats[subtask] = {
+            "source": source,  # where the state came from: kept | local | dfs
+            "restore_ms": restore_ms,
+            "run_ms": round(run_ms[subtask], 2),
+            "persist_ms": persist_ms,
+            "materialized": kept.materializer.metrics.completed - materialized[subtask],
+            "log_records": sum(s.records for e in handle.changelog for s in e.log.segments),
+            "chunks": len(handle.materialized),
+            # when the no-data batch source (backend.spark.ticks) must ask for the next batch
+            "next_processing_timer_ms": kept.backend.timers.earliest(PROCESSING_TIME),
+            "next_event_timer_ms": kept.backend.timers.earliest(EVENT_TIME),
+        }
+        if basis is not None and watermarks is not None:
+            stats[subtask]["event_time_basis_ms"] = max(basis, max_event_time_ms or 0)
+            stats[subtask]["watermark_ms"] = watermarks.eviction_ms
+    return outputs, handles, stats

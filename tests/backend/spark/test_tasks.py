@@ -16,7 +16,9 @@ import pytest
 from backend.checkpointing.metadata import SnapshotMetadata, metadata_path
 from backend.core.descriptors import ListStateDescriptor
 from backend.core.errors import CheckpointError
+from backend.core.keygroups import assign_key_group
 from backend.core.serializers import Int64Serializer
+from backend.core.serializers.keys import serialize_key
 from backend.spark import tasks
 from backend.spark.config import OperatorConfig
 from backend.spark.driver import DriverCoordinator
@@ -216,3 +218,76 @@ def test_a_fenced_checkpoint_whose_metadata_landed_does_not_lose_its_batch(tmp_p
     finally:
         driver.close()
         plan.close()
+
+
+def run_tasks(cfg: OperatorConfig, batch: int, value: int) -> list[dict[str, Any]]:
+    """Every Spark task of ``batch`` as ``backend.spark.plan`` runs it: its subtasks in one call."""
+    stats: list[dict[str, Any]] = []
+    for task in range(cfg.task_count):
+        subtasks = cfg.subtasks_of_task(task)
+        stats += tasks.run_subtasks(cfg, subtasks, batch, "q", 1, lambda _, *a: appender(value)(*a))[1]
+    return stats
+
+
+def test_a_task_of_several_subtasks_persists_them_in_one_file_and_leaves_one_pending_record(tmp_path: Path) -> None:
+    cfg = config(tmp_path, 8, tasks=2)
+    driver = DriverCoordinator(cfg)
+    driver.register(cfg)
+    for batch in range(3):
+        run_tasks(cfg, batch, batch)
+        pending = sorted(p.name for p in (tmp_path / "state" / "pending" / str(batch) / "op").iterdir())
+        assert pending == ["0-3.json", "4-7.json"]
+        assert driver.complete_batch(batch, "q") is not None
+    latest = driver.latest()
+    assert latest is not None
+    handles = latest.handles("op")
+    assert len(handles) == 8
+    for first in (0, 4):  # the four subtasks of a task: each batch's changes in one file
+        files = [{s.path for e in h.changelog for s in e.log.segments} for h in handles[first : first + 4]]
+        assert all(f == files[0] for f in files) and len(files[0]) == 3
+    assert read_all(cfg, 2) == {k: [0, 1, 2] for k in KEYS}
+    driver.close()
+
+
+def test_attempts_that_group_subtasks_into_tasks_differently_mix_by_last_write(tmp_path: Path) -> None:
+    """Batch 1 ran with one task for all subtasks and, re-run, with one task per subtask for
+    some: each subtask's latest record counts, and restores and local tables agree with it."""
+    run_tasks(config(tmp_path, 4, tasks=2), 0, 0)
+    run_tasks(config(tmp_path, 4, tasks=1), 1, 1)  # evaluated once: pending/1/op/0-3.json
+    other_worker()
+    cfg = config(tmp_path, 4, tasks=4, host="b")
+    for subtask in (1, 2):  # evaluated again, in part, on another host with value 10
+        run_subtask(cfg, subtask, 1, "q", 1, appender(10))
+    other_worker()
+    driver = DriverCoordinator(cfg)
+    driver.register(cfg)
+    meta = driver.complete_batch(1, "q")
+    assert meta is not None
+    rerun = range(cfg.key_group_range(1).start, cfg.key_group_range(2).end + 1)
+    expected = {k: [0, 10 if _key_group(k) in rerun else 1] for k in KEYS}
+    assert read_all(config(tmp_path, 4, tasks=2), 1) == expected
+    stats = run_tasks(config(tmp_path, 4, tasks=1), 2, 2)  # host a: tables of 1 and 2 are superseded
+    assert [s["source"] for s in stats] == ["local", "dfs", "dfs", "local"]
+    driver.close()
+
+
+def test_a_failing_subtask_fails_its_task_and_the_retry_starts_from_the_previous_batch(tmp_path: Path) -> None:
+    cfg = config(tmp_path, 4, tasks=1)
+    run_tasks(cfg, 0, 0)
+
+    def failing(subtask: int, backend: Any, now: int, watermark: Any) -> list[Any]:
+        appender(1)(backend, now, watermark)
+        if subtask == 2:
+            raise RuntimeError("the user's processor failed")
+        return []
+
+    with pytest.raises(RuntimeError, match="processor failed"):
+        tasks.run_subtasks(cfg, range(4), 1, "q", 1, failing)
+    assert not (tmp_path / "state" / "pending" / "1").exists()
+    stats = run_tasks(cfg, 1, 1)  # the retry, in the same worker
+    assert {s["source"] for s in stats} == {"dfs"}  # no table touched by the failed attempt is trusted
+    assert read_all(cfg, 1) == {k: [0, 1] for k in KEYS}
+
+
+def _key_group(key: tuple[str]) -> int:
+    return assign_key_group(serialize_key(key), 128)
