@@ -114,6 +114,10 @@ class ChangelogConfig:
     #: state.changelog.dstl.dfs.batch.persist-delay
     #: (a float: a batching delay below one millisecond makes sense on a fast local store)
     persist_delay_ms: float = 10.0
+    #: how long a flush waits for writers that said they will persist soon (``expect_persist``:
+    #: the Spark tasks of one executor, which finish at different times) instead of
+    #: ``persist_delay_ms``; no Flink option (Flink's writers all run in one TaskManager process)
+    expected_persist_wait_ms: int = 5_000
     #: state.changelog.dstl.dfs.batch.persist-size-threshold
     persist_size_threshold: int = 10 * MiB
     #: state.changelog.dstl.dfs.preemptive-persist-threshold
@@ -152,6 +156,7 @@ class ChangelogConfig:
             "dfs_timeout_ms": self.dfs_timeout_ms,
             "max_attempts": self.max_attempts,
             "prefix_count": self.prefix_count,
+            "expected_persist_wait_ms": self.expected_persist_wait_ms,
         }
         for name, value in positive.items():
             if value <= 0:

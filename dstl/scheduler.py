@@ -6,7 +6,13 @@ of all writers wait in one queue, and the queue is flushed as ONE file when
 (a) ``persist_delay`` has passed since the first pending entry was queued,
 (b) the pending bytes reach ``persist_size_threshold``, or
 (c) every registered writer has a persist request pending: nobody else will contribute soon,
-    so waiting longer would only add latency.
+    so waiting longer would only add latency; or, where writers said they will persist soon
+    (``expect_persist``), every one of them has: the writers of the other running tasks of a
+    Spark executor are the ones worth waiting for, not those of idle subtasks. While such a
+    writer has not persisted yet, (a) waits ``expected_persist_wait_ms`` instead: the tasks of a
+    micro-batch finish at different times, and the batch ends with the slowest anyway, so a fast
+    task waiting for the others costs the batch nothing and saves a file. A writer that lets
+    that wait pass is not waited for again until it says so again.
 
 Entries are the writer's closed changesets (``UploadEntry``). The scheduler encodes a batch into a
 file in a worker thread of its own (zstd releases the GIL), one batch at a time: encoding holds
@@ -99,6 +105,9 @@ class BatchingScheduler:
         self._pending_bytes = 0
         self._writers: set[str] = set()
         self._waiting: set[str] = set()
+        self._expected: set[str] = set()  # said they will persist soon, have not yet
+        self._arrived: set[str] = set()  # were expected and have persisted since the last flush
+        self._expected_wait = config.expected_persist_wait_ms / 1000
         self._timer: asyncio.TimerHandle | None = None
         self._uploads: set[asyncio.Task[None]] = set()
         self._encoder: concurrent.futures.ThreadPoolExecutor | None = None
@@ -111,7 +120,14 @@ class BatchingScheduler:
     def unregister(self, log_id: str) -> None:
         self._writers.discard(log_id)
         self._waiting.discard(log_id)
+        self._expected.discard(log_id)
+        self._arrived.discard(log_id)
         self._maybe_flush_now()
+
+    def expect(self, log_id: str) -> None:
+        """``log_id`` will persist soon: rule (c) waits for it (module doc)."""
+        if log_id in self._writers:
+            self._expected.add(log_id)
 
     def submit(self, log_id: str, entries: list[UploadEntry], persist_request: bool) -> None:
         loop = asyncio.get_running_loop()
@@ -135,13 +151,27 @@ class BatchingScheduler:
         # in-flight uploads waits for nothing here and must not stay marked until the next flush.
         if persist_request and any(e.changeset is not None and e.changeset.log_id == log_id for e in self._pending):
             self._waiting.add(log_id)
+        if persist_request and log_id in self._expected:
+            self._expected.discard(log_id)
+            self._arrived.add(log_id)
         self._metrics.upload_queue_size = len(self._pending)
         if not self._maybe_flush_now() and self._pending and self._timer is None:
-            self._timer = loop.call_later(self._persist_delay, self.flush)
+            waits_for_expected = bool(self._expected)
+            delay = self._expected_wait if waits_for_expected else self._persist_delay
+            self._timer = loop.call_later(delay, self._flush_on_time, waits_for_expected)
+
+    def _flush_on_time(self, waited_for_expected: bool) -> None:
+        """Rule (a): the wait is over; writers it waited for are not waited for again."""
+        self._timer = None
+        if waited_for_expected:
+            self._expected.clear()
+        self.flush()
 
     def _maybe_flush_now(self) -> bool:
         full = self._pending_bytes >= self._config.persist_size_threshold
         everyone_waits = bool(self._writers) and self._waiting >= self._writers
+        everyone_expected_waits = bool(self._arrived) and not self._expected
+        everyone_waits = everyone_waits or everyone_expected_waits
         if self._pending and (full or everyone_waits):
             self.flush()
             return True
@@ -153,6 +183,7 @@ class BatchingScheduler:
             self._timer = None
         batch, self._pending, self._pending_bytes = self._pending, [], 0
         self._waiting.clear()
+        self._arrived.clear()
         self._metrics.upload_queue_size = 0
         if not batch:
             return

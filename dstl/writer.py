@@ -220,6 +220,18 @@ class ChangelogWriter:
         self._truncated_before = max(self._truncated_before, before)
         self._storage.truncate_entries(self.entries, before)
 
+    def expect_persist(self) -> None:
+        """This writer will call ``persist_durably`` soon: a flush may wait for it (up to
+        ``expected_persist_wait_ms``) so that its changes share the file (``dstl.scheduler``)."""
+        if self.closed:
+            raise WriterClosedError(f"changelog writer {self.log_id} is closed")
+        self._storage.expect_persist(self)
+
+    @property
+    def usable(self) -> bool:
+        """False once the writer can never persist again (closed)."""
+        return not self.closed
+
     def confirm(self, handle: ChangelogHandle) -> None:
         """The checkpoint holding ``handle`` completed: its files now belong to that checkpoint
         (and the shared-state registry), so this storage never deletes them."""

@@ -55,6 +55,9 @@ class OperatorConfig:
     #: Spark tasks per batch (None: one per subtask); task ``j`` runs the subtasks of
     #: ``subtasks_of_task(j)``, a contiguous run, and persists them together
     tasks: int | None = None
+    #: the workers of a host write the log through its changelog service (``dstl.service``): the
+    #: changes of every task an executor runs at once share one file per flush
+    changelog_service: bool = False
 
     def key_group_range(self, subtask: int) -> KeyGroupRange:
         return key_group_range_for_subtask(self.max_parallelism, self.parallelism, subtask)

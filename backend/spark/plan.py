@@ -119,6 +119,7 @@ def build(
     size_trigger_bytes: int | None = 64 << 20,
     strict_state_types: bool = False,
     tasks: int | None = None,
+    changelog_service: bool = True,
 ) -> Any:
     """The streaming DataFrame running ``make_process(cfg, key columns)`` per subtask and batch.
 
@@ -127,7 +128,9 @@ def build(
     session's ``spark.sql.streaming.noDataMicroBatches.enabled`` is on); ``drop_late_rows``: drop
     rows behind the watermark as Spark's operator does in event-time modes. ``tasks``: Spark
     tasks per batch, each running a contiguous run of subtasks (None: one per core of the
-    cluster, ``SparkContext.defaultParallelism``, at most ``parallelism``)."""
+    cluster, ``SparkContext.defaultParallelism``, at most ``parallelism``). ``changelog_service``:
+    the Python workers of a host write the log through one changelog service process
+    (``dstl.service``), so the tasks an executor runs at once share one file per flush."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import StructType
 
@@ -173,6 +176,7 @@ def build(
         drop_late_rows=drop_late_rows and watermark is not None,
         no_data_batches=no_data_batches if _no_data_batches_enabled(spark) else None,
         strict_state_types=strict_state_types, max_records_per_batch=_max_records_per_batch(spark), tasks=tasks,
+        changelog_service=changelog_service,
     )  # fmt: skip
     coordinator_for(spark, cfg, num_retained)
     process = make_process(cfg, keys)

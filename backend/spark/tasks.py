@@ -36,12 +36,13 @@ import functools
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from backend.checkpointing.metadata import pending_path
 from backend.core.errors import StateRestoreError
@@ -51,6 +52,7 @@ from backend.spark.config import OperatorConfig, Watermarks
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from backend.state.timers import EVENT_TIME, PROCESSING_TIME
 from dstl import ChangelogConfig, StateChangelogStorage
+from dstl.service import RemoteChangelogStorage
 from materializer.periodic import PeriodicMaterializer, restore
 
 MARKER = "state.json"
@@ -64,16 +66,39 @@ class _Kept:
     token: str
 
 
-_STORAGES: dict[tuple[str, ChangelogConfig], StateChangelogStorage] = {}
+_STORAGES: dict[tuple[str, ChangelogConfig, bool], StateChangelogStorage] = {}
 _KEPT: dict[tuple[str, str, int, int], _Kept] = {}
+#: storages a worker keeps open (each holds a connection to a changelog service, or an event loop)
+MAX_STORAGES = 4
+_STORAGES_LOCK = threading.Lock()  # a worker runs one task at a time; tests run tasks on threads
 
 
 def storage_for(cfg: OperatorConfig) -> StateChangelogStorage:
-    key = (cfg.job_dir, cfg.changelog)
-    storage = _STORAGES.get(key)
-    if storage is None:
-        storage = _STORAGES[key] = StateChangelogStorage(cfg.changelog, owns_files=False)
+    """This worker's storage for the operator's log: a connection to the host's changelog service
+    (``cfg.changelog_service``) or a storage of its own. A worker that served more state
+    directories than ``MAX_STORAGES`` closes the least recently used one with its kept backends."""
+    key = (cfg.job_dir, cfg.changelog, cfg.changelog_service)
+    with _STORAGES_LOCK:
+        storage = _STORAGES.pop(key, None)
+        if storage is None:
+            while len(_STORAGES) >= MAX_STORAGES:
+                oldest = next(iter(_STORAGES))
+                _close_storage(oldest, _STORAGES[oldest])
+            if cfg.changelog_service:
+                # duck-typed: it offers every call the backend, the materializer and the tasks make
+                storage = cast(StateChangelogStorage, RemoteChangelogStorage(cfg.changelog))
+            else:
+                storage = StateChangelogStorage(cfg.changelog, owns_files=False)
+        _STORAGES[key] = storage  # most recently used last
     return storage
+
+
+def _close_storage(key: tuple[str, ChangelogConfig, bool], storage: StateChangelogStorage) -> None:
+    _STORAGES.pop(key, None)
+    for kept_key in [k for k, kept in _KEPT.items() if kept.backend.storage is storage]:
+        _discard(_KEPT.pop(kept_key))
+    with contextlib.suppress(Exception):
+        storage.close()
 
 
 @contextlib.contextmanager
@@ -143,9 +168,10 @@ def acquire(
     if trusted and marker is not None:
         trusted = marker.get("handle") == previous.handles.get(subtask)
     if kept is not None:
-        if trusted and marker is not None and marker.get("token") == kept.token and kept.version == batch - 1:
+        current = marker is not None and marker.get("token") == kept.token and kept.version == batch - 1
+        if trusted and current and kept.backend.log_usable:
             return kept, "kept"
-        _discard(kept)
+        _discard(kept)  # a superseded attempt's, or its changelog service is gone: adopt its tables
     if trusted and marker is not None:
         fresh = _adopt(cfg, storage, subtask, directory, marker)
         if fresh is not None:
@@ -217,6 +243,8 @@ def run_subtasks(
     storage = storage_for(cfg)
     claim_directory(storage, cfg, query_id)
     previous = _Previous(storage, cfg, batch)
+    for key in [k for k in _KEPT if k[:2] == (cfg.job_dir, cfg.uid) and k[2] != cfg.parallelism]:
+        _discard(_KEPT.pop(key))  # the operator was rescaled: their writers would hold up flushes
     with contextlib.ExitStack() as locks:
         for subtask in subtasks:  # ascending: two attempts never wait on each other in a cycle
             locks.enter_context(_locked(cfg.local_dir(subtask)))
@@ -226,6 +254,7 @@ def run_subtasks(
                 began = time.perf_counter()
                 kept, source = acquire(cfg, storage, subtask, batch, previous)
                 acquired[subtask] = (kept, source, round((time.perf_counter() - began) * 1000, 2))
+                kept.backend.expect_snapshot()  # the executor's flush waits for this task's subtasks
                 directory = cfg.local_dir(subtask)
                 directory.mkdir(parents=True, exist_ok=True)
                 _write_marker(directory, {"version": None})  # dirty until this batch's state is complete

@@ -267,6 +267,18 @@ class ChangelogKeyedStateBackend(KeyContext):
             self.flush_threshold = self.kg_flush_threshold = -1  # the next write spills to LMDB
         return changed
 
+    def expect_snapshot(self) -> None:
+        """A snapshot follows soon (the end of a Spark task): the log's flushes may wait for it, so
+        that the changes of every subtask running now share one file (``dstl.scheduler``, rule c)."""
+        if self.writer is not None:
+            self.writer.expect_persist()
+
+    @property
+    def log_usable(self) -> bool:
+        """False once this backend's log writer can never persist again (closed, or the changelog
+        service it wrote to is gone): the backend must be replaced before its next snapshot."""
+        return self.writer is None or self.writer.usable
+
     def snapshot(self, checkpoint_id: int) -> concurrent.futures.Future[KeyedStateHandle]:
         """Make the state durable; the future yields the handle of checkpoint ``checkpoint_id``."""
         with self._lock:

@@ -43,6 +43,7 @@ from dstl.service.protocol import (
     Ack,
     CloseWriter,
     Confirm,
+    Expect,
     LastSqn,
     Message,
     Persist,
@@ -123,6 +124,15 @@ class RemoteChangelogWriter(WriterBuffer):
 
     def truncate(self, before: int) -> None:
         self._control("truncate", Truncate(self.number, before))
+
+    def expect_persist(self) -> None:
+        """Tell the service this writer will persist soon, so that its flushes may wait for it."""
+        self._control("expect_persist", Expect(self.number))
+
+    @property
+    def usable(self) -> bool:
+        """False once the writer can never persist again: closed, fenced, or its service lost."""
+        return self._dead is None and not self.closed
 
     def confirm(self, handle: ChangelogHandle) -> None:
         self._control("confirm", Confirm(self.number, handle))

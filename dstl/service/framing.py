@@ -67,6 +67,7 @@ class Kind(enum.IntEnum):
     RELEASE = 8
     CLOSE_WRITER = 9
     PING = 10
+    EXPECT = 11
     WELCOME = 64
     OPENED = 65
     SQN = 66

@@ -52,6 +52,7 @@ from dstl.service.protocol import (
     CloseWriter,
     Confirm,
     Error,
+    Expect,
     FencedWriterError,
     Hello,
     LastSqn,
@@ -276,7 +277,7 @@ class ConnectionHandler:
         if isinstance(message, CloseWriter):
             self._close_writer(message.writer)
             return Ack()
-        if not isinstance(message, LastSqn | Persist | Truncate | Confirm | Release):
+        if not isinstance(message, LastSqn | Persist | Truncate | Expect | Confirm | Release):
             raise ProtocolError(f"{message.KIND.name} is not a request")
         slot = self._slot(message.writer)
         try:
@@ -287,7 +288,7 @@ class ConnectionHandler:
             raise
 
     def _writer_request(
-        self, request_id: int, slot: Slot, message: LastSqn | Persist | Truncate | Confirm | Release
+        self, request_id: int, slot: Slot, message: LastSqn | Persist | Truncate | Expect | Confirm | Release
     ) -> Message | None:
         writer = slot.writer
         if isinstance(message, Confirm | Release) and message.handle.log_id != writer.log_id:
@@ -303,6 +304,8 @@ class ConnectionHandler:
             return None
         if isinstance(message, Truncate):
             writer.truncate(message.before)
+        elif isinstance(message, Expect):
+            writer.expect_persist()
         elif isinstance(message, Confirm):
             writer.confirm(message.handle)
         else:

@@ -52,6 +52,7 @@ __all__ = [
     "CloseWriter",
     "Confirm",
     "Error",
+    "Expect",
     "FencedWriterError",
     "Hello",
     "LastSqn",
@@ -74,7 +75,7 @@ __all__ = [
     "read_message",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _U32 = (1 << 32) - 1
 #: how long either end, closing a connection, waits for each of that connection's threads
 JOIN_S = 10.0
@@ -275,6 +276,14 @@ class Truncate(_Json):
 
 
 @dataclass(frozen=True, slots=True)
+class Expect(_Json):
+    """The writer will persist soon: the service's flushes may wait for it (``expect_persist``)."""
+
+    KIND: ClassVar[Kind] = Kind.EXPECT
+    writer: int
+
+
+@dataclass(frozen=True, slots=True)
 class Confirm(_Json):
     KIND: ClassVar[Kind] = Kind.CONFIRM
     writer: int
@@ -296,7 +305,7 @@ class CloseWriter(_Json):
 
 @dataclass(frozen=True, slots=True)
 class Ack(_Json):
-    """Reply to TRUNCATE, CONFIRM, RELEASE and CLOSE_WRITER."""
+    """Reply to TRUNCATE, EXPECT, CONFIRM, RELEASE and CLOSE_WRITER."""
 
     KIND: ClassVar[Kind] = Kind.ACK
 
@@ -323,6 +332,7 @@ _BY_KIND: dict[int, Any] = {
         Persist,
         Persisted,
         Truncate,
+        Expect,
         Confirm,
         Release,
         CloseWriter,

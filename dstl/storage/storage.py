@@ -146,6 +146,9 @@ class StateChangelogStorage:
             asyncio.ensure_future(self._registry.complete_persist(writer, futures, after, upto, result))
         )
 
+    def expect_persist(self, writer: StateChangelogWriter) -> None:
+        self._loop.call(self._scheduler.expect, writer.log_id)
+
     def truncate_entries(self, entries: dict[int, UploadEntry], before: int) -> None:
         self._registry.truncate_entries(entries, before)
 

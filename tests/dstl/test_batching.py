@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from dstl import ChangelogHandle, KeyGroupRange, StateChangelogStorage
+from dstl import ChangelogHandle, KeyGroupRange, StateChangelogStorage, WriterClosedError
 from tests.fake_uploader import MemoryUploader, barrier, fake_storage
 
 WAIT = 10.0
@@ -168,3 +168,67 @@ def test_many_changesets_of_one_writer_share_a_file(make: Any, uploader: MemoryU
     assert len(handle.files) == 1
     assert list(storage.metrics.changesets_per_file.samples) == [5]
     assert [p for _, p in storage.read(handle)] == [b"cs1", b"cs2", b"cs3", b"cs4", b"cs5"]
+
+
+def test_a_flush_waits_for_every_writer_that_expects_to_persist_and_not_for_idle_ones(
+    make: Any, uploader: MemoryUploader
+) -> None:
+    """Rule (c) with expectations: the writers of running tasks (expect_persist) share one file;
+    registered writers that said nothing (idle subtasks) are not waited for."""
+    storage = make(persist_delay_ms=0, expected_persist_wait_ms=NEVER, persist_size_threshold=HUGE)
+    storage.create_writer("idle", KeyGroupRange(100, 109))  # never persists, never expects
+    running = [storage.create_writer(f"op{i}", KeyGroupRange(i * 10, i * 10 + 9)) for i in range(3)]
+    for w in running:
+        w.expect_persist()
+    futures = []
+    for i, w in enumerate(running):
+        w.append(i * 10, b"x")
+        futures.append(w.persist_durably(0))
+        settle(storage)
+        if i < 2:  # a zero persist delay, yet nothing leaves while an expected writer works
+            assert storage.metrics.flushes == 0
+    handles = wait_all(futures)
+    assert storage.metrics.upload_requests == 1 and len(uploader.objects) == 1
+    assert {h.files for h in handles} == {frozenset(uploader.objects)}
+    # the next round without expectations: the ordinary rules again (delay 0: a file per persist)
+    running[0].append(0, b"y")
+    wait_all([running[0].persist_durably(handles[0].upto)])
+    assert storage.metrics.upload_requests == 2
+
+
+def test_an_expected_writer_that_closes_or_never_persists_stops_holding_the_flush(
+    make: Any, uploader: MemoryUploader
+) -> None:
+    storage = make(persist_delay_ms=0, expected_persist_wait_ms=NEVER, persist_size_threshold=HUGE)
+    a, b = (storage.create_writer(n, KeyGroupRange(i * 10, i * 10 + 9)) for i, n in enumerate("ab"))
+    a.expect_persist()
+    b.expect_persist()
+    a.append(0, b"x")
+    future = a.persist_durably(0)
+    settle(storage)
+    assert storage.metrics.flushes == 0 and not future.done()
+    b.close()  # its task failed: nobody waits for it
+    assert wait_all([future])[0].files == frozenset(uploader.objects)
+
+
+def test_the_expected_wait_ends_and_is_not_waited_again(make: Any, uploader: MemoryUploader) -> None:
+    storage = make(persist_delay_ms=NEVER, expected_persist_wait_ms=1, persist_size_threshold=HUGE)
+    a, b = (storage.create_writer(n, KeyGroupRange(i * 10, i * 10 + 9)) for i, n in enumerate("ab"))
+    a.expect_persist()
+    b.expect_persist()  # b hangs: never persists
+    a.append(0, b"x")
+    wait_all([a.persist_durably(0)])  # flushed once the (short) expected wait ended
+    assert storage.metrics.upload_requests == 1
+    a.expect_persist()
+    a.append(1, b"y")
+    wait_all([a.persist_durably(1)])  # b is not expected any more: a alone completes the round
+    assert storage.metrics.upload_requests == 2
+
+
+def test_expect_persist_on_a_closed_writer_raises(make: Any) -> None:
+    storage = make()
+    w = storage.create_writer("a", KeyGroupRange(0, 9))
+    w.close()
+    assert not w.usable
+    with pytest.raises(WriterClosedError, match="closed"):
+        w.expect_persist()

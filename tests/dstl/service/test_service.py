@@ -92,6 +92,28 @@ def test_two_workers_share_one_file_per_flush(tmp_path: Path, harness: Harness) 
     assert list(a.read(wa.persist_durably(0).result(WAIT_S))) == ra + ra2
 
 
+def test_workers_that_expect_to_persist_share_one_file_while_idle_writers_do_not_hold_it(
+    tmp_path: Path, harness: Harness
+) -> None:
+    """Two workers' tasks (expect_persist at their start) finish one after the other: their
+    changes share one file although a third worker's writer (an idle subtask) never persists
+    and the persist delay is zero."""
+    config = local_config(tmp_path, persist_delay_ms=0.0, expected_persist_wait_ms=600_000)
+    a, b, idle = harness.client(config), harness.client(config), harness.client(config)
+    idle.create_writer("idle", KeyGroupRange(20, 29))
+    wa, wb = a.create_writer("left", KeyGroupRange(0, 9)), b.create_writer("right", KeyGroupRange(10, 19))
+    wa.expect_persist()
+    wb.expect_persist()
+    ra, rb = make_records(range(10), "a", 100), make_records(range(10, 20), "b", 100)
+    append_all(wa, ra)
+    first = wa.persist_durably(0)
+    append_all(wb, rb)  # the second task finishes later
+    second = wb.persist_durably(0)
+    ha, hb = first.result(WAIT_S), second.result(WAIT_S)
+    assert ha.files == hb.files and len(log_files(config)) == 1
+    assert list(a.read(ha)) == ra and list(b.read(hb)) == rb
+
+
 def test_handles_are_confirmed_released_and_truncated_on_the_service(tmp_path: Path, harness: Harness) -> None:
     config = local_config(tmp_path, persist_delay_ms=1.0)
     service = harness.serve(config, owns_files=True)
