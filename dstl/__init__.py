@@ -16,7 +16,7 @@ from dstl.errors import (
     WriterClosedError,
 )
 from dstl.storage import StateChangelogStorage
-from dstl.types import ChangelogHandle, KeyGroupRange, SegmentRef, SequenceNumber
+from dstl.types import ChangelogHandle, KeyGroupRange, Note, NotedHandle, SegmentRef, SequenceNumber
 from dstl.uploaders import Uploader, make_uploader
 from dstl.writer import ChangelogWriter
 
@@ -30,6 +30,8 @@ __all__ = [
     "CorruptDataError",
     "HedgingPolicy",
     "KeyGroupRange",
+    "Note",
+    "NotedHandle",
     "S3Options",
     "SegmentRef",
     "SequenceNumber",

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from dstl.config import ChangelogConfig
 from dstl.scheduler import UploadEntry
-from dstl.types import ChangelogHandle, KeyGroupRange, SequenceNumber
+from dstl.types import ChangelogHandle, KeyGroupRange, Note, SequenceNumber
 
 __all__ = ["StateChangelogWriter", "WriterStorage"]
 
@@ -41,7 +41,7 @@ class StateChangelogWriter(Protocol):
     def append(self, key_group: int, data: bytes) -> None: ...
     def append_many(self, pairs: list[Any]) -> None: ...
     def last_appended_sqn(self) -> SequenceNumber: ...
-    def persist_durably(self, after: int) -> concurrent.futures.Future[ChangelogHandle]: ...
+    def persist_durably(self, after: int, note: Note | None = None) -> concurrent.futures.Future[ChangelogHandle]: ...
     def truncate(self, before: int) -> None: ...
     def expect_persist(self) -> None: ...
     @property
@@ -79,9 +79,11 @@ class WriterStorage(Protocol):
         after: int,
         upto: int,
         result: concurrent.futures.Future[ChangelogHandle],
+        note: Note | None = None,
     ) -> None:
         """Upload ``new`` (a subset of ``entries``), then resolve ``result`` with the handle of
-        ``entries`` (SQNs ``after < sqn <= upto``) once every one of them is durable."""
+        ``entries`` (SQNs ``after < sqn <= upto``) once every one of them is durable, and the
+        file carrying ``note`` too."""
         ...
 
     def truncate_entries(self, entries: dict[int, UploadEntry], before: int) -> None:

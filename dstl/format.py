@@ -2,8 +2,9 @@
 
 One file holds the changesets of many writers (one flush of the batching scheduler)::
 
-    file    := HEADER segment* footer TRAILER
+    file    := HEADER [notes] segment* footer TRAILER
     HEADER  := b"DSTL" version:u16 flags:u16                                   (8 bytes)
+    notes   := notes_len:u32 notes_crc:u32 JSON [note, ...]       (only with flag NOTES)
     segment := SEG_HEADER zstd(columns)
     SEG_HEADER := b"DSEG" version:u16 0:u16 sqn:u64 log_crc:u32 raw_len:u32
                   comp_len:u32 payload_crc:u32 header_crc:u32                  (36 bytes)
@@ -26,6 +27,13 @@ All integers are little endian. Why this shape:
   segment's key-group bounds (in the handle and footer) let a rescaled reader skip whole segments.
 - The footer makes a file self-describing for ``verify``-style tools and orphan analysis; the
   read path does not need it.
+- Notes (flag ``NOTES``) ride in the file a flush writes: a persist may carry one (``Note``), and
+  the note says which persist it belongs to (log id, SQN range, the segments of that persist in
+  earlier files and in this one), so a reader rebuilds the persist's handle from the note alone.
+  They sit right after the header, so one ranged read of the file's start finds them; their
+  segments' offsets count from the end of the notes (they are written before the segments'
+  final offsets are known). This is how a Spark task's pending record becomes durable with its
+  changes, in the same file and request.
 - Nothing is unpickled: the only structured metadata is JSON, validated field by field.
 - Every size is bounded before it is used: a segment's frame must state the header's raw length
   before it is decompressed (python-zstandard allocates what a frame states), and JSON nested past
@@ -47,7 +55,7 @@ from typing import Any
 import zstandard
 
 from dstl.errors import CorruptChangelogError
-from dstl.types import MAX_SQN
+from dstl.types import HANDLE_FORMAT_VERSION, MAX_SQN, ChangelogHandle, KeyGroupRange, NotedHandle, SegmentRef
 
 FORMAT_VERSION = 1
 FILE_MAGIC = b"DSTL"
@@ -55,6 +63,11 @@ TRAILER_MAGIC = b"LTSD"
 SEGMENT_MAGIC = b"DSEG"
 
 FILE_HEADER = struct.Struct("<4sHH")
+NOTES_HEADER = struct.Struct("<II")
+#: file header flag: a notes section follows the header
+FLAG_NOTES = 0x1
+#: bytes a reader fetches first to find a file's notes (more if they are longer)
+NOTES_PROBE_BYTES = 64 * 1024
 SEGMENT_HEADER = struct.Struct("<4sHHQIIIII")
 TRAILER = struct.Struct("<IIH4s")
 _SEG_HEADER_CRC_SPAN = SEGMENT_HEADER.size - 4
@@ -135,28 +148,47 @@ def encode_segment(changeset: ChangeSet, compressor: zstandard.ZstdCompressor) -
     return head + struct.pack("<I", zlib.crc32(head)) + payload
 
 
-def encode_file(changesets: Sequence[ChangeSet], compression_level: int = 1) -> tuple[bytes, list[EncodedSegment]]:
+@dataclass(frozen=True, slots=True)
+class NoteSpec:
+    """A note to write into a file: the persist it belongs to (the writer's log, SQNs ``after <
+    sqn <= upto``, its segments in earlier files) and the caller's payload (a JSON object)."""
+
+    log_id: str
+    key_group_range: KeyGroupRange
+    after: int
+    upto: int
+    earlier: tuple[SegmentRef, ...]
+    payload: dict[str, Any]
+
+
+def encode_file(
+    changesets: Sequence[ChangeSet], compression_level: int = 1, notes: Sequence[NoteSpec] = ()
+) -> tuple[bytes, list[EncodedSegment]]:
     """Encode one flush; returns the file bytes and where each changeset's segment went."""
     compressor = zstandard.ZstdCompressor(level=compression_level)
-    parts = [FILE_HEADER.pack(FILE_MAGIC, FORMAT_VERSION, 0)]
-    offset = FILE_HEADER.size
+    blobs = [encode_segment(cs, compressor) for cs in changesets]
+    relative = [0, *accumulate(len(b) for b in blobs)]  # offsets after the header (and notes)
+    notes_part = b""
+    if notes:
+        notes_json = json.dumps([_note_json(n, changesets, blobs, relative) for n in notes], separators=(",", ":"))
+        notes_blob = notes_json.encode()
+        notes_part = NOTES_HEADER.pack(len(notes_blob), zlib.crc32(notes_blob)) + notes_blob
+    body = FILE_HEADER.size + len(notes_part)
+    parts = [FILE_HEADER.pack(FILE_MAGIC, FORMAT_VERSION, FLAG_NOTES if notes else 0), notes_part, *blobs]
     segments = []
-    for cs in changesets:
-        blob = encode_segment(cs, compressor)
-        parts.append(blob)
+    for cs, blob, offset in zip(changesets, blobs, relative, strict=False):
         kgs = cs.key_groups
         segments.append(
             EncodedSegment(
                 log_id=cs.log_id,
                 sqn=cs.sqn,
-                offset=offset,
+                offset=body + offset,
                 length=len(blob),
                 records=cs.records,
                 min_key_group=min(kgs) if kgs else 0,
                 max_key_group=max(kgs) if kgs else -1,
             )
         )
-        offset += len(blob)
     footer = json.dumps(
         {
             "version": FORMAT_VERSION,
@@ -177,6 +209,82 @@ def encode_file(changesets: Sequence[ChangeSet], compression_level: int = 1) -> 
     parts.append(footer)
     parts.append(TRAILER.pack(len(footer), zlib.crc32(footer), FORMAT_VERSION, TRAILER_MAGIC))
     return b"".join(parts), segments
+
+
+def _note_json(
+    note: NoteSpec, changesets: Sequence[ChangeSet], blobs: list[bytes], relative: list[int]
+) -> dict[str, Any]:
+    here = [
+        {
+            "offset": offset,
+            "length": len(blob),
+            "sqn": cs.sqn,
+            "records": cs.records,
+            "key_groups": [min(cs.key_groups), max(cs.key_groups)] if cs.key_groups else [0, -1],
+        }
+        for cs, blob, offset in zip(changesets, blobs, relative, strict=False)
+        if cs.log_id == note.log_id and note.after < cs.sqn <= note.upto
+    ]
+    return {
+        "log_id": note.log_id,
+        "key_group_range": note.key_group_range.to_json(),
+        "after": note.after,
+        "upto": note.upto,
+        "earlier": [ref.to_json() for ref in note.earlier],
+        "here": here,
+        "payload": note.payload,
+    }
+
+
+def parse_notes(path: str, prefix: bytes) -> list[NotedHandle] | int:
+    """The notes of the file at ``path`` from its first bytes ``prefix`` (at most the whole file),
+    each with the handle of its persist; or, if ``prefix`` is too short, how many bytes to read."""
+    if len(prefix) < FILE_HEADER.size:
+        raise CorruptChangelogError(path, f"file truncated ({len(prefix)} bytes)")
+    magic, version, flags = FILE_HEADER.unpack_from(prefix)
+    if magic != FILE_MAGIC:
+        raise CorruptChangelogError(path, f"not a changelog file (magic {magic!r})")
+    if version != FORMAT_VERSION:
+        raise CorruptChangelogError(path, f"unsupported format version {version} (this reader knows {FORMAT_VERSION})")
+    if flags & ~FLAG_NOTES:
+        raise CorruptChangelogError(path, f"unknown file header flags {flags:#06x}")
+    if not flags & FLAG_NOTES:
+        return []
+    start = FILE_HEADER.size + NOTES_HEADER.size
+    if len(prefix) < start:
+        return start
+    length, crc = NOTES_HEADER.unpack_from(prefix, FILE_HEADER.size)
+    length = int(length)
+    if len(prefix) < start + length:
+        return start + length
+    blob = prefix[start : start + length]
+    if zlib.crc32(blob) != crc:
+        raise CorruptChangelogError(path, "notes checksum mismatch")
+    try:
+        notes = json.loads(blob)
+        if not isinstance(notes, list):
+            raise ValueError("notes are not a list")
+        return [_noted(path, note, start + length) for note in notes]
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise CorruptChangelogError(path, f"malformed notes: {exc!r}") from None
+
+
+def _noted(path: str, note: Any, body: int) -> NotedHandle:
+    if not isinstance(note, dict) or not isinstance(note.get("payload"), dict):
+        raise ValueError("a note is not an object with an object payload")
+    here = note["here"]
+    if not isinstance(here, list) or not isinstance(note["earlier"], list):
+        raise ValueError("a note's segments are not lists")
+    for seg in here:
+        if not isinstance(seg, dict) or type(seg.get("offset")) is not int or seg["offset"] < 0:
+            raise ValueError("a note's segment has no offset")
+    segments = [*note["earlier"], *({**seg, "path": path, "offset": body + seg["offset"]} for seg in here)]
+    fields = {k: note[k] for k in ("log_id", "key_group_range", "after", "upto")}
+    try:
+        handle = ChangelogHandle.from_json({"version": HANDLE_FORMAT_VERSION, **fields, "segments": segments})
+    except CorruptChangelogError as exc:
+        raise ValueError(exc.problem) from None
+    return NotedHandle(note["payload"], handle)
 
 
 def decode_segment(
@@ -260,13 +368,18 @@ def read_footer(path: str, data: bytes) -> FileIndex:
         raise CorruptChangelogError(path, f"not a changelog file (magic {magic!r})")
     if version != FORMAT_VERSION:
         raise CorruptChangelogError(path, f"unsupported format version {version} (this reader knows {FORMAT_VERSION})")
-    if flags != 0:  # reserved in version 1; no checksum covers the file header
+    if flags & ~FLAG_NOTES:  # no checksum covers the file header
         raise CorruptChangelogError(path, f"unknown file header flags {flags:#06x}")
+    body = FILE_HEADER.size
+    if flags & FLAG_NOTES:
+        if len(data) < FILE_HEADER.size + NOTES_HEADER.size:
+            raise CorruptChangelogError(path, "file truncated in its notes")
+        body += NOTES_HEADER.size + NOTES_HEADER.unpack_from(data, FILE_HEADER.size)[0]
     footer_len, footer_crc, t_version, t_magic = TRAILER.unpack_from(data, len(data) - TRAILER.size)
     if t_magic != TRAILER_MAGIC or t_version != version:
         raise CorruptChangelogError(path, "file truncated or trailer damaged")
     footer_start = len(data) - TRAILER.size - footer_len
-    if footer_start < FILE_HEADER.size:
+    if footer_start < body:
         raise CorruptChangelogError(path, "footer length points outside the file")
     footer = data[footer_start : len(data) - TRAILER.size]
     if zlib.crc32(footer) != footer_crc:
@@ -282,7 +395,7 @@ def read_footer(path: str, data: bytes) -> FileIndex:
                 raise ValueError("bad segment entry")
             if len(seg["key_groups"]) != 2 or not 0 <= seg["sqn"] <= MAX_SQN:
                 raise ValueError("segment key groups or sqn out of range")
-            if seg["offset"] < FILE_HEADER.size or seg["offset"] + seg["length"] > footer_start:
+            if seg["offset"] < body or seg["offset"] + seg["length"] > footer_start:
                 raise ValueError("segment outside the file body")
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise CorruptChangelogError(path, f"malformed footer: {exc!r}") from None

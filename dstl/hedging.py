@@ -140,7 +140,10 @@ class UploadExecutor:
         async with asyncio.timeout(self._attempt_timeout):
             await self._uploader.put(path, data)
 
-    async def upload(self, data: bytes) -> UploadOutcome:
+    async def upload(self, data: bytes, name: str | None = None) -> UploadOutcome:
+        """Upload ``data`` to a new name per attempt, or, given ``name``, every attempt to that one
+        (a file readers find by listing its directory must never appear twice: its attempts
+        write the same bytes over each other, and there are no losers to delete)."""
         loop = asyncio.get_running_loop()
         cfg, metrics, policy = self._config, self._metrics, self._config.hedging
         start = loop.time()
@@ -156,7 +159,7 @@ class UploadExecutor:
         hedge_tasks: set[asyncio.Task[None]] = set()
 
         def launch() -> asyncio.Task[None]:
-            path = self._new_name()
+            path = name or self._new_name()
             tried.append(path)
             task = asyncio.ensure_future(self._attempt(path, data))
             running[task] = path
@@ -203,7 +206,7 @@ class UploadExecutor:
                     retry_at = now + self._retry_delay * 2 ** (len(errors) - 1)
             metrics.upload_failures += 1
             metrics.attempts_per_upload.observe(len(tried))
-            self._cleanup_later([], tried)  # off the failure path; drain() waits for it
+            self._cleanup_later([], list(dict.fromkeys(tried)))  # off the failure path; drain() waits for it
             causes = "; ".join(f"attempt {i}: {_describe(e)}" for i, e in sorted(errors, key=lambda ie: ie[0]))
             raise UploadFailedError(
                 f"upload of a changelog file ({len(data)} bytes) failed after {len(tried)} attempts ({causes}); "
@@ -212,7 +215,7 @@ class UploadExecutor:
         except asyncio.CancelledError:
             for task in running:
                 task.cancel()
-            self._cleanup_later(list(running), tried)
+            self._cleanup_later(list(running), list(dict.fromkeys(tried)))
             raise
 
     def _won(

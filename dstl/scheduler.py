@@ -14,6 +14,13 @@ of all writers wait in one queue, and the queue is flushed as ONE file when
     task waiting for the others costs the batch nothing and saves a file. A writer that lets
     that wait pass is not waited for again until it says so again.
 
+A persist may carry a ``Note`` (``PendingNote``): the flush that makes its changes durable writes
+the note into its file, under the note's directory instead of ``dstl/<xx>/``, by one name for
+every attempt (a reader that lists the directory must never see the file twice). A flush
+carries the notes of one directory, at most one per writer, and only notes whose persist's other
+changesets are durable already (their handles go into the note); the others ride the next flush,
+started as soon as the upload ends, with no changesets if none are left.
+
 Entries are the writer's closed changesets (``UploadEntry``). The scheduler encodes a batch into a
 file in a worker thread of its own (zstd releases the GIL), one batch at a time: encoding holds
 a few copies of a batch at once, and one thread keeps those multi-MiB buffers to one batch and to
@@ -32,18 +39,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from dstl.config import ChangelogConfig
 from dstl.errors import UploadFailedError
-from dstl.format import ChangeSet, encode_file
+from dstl.format import ChangeSet, NoteSpec, encode_file
 from dstl.hedging import UploadExecutor, unpin
 from dstl.metrics import ChangelogMetrics
-from dstl.types import SegmentRef
+from dstl.types import KeyGroupRange, Note, SegmentRef
 
-__all__ = ["BatchingScheduler", "InFlightAccount", "UploadEntry"]
+__all__ = ["BatchingScheduler", "InFlightAccount", "PendingNote", "UploadEntry"]
 
 
 @dataclass(eq=False)
@@ -68,6 +76,32 @@ class UploadEntry:
     future: asyncio.Future[SegmentRef] | None = None
 
 
+@dataclass(eq=False)
+class PendingNote:
+    """A persist's note waiting for its file: the persist (its writer's log, SQN range and every
+    entry of it) and ``done``, resolved once the file holding the note is durable."""
+
+    log_id: str
+    key_group_range: KeyGroupRange
+    note: Note
+    after: int
+    upto: int
+    entries: list[UploadEntry]
+    done: asyncio.Future[None]
+
+    def settled(self, batch: set[int]) -> bool | None:
+        """True if every entry is durable or in ``batch`` (ids), False if one is still uploading
+        elsewhere, None if one failed (the persist fails with it: the note is dropped)."""
+        ready = True
+        for entry in self.entries:
+            if entry.ref is not None or id(entry) in batch:
+                continue
+            if entry.failed or (entry.future is not None and entry.future.done()):
+                return None
+            ready = False
+        return ready
+
+
 class InFlightAccount(Protocol):
     """The scheduler's view of the bytes not yet durable (``dstl.storage.throttle.InFlightBytes``)."""
 
@@ -90,7 +124,7 @@ class BatchingScheduler:
         config: ChangelogConfig,
         executor: UploadExecutor,
         metrics: ChangelogMetrics,
-        on_uploaded: Callable[[str, list[UploadEntry]], None],
+        on_uploaded: Callable[[str, list[UploadEntry], bool], None],
         on_failed: Callable[[list[UploadEntry]], None],
         in_flight: InFlightAccount,
     ) -> None:
@@ -102,6 +136,7 @@ class BatchingScheduler:
         self._on_failed = on_failed
         self._in_flight = in_flight
         self._pending: list[UploadEntry] = []
+        self._notes: list[PendingNote] = []
         self._pending_bytes = 0
         self._writers: set[str] = set()
         self._waiting: set[str] = set()
@@ -129,8 +164,12 @@ class BatchingScheduler:
         if log_id in self._writers:
             self._expected.add(log_id)
 
-    def submit(self, log_id: str, entries: list[UploadEntry], persist_request: bool) -> None:
+    def submit(
+        self, log_id: str, entries: list[UploadEntry], persist_request: bool, note: PendingNote | None = None
+    ) -> None:
         loop = asyncio.get_running_loop()
+        if note is not None:
+            self._notes.append(note)
         queued = 0
         for entry in entries:
             if entry.future is not None and not entry.future.done():
@@ -149,13 +188,15 @@ class BatchingScheduler:
         self._in_flight.encoded(queued)
         # Rule (c) counts writers blocked on the pending batch; a request answered by earlier or
         # in-flight uploads waits for nothing here and must not stay marked until the next flush.
-        if persist_request and any(e.changeset is not None and e.changeset.log_id == log_id for e in self._pending):
+        if persist_request and (
+            note is not None or any(e.changeset is not None and e.changeset.log_id == log_id for e in self._pending)
+        ):
             self._waiting.add(log_id)
         if persist_request and log_id in self._expected:
             self._expected.discard(log_id)
             self._arrived.add(log_id)
         self._metrics.upload_queue_size = len(self._pending)
-        if not self._maybe_flush_now() and self._pending and self._timer is None:
+        if not self._maybe_flush_now() and (self._pending or self._notes) and self._timer is None:
             waits_for_expected = bool(self._expected)
             delay = self._expected_wait if waits_for_expected else self._persist_delay
             self._timer = loop.call_later(delay, self._flush_on_time, waits_for_expected)
@@ -172,7 +213,7 @@ class BatchingScheduler:
         everyone_waits = bool(self._writers) and self._waiting >= self._writers
         everyone_expected_waits = bool(self._arrived) and not self._expected
         everyone_waits = everyone_waits or everyone_expected_waits
-        if self._pending and (full or everyone_waits):
+        if (self._pending or self._notes) and (full or everyone_waits):
             self.flush()
             return True
         return False
@@ -185,14 +226,36 @@ class BatchingScheduler:
         self._waiting.clear()
         self._arrived.clear()
         self._metrics.upload_queue_size = 0
-        if not batch:
+        notes = self._take_notes(batch)
+        if not batch and not notes:
             return
         self._metrics.flushes += 1
-        task = asyncio.ensure_future(self._upload(batch))
+        task = asyncio.ensure_future(self._upload(batch, notes))
         self._uploads.add(task)
         task.add_done_callback(self._uploads.discard)
 
-    async def _upload(self, batch: list[UploadEntry]) -> None:
+    def _take_notes(self, batch: list[UploadEntry]) -> list[PendingNote]:
+        """The notes this flush's file carries (module doc); the others stay for the next one."""
+        ids = {id(e) for e in batch}
+        taken: list[PendingNote] = []
+        kept: list[PendingNote] = []
+        for note in self._notes:
+            settled = note.settled(ids)
+            if settled is None:  # its persist failed: nobody reads the note
+                if not note.done.done():
+                    note.done.set_exception(UploadFailedError(f"changelog writer {note.log_id}: a persist failed"))
+                    note.done.exception()
+                continue
+            same_place = not taken or note.note.directory == taken[0].note.directory
+            if settled and same_place and all(t.log_id != note.log_id for t in taken):
+                taken.append(note)
+            else:
+                kept.append(note)
+        self._notes = kept
+        return taken
+
+    async def _upload(self, batch: list[UploadEntry], notes: list[PendingNote] | None = None) -> None:
+        notes = notes or []
         size = sum(e.size for e in batch)
         durable = False
         data = b""
@@ -201,14 +264,23 @@ class BatchingScheduler:
             changesets = [e.changeset for e in batch if e.changeset is not None]
             if self._encoder is None:
                 self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dstl-encode")
+            in_batch = {id(e) for e in batch}
+            specs = [
+                NoteSpec(
+                    n.log_id, n.key_group_range, n.after, n.upto,
+                    tuple(e.ref for e in n.entries if id(e) not in in_batch and e.ref is not None), n.note.payload,
+                )
+                for n in notes
+            ]  # fmt: skip
             data, segments = await asyncio.get_running_loop().run_in_executor(
-                self._encoder, encode_file, changesets, self._config.compression_level
+                self._encoder, encode_file, changesets, self._config.compression_level, specs
             )
             self._in_flight.encoded(len(data) - encoded)
             encoded = len(data)
             self._metrics.upload_sizes.observe(len(data))
             self._metrics.changesets_per_file.observe(len(batch))
-            outcome = await self._executor.upload(data)
+            name = f"{notes[0].note.directory}/{uuid.uuid4().hex}.dstl" if notes else None
+            outcome = await self._executor.upload(data, name)
         except BaseException as exc:  # cancelled too (a close that timed out): nobody may wait forever
             # The error outlives this call (in the entries' futures, kept with the failed
             # changesets); its traceback's frames must not keep the encoded file alive with it.
@@ -225,6 +297,10 @@ class BatchingScheduler:
                 assert entry.future is not None
                 if not entry.future.done():
                     entry.future.set_exception(error)
+            for note in notes:
+                if not note.done.done():
+                    note.done.set_exception(error)
+                    note.done.exception()  # retrieved: the persist reports it
             if error is not exc:
                 raise
         else:
@@ -239,10 +315,13 @@ class BatchingScheduler:
                     min_key_group=seg.min_key_group,
                     max_key_group=seg.max_key_group,
                 )
-            self._on_uploaded(outcome.path, batch)
+            self._on_uploaded(outcome.path, batch, bool(notes))
             for entry in batch:
                 assert entry.future is not None and entry.ref is not None
                 entry.future.set_result(entry.ref)
+            for note in notes:
+                if not note.done.done():
+                    note.done.set_result(None)
         finally:
             # The file stops counting once nothing holds it: a write stuck in a thread after its
             # attempt gave up still does, and stays counted until it ends.
@@ -254,6 +333,8 @@ class BatchingScheduler:
                 self._in_flight.release(size)
             else:
                 self._in_flight.upload_failed(batch)
+            if self._notes and not self._pending and self._timer is None:
+                self.flush()  # notes that waited for this upload (their other changesets) go now
 
     async def drain(self) -> None:
         """Flush what is pending and wait for every upload and background deletion."""

@@ -23,7 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dstl.errors import CorruptChangelogError
+from dstl.errors import ConfigurationError, CorruptChangelogError
+from dstl.paths import check_relative
 
 
 class SequenceNumber(int):
@@ -220,3 +221,37 @@ class ChangelogHandle:
         except (json.JSONDecodeError, RecursionError) as exc:  # nesting past the parser's stack
             raise CorruptChangelogError("<handle>", f"handle is not JSON: {exc!r}") from None
         return cls.from_json(value)
+
+
+@dataclass(frozen=True)
+class Note:
+    """What a persist may carry into the file that makes it durable (``persist_durably(after,
+    note)``): ``payload``, a JSON object, is written into that file with the persist's handle, and
+    the file goes to ``directory`` (relative to the base path) instead of ``dstl/<xx>/``, so that a
+    reader finds it by listing that directory (``dstl.format``, notes)."""
+
+    directory: str
+    payload: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        check_relative(self.directory)
+        if not isinstance(self.payload, dict):
+            raise ConfigurationError(f"a note's payload must be a JSON object, got {type(self.payload).__name__}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"directory": self.directory, "payload": self.payload}
+
+    @classmethod
+    def from_json(cls, value: Any) -> Note:
+        """``ValueError`` (a ``ConfigurationError``) unless ``value`` is a note's JSON."""
+        if not isinstance(value, dict) or not isinstance(value.get("directory"), str):
+            raise ConfigurationError(f"not a note: {value!r:.200}")
+        return cls(value["directory"], value.get("payload"))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class NotedHandle:
+    """A note read back from a file: its payload and the handle of the persist that carried it."""
+
+    payload: dict[str, Any]
+    handle: ChangelogHandle

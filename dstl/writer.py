@@ -37,7 +37,7 @@ from dstl.api import WriterStorage
 from dstl.errors import ConfigurationError, WriterClosedError
 from dstl.format import ChangeSet
 from dstl.scheduler import UploadEntry
-from dstl.types import ChangelogHandle, KeyGroupRange, SequenceNumber
+from dstl.types import ChangelogHandle, KeyGroupRange, Note, SequenceNumber
 
 __all__ = ["ChangelogWriter"]
 
@@ -177,8 +177,10 @@ class ChangelogWriter:
         """Close the active changeset; every change appended so far has an SQN <= the result."""
         return SequenceNumber(self._rollover())
 
-    def persist_durably(self, after: int) -> concurrent.futures.Future[ChangelogHandle]:
-        """Make every change with SQN > ``after`` durable; the future yields their handle.
+    def persist_durably(self, after: int, note: Note | None = None) -> concurrent.futures.Future[ChangelogHandle]:
+        """Make every change with SQN > ``after`` durable; the future yields their handle. A
+        ``note`` is written into the file of that flush (``dstl.format``, notes), and the future
+        waits for that file too, even if every change was durable already.
 
         Changesets already uploaded or being uploaded (an overlapping earlier request, a
         pre-emptive persist) are reused, never uploaded twice; those whose upload failed are
@@ -204,7 +206,7 @@ class ChangelogWriter:
                     retried += e.size
         self._storage.reserve_in_flight(self, sum(e.size for e in new) - retried, retried)
         result: concurrent.futures.Future[ChangelogHandle] = concurrent.futures.Future()
-        self._storage.submit_persist(self, entries, new, after, upto, result)
+        self._storage.submit_persist(self, entries, new, after, upto, result, note)
         return result
 
     def truncate(self, before: int) -> None:

@@ -53,7 +53,7 @@ from dstl.service.protocol import (
     Truncate,
 )
 from dstl.storage import StateChangelogStorage
-from dstl.types import ChangelogHandle, KeyGroupRange, SequenceNumber
+from dstl.types import ChangelogHandle, KeyGroupRange, Note, NotedHandle, SequenceNumber
 
 __all__ = ["RemoteChangelogStorage", "RemoteChangelogWriter"]
 
@@ -102,13 +102,13 @@ class RemoteChangelogWriter(WriterBuffer):
         )
         return sqn
 
-    def persist_durably(self, after: int) -> concurrent.futures.Future[ChangelogHandle]:
+    def persist_durably(self, after: int, note: Note | None = None) -> concurrent.futures.Future[ChangelogHandle]:
         """Make every change with SQN > ``after`` durable; the future yields their handle once the
         service replies (no deadline of its own: a lost connection, the liveness rule's verdict on
         a service that stopped answering included, fails it at once)."""
         self._usable("persist_durably")
         _, future = self._conn.submit(
-            Persist(self.number, after),
+            Persist(self.number, after, note),
             "persist_durably",
             self,
             expect(Persisted, lambda m: m.handle),
@@ -268,6 +268,9 @@ class RemoteChangelogStorage:
 
     def get_file(self, path: str, timeout: float | None = None) -> bytes:
         return self._local.get_file(path, timeout)
+
+    def read_notes(self, path: str, timeout: float | None = None) -> list[NotedHandle]:
+        return self._local.read_notes(path, timeout)
 
     def read_range(self, path: str, offset: int, length: int, timeout: float | None = None) -> bytes:
         return self._local.read_range(path, offset, length, timeout)

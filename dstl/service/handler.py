@@ -299,7 +299,7 @@ class ConnectionHandler:
         if isinstance(message, LastSqn):
             return Sqn(writer.last_appended_sqn())
         if isinstance(message, Persist):
-            future = writer.persist_durably(message.after)
+            future = writer.persist_durably(message.after, message.note)
             future.add_done_callback(functools.partial(self._persisted, request_id, slot))
             return None
         if isinstance(message, Truncate):

@@ -43,7 +43,7 @@ from dstl.errors import (
 )
 from dstl.service.appends import Append
 from dstl.service.framing import Kind, ProtocolError, Readable, pack_frame, payload_limit, read_frame
-from dstl.types import MAX_SQN, ChangelogHandle, KeyGroupRange
+from dstl.types import MAX_SQN, ChangelogHandle, KeyGroupRange, Note
 
 __all__ = [
     "JOIN_S",
@@ -152,6 +152,8 @@ def _parse_field(kind: str, name: str, annotation: str, value: Any) -> Any:
             raise ProtocolError(f"{kind} field {name!r} must be a string, got {value!r}")
         return value
     try:
+        if annotation == "Note | None":
+            return None if value is None else Note.from_json(value)
         if annotation == "ChangelogHandle":
             return ChangelogHandle.from_json(value)
         return KeyGroupRange.from_json(value)
@@ -169,7 +171,7 @@ class _Json:
         fields = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
-            fields[f.name] = value if isinstance(value, int | str) else value.to_json()
+            fields[f.name] = value if value is None or isinstance(value, int | str) else value.to_json()
         return json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
 
     @classmethod
@@ -186,6 +188,8 @@ class _Json:
         kwargs = {}
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
             if f.name not in value:
+                if f.default is not dataclasses.MISSING:
+                    continue  # an optional field
                 raise ProtocolError(f"{kind} lacks the field {f.name!r}")
             kwargs[f.name] = _parse_field(kind, f.name, str(f.type), value[f.name])
         return cls(**kwargs)
@@ -258,6 +262,7 @@ class Persist(_Json):
     KIND: ClassVar[Kind] = Kind.PERSIST
     writer: int
     after: int
+    note: Note | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -100,9 +100,11 @@ class FileRegistry:
 
     # -- files of the scheduler's uploads (loop thread) ------------------------------------
 
-    def on_uploaded(self, path: str, batch: list[UploadEntry]) -> None:
+    def on_uploaded(self, path: str, batch: list[UploadEntry], noted: bool = False) -> None:
+        """``path`` is durable with ``batch``'s changesets. A file carrying notes belongs to its
+        notes' readers (a Spark driver makes it part of a checkpoint), never deleted from here."""
         with self.lock:
-            state = self._files[path] = _FileState(refs=len(batch))
+            state = self._files[path] = _FileState(refs=len(batch), confirmed=noted)
             for entry in batch:
                 entry.changeset = None  # durable now: free the memory
                 if entry.truncated:
@@ -121,10 +123,14 @@ class FileRegistry:
         after: int,
         upto: int,
         result: concurrent.futures.Future[ChangelogHandle],
+        noted: asyncio.Future[None] | None = None,
     ) -> None:
-        """Once every segment is uploaded, hand out the handle, holding a reference to its files."""
+        """Once every segment is uploaded (and the file holding the persist's note, if it has
+        one), hand out the handle, holding a reference to its files."""
         try:
             refs: list[SegmentRef] = list(await asyncio.gather(*futures))  # type: ignore[arg-type]
+            if noted is not None:
+                await noted
         except asyncio.CancelledError:  # by a close that timed out: the caller must not wait forever
             result.set_exception(StorageClosedError("the changelog storage closed before this persist finished"))
             raise

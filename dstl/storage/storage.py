@@ -27,17 +27,18 @@ from typing import Any, TypeVar
 
 from dstl.api import StateChangelogWriter
 from dstl.config import ChangelogConfig
-from dstl.errors import ConfigurationError, WriterClosedError
+from dstl.errors import ConfigurationError, CorruptChangelogError, WriterClosedError
+from dstl.format import NOTES_PROBE_BYTES, parse_notes
 from dstl.hedging import UploadExecutor
 from dstl.metrics import ChangelogMetrics
 from dstl.paths import LOG_DIRECTORY, check_relative, new_file_name
-from dstl.scheduler import BatchingScheduler, UploadEntry
+from dstl.scheduler import BatchingScheduler, PendingNote, UploadEntry
 from dstl.storage.calls import CallPolicy, call_with_retries
 from dstl.storage.loop import StorageLoop
 from dstl.storage.reader import HandleReader
 from dstl.storage.registry import FileRegistry
 from dstl.storage.throttle import InFlightBytes, WriterMonitor
-from dstl.types import ChangelogHandle, KeyGroupRange
+from dstl.types import ChangelogHandle, KeyGroupRange, Note, NotedHandle
 from dstl.uploaders import Uploader, make_uploader
 from dstl.writer import ChangelogWriter
 
@@ -128,8 +129,9 @@ class StateChangelogStorage:
         after: int,
         upto: int,
         result: concurrent.futures.Future[ChangelogHandle],
+        note: Note | None = None,
     ) -> None:
-        self._loop.call(self._persist_on_loop, writer, entries, new, after, upto, result)
+        self._loop.call(self._persist_on_loop, writer, entries, new, after, upto, result, note)
 
     def _persist_on_loop(
         self,
@@ -139,11 +141,17 @@ class StateChangelogStorage:
         after: int,
         upto: int,
         result: concurrent.futures.Future[ChangelogHandle],
+        note: Note | None,
     ) -> None:
-        self._scheduler.submit(writer.log_id, new, persist_request=True)
+        pending = None
+        if note is not None:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            pending = PendingNote(writer.log_id, writer.key_group_range, note, after, upto, entries, done)
+        self._scheduler.submit(writer.log_id, new, persist_request=True, note=pending)
         futures = [e.future for e in entries]  # after submit: it gives the new entries theirs
+        noted = None if pending is None else pending.done
         self._executor.track(
-            asyncio.ensure_future(self._registry.complete_persist(writer, futures, after, upto, result))
+            asyncio.ensure_future(self._registry.complete_persist(writer, futures, after, upto, result, noted))
         )
 
     def expect_persist(self, writer: StateChangelogWriter) -> None:
@@ -184,6 +192,18 @@ class StateChangelogStorage:
     # Each call has a deadline per attempt and retries (``dstl.storage.calls``); it fails with a
     # ``StorageError`` naming the operation, the path and the attempts, except that a missing
     # file stays ``FileNotFoundError``. ``timeout`` (seconds) bounds the caller's wait on top.
+
+    def read_notes(self, path: str, timeout: float | None = None) -> list[NotedHandle]:
+        """The notes of the changelog file at ``path`` with their persists' handles (``dstl.format``,
+        notes): one ranged read of the file's start, two if the notes are long. A file without
+        notes has none; a damaged one raises ``CorruptChangelogError`` naming it."""
+        prefix = self.read_range(path, 0, NOTES_PROBE_BYTES, timeout)
+        notes = parse_notes(path, prefix)
+        if isinstance(notes, int):
+            notes = parse_notes(path, self.read_range(path, 0, notes, timeout))
+            if isinstance(notes, int):
+                raise CorruptChangelogError(path, f"file truncated in its notes ({notes} bytes expected)")
+        return notes
 
     def put_file(self, path: str, data: bytes, timeout: float | None = None) -> None:
         """Write a whole file under the base path (no hedging)."""

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
-from dstl import ChangelogConfig, HedgingPolicy, KeyGroupRange
+from dstl import ChangelogConfig, HedgingPolicy, KeyGroupRange, Note
 from dstl.errors import ConfigurationError, WriterClosedError
 from dstl.service import FencedWriterError, ServiceUnavailableError
 from dstl.service.configjson import dumps_config
@@ -112,6 +112,23 @@ def test_workers_that_expect_to_persist_share_one_file_while_idle_writers_do_not
     ha, hb = first.result(WAIT_S), second.result(WAIT_S)
     assert ha.files == hb.files and len(log_files(config)) == 1
     assert list(a.read(ha)) == ra and list(b.read(hb)) == rb
+
+
+def test_a_persists_note_travels_through_the_service_into_the_rounds_file(tmp_path: Path, harness: Harness) -> None:
+    config = local_config(tmp_path, persist_delay_ms=0.0, expected_persist_wait_ms=600_000)
+    a, b = harness.client(config), harness.client(config)
+    wa, wb = a.create_writer("left", KeyGroupRange(0, 9)), b.create_writer("right", KeyGroupRange(10, 19))
+    wa.expect_persist()
+    wb.expect_persist()
+    append_all(wa, make_records(range(10), "a", 50))
+    fa = wa.persist_durably(0, Note("pending/0/op", {"subtask": 0}))
+    append_all(wb, make_records(range(10, 20), "b", 50))
+    fb = wb.persist_durably(0, Note("pending/0/op", {"subtask": 1}))
+    ha, hb = fa.result(WAIT_S), fb.result(WAIT_S)
+    [noted_file] = sorted((Path(config.base_path) / "pending" / "0" / "op").iterdir())
+    notes = a.read_notes(f"pending/0/op/{noted_file.name}")
+    assert sorted((n.payload["subtask"], n.handle) for n in notes) == [(0, ha), (1, hb)]
+    assert log_files(config) == []  # the round's changes went to the noted file only
 
 
 def test_handles_are_confirmed_released_and_truncated_on_the_service(tmp_path: Path, harness: Harness) -> None:
