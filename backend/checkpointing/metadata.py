@@ -7,7 +7,8 @@ Layout of a job directory (the changelog storage's base path is ``<root>/<job>``
     <root>/<job>/_ids/<start>-<end>               checkpoint ids start..end reserved by one run
     <root>/<job>/shared/<uuid>.chunk              materialized chunks
     <root>/<job>/dstl/<xx>/<uuid>                 changelog files
-    <root>/<job>/pending/<b>/<uid>/<i>-<j>.json   Spark: the handles of subtasks i..j (one task) of batch b
+    <root>/<job>/pending/<b>/<uid>/<uuid>.dstl    Spark: changelog files of batch b whose notes are the
+                                                  subtasks' records (handles) of that batch
 
 A savepoint directory holds ``_metadata`` at its top and the files it names below it.
 
@@ -49,6 +50,7 @@ __all__ = [
     "id_block_path",
     "in_checkpoint_dir",
     "is_inside",
+    "is_noted_pending",
     "metadata_path",
     "no_progress",
     "parse_checkpoint_dir",
@@ -56,7 +58,6 @@ __all__ = [
     "parse_metadata_path",
     "parse_pending_path",
     "pending_dir",
-    "pending_path",
     "read_snapshot",
     "snapshot_location",
 ]
@@ -70,7 +71,9 @@ PENDING_DIR = "pending"
 IDS_DIR = "_ids"
 
 _CHECKPOINT_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
-_PENDING_PATH = re.compile(rf"^{PENDING_DIR}/(\d+)/([^/]+)/(\d+)(?:-(\d+))?\.json$")
+_PENDING_PATH = re.compile(rf"^{PENDING_DIR}/(\d+)/([^/]+)/(?:[0-9a-f]{{32}}\.dstl|\d+(?:-\d+)?\.json)$")
+#: the suffix of a changelog file with notes (``dstl.scheduler`` names them so)
+NOTED_SUFFIX = ".dstl"
 _ID_BLOCK_PATH = re.compile(rf"^{IDS_DIR}/(\d+)-(\d+)$")
 
 #: A progress report: ``(what, done, total)``, e.g. ``("copy", 3, 10)``; called after each unit.
@@ -136,20 +139,17 @@ def pending_dir(batch: int, uid: str | None = None) -> str:
     return f"{PENDING_DIR}/{batch}" if uid is None else f"{PENDING_DIR}/{batch}/{uid}"
 
 
-def pending_path(batch: int, uid: str, first: int, last: int | None = None) -> str:
-    """``pending/<b>/<uid>/<first>-<last>.json``: the handles of subtasks ``first..last`` (the
-    subtasks one Spark task ran) of batch ``b``."""
-    return f"{pending_dir(batch, uid)}/{first}-{first if last is None else last}.json"
-
-
-def parse_pending_path(path: str) -> tuple[int, str, int, int] | None:
-    """``(batch, uid, first, last)`` of a ``pending_path``, or None for any other path (the
-    single-subtask name ``<i>.json`` of earlier versions reads as ``i..i``)."""
+def parse_pending_path(path: str) -> tuple[int, str] | None:
+    """``(batch, uid)`` of a file the Spark tasks left under ``pending/<b>/<uid>/``, or None for
+    any other path: a changelog file whose notes are the subtasks' records (``<uuid>.dstl``), or a
+    JSON record of an earlier version (``<i>.json``, ``<i>-<j>.json``)."""
     match = _PENDING_PATH.match(path)
-    if not match:
-        return None
-    first = int(match.group(3))
-    return int(match.group(1)), match.group(2), first, first if match.group(4) is None else int(match.group(4))
+    return (int(match.group(1)), match.group(2)) if match else None
+
+
+def is_noted_pending(path: str) -> bool:
+    """Whether a pending file is a changelog file whose notes hold the records (not JSON)."""
+    return path.endswith(NOTED_SUFFIX)
 
 
 def snapshot_location(url: str) -> tuple[str, str]:

@@ -22,6 +22,7 @@ bounded and nothing nests deeper than the format does, so a damaged handle raise
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -30,7 +31,7 @@ from typing import Any
 
 from backend.core.errors import StateRestoreError
 from backend.core.keygroups import UPPER_BOUND_MAX_PARALLELISM
-from dstl import ChangelogHandle, CorruptChangelogError, KeyGroupRange
+from dstl import ChangelogHandle, CorruptChangelogError, KeyGroupRange, NotedHandle
 from dstl.types import MAX_SQN
 
 HANDLE_VERSION = 2
@@ -170,6 +171,21 @@ class KeyedStateHandle:
         except (KeyError, TypeError, ValueError, RecursionError, CorruptChangelogError) as exc:
             raise StateRestoreError(f"malformed keyed state handle: {exc}") from None
         return handle
+
+    def with_own_log(self, own: ChangelogHandle) -> KeyedStateHandle:
+        """This handle (a snapshot's template: everything but the persist of its own log) with
+        ``own``, the persist's handle, appended to its changelog (if it holds any change)."""
+        if not own.segments:
+            return self
+        return dataclasses.replace(self, changelog=(*self.changelog, LogEntry(own, self.key_group_range)))
+
+    @classmethod
+    def from_note(cls, noted: NotedHandle) -> KeyedStateHandle:
+        """The handle a snapshot carried in a note (``ChangelogKeyedStateBackend.snapshot(note=)``):
+        the template under ``"handle"`` of the payload, with the persist's own log."""
+        if "handle" not in noted.payload:
+            raise StateRestoreError("a note without a keyed state handle")
+        return cls.from_json(noted.payload["handle"]).with_own_log(noted.handle)
 
     @classmethod
     def loads(cls, text: str) -> KeyedStateHandle:

@@ -19,6 +19,7 @@ from backend.checkpointing.metadata import (
     aborted_path,
     checkpoint_dir,
     in_checkpoint_dir,
+    is_noted_pending,
     metadata_path,
     parse_metadata_path,
     parse_pending_path,
@@ -38,6 +39,7 @@ __all__ = [
     "pending_records",
     "read_checkpoint",
     "read_pending",
+    "read_pending_file",
     "state_after",
     "subtask_records",
 ]
@@ -80,17 +82,30 @@ def read_checkpoint(storage: StateChangelogStorage, cfg: OperatorConfig, batch: 
 
 
 def read_pending(storage: StateChangelogStorage, uid: str, batch: int) -> list[dict[str, Any]] | None:
-    """Every subtask record the tasks of ``batch`` left for operator ``uid`` (a task's file holds
-    one record per subtask it ran), or None if a file vanished while we read (the driver
-    completed the batch meanwhile)."""
+    """Every subtask record the tasks of ``batch`` left for operator ``uid``, or None if a file
+    vanished while we read (the driver completed the batch meanwhile)."""
     records: list[dict[str, Any]] = []
     for path in storage.list_all(pending_dir(batch, uid)):
         if parse_pending_path(path) is None:
             continue
         try:
-            records += subtask_records(json.loads(storage.get_file(path)))
+            records += read_pending_file(storage, path)
         except FileNotFoundError:
             return None
+    return records
+
+
+def read_pending_file(storage: StateChangelogStorage, path: str) -> list[dict[str, Any]]:
+    """The subtask records of one pending file: the notes of a changelog file (each the record
+    of one subtask's snapshot, its handle rebuilt: ``backend.spark.tasks``), or the JSON records
+    of an earlier version."""
+    if not is_noted_pending(path):
+        return subtask_records(json.loads(storage.get_file(path)))
+    records = []
+    for noted in storage.read_notes(path):
+        record = dict(noted.payload)
+        record["handle"] = KeyedStateHandle.from_note(noted).to_json()
+        records.append(record)
     return records
 
 
@@ -123,8 +138,9 @@ def latest_per_subtask(records: list[dict[str, Any]], parallelism: int) -> dict[
 
 def pending_records(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> list[dict[str, Any]] | None:
     """The complete set of this operator's pending records of ``batch``, or None. Records of an
-    earlier attempt at another parallelism may linger (a re-run overwrites only its own tasks'
-    files): only the parallelism whose every subtask is present counts."""
+    earlier attempt at another parallelism may linger (a re-run after a restart at another
+    parallelism leaves them): of the parallelisms whose every subtask is present, the one
+    written last counts."""
     records = read_pending(storage, cfg.uid, batch)
     if records is None:
         return None
@@ -133,9 +149,10 @@ def pending_records(storage: StateChangelogStorage, cfg: OperatorConfig, batch: 
         chosen = latest_per_subtask(records, parallelism)
         if set(chosen) == set(range(parallelism)):
             complete.append(chosen)
-    if len(complete) != 1:
+    if not complete:
         return None
-    return [complete[0][i] for i in sorted(complete[0])]
+    last = max(complete, key=lambda c: max(int(r.get("written_ns") or 0) for r in c.values()))
+    return [last[i] for i in sorted(last)]
 
 
 def state_after(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> BatchState:
@@ -167,7 +184,7 @@ def state_after(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int)
             stats = [r.get("stats", {}) for r in records]
             basis = max((int(s.get("event_time_basis_ms", 0)) for s in stats), default=0)
             return BatchState(handles, basis, batch, max((int(s.get("watermark_ms", 0)) for s in stats), default=0))
-    if not any(p.endswith(".json") for p in storage.list_all(pending_dir(batch, cfg.uid))):
+    if not any(parse_pending_path(p) for p in storage.list_all(pending_dir(batch, cfg.uid))):
         # No task of this batch ran: Spark runs no task for a batch without rows (an empty file, a
         # fully filtered batch), so the state is that of the last batch that ran.
         earlier = _last_batch_with_state(storage, cfg, batch)

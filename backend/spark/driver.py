@@ -21,7 +21,6 @@ from it (``backend.spark.tasks.state_after`` ignores the fenced checkpoint too).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections import Counter
@@ -31,7 +30,7 @@ from backend.checkpointing.coordinator import CheckpointCoordinator
 from backend.checkpointing.metadata import PENDING_DIR, SnapshotMetadata, parse_pending_path
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
-from backend.spark.committed import OWNER_FILE, latest_per_subtask, read_pending, subtask_records
+from backend.spark.committed import OWNER_FILE, latest_per_subtask, read_pending, read_pending_file
 from backend.spark.config import OperatorConfig
 from dstl import ConfigurationError, StateChangelogStorage, StorageClosedError
 
@@ -52,6 +51,7 @@ class DriverCoordinator:
         self.operators: dict[str, int] = {}
         self.lock = threading.Lock()
         self.completed_batches: list[int] = []
+        self._pending_dirs: set[str] = set()  # pending/<b>/<uid> directories not removed yet
         self.errors: list[str] = []
         self._recover()
 
@@ -71,8 +71,7 @@ class DriverCoordinator:
         return protect
 
     def _record_handles(self, path: str) -> list[KeyedStateHandle]:
-        records = subtask_records(json.loads(self.storage.get_file(path)))
-        return [KeyedStateHandle.from_json(r["handle"]) for r in records]
+        return [KeyedStateHandle.from_json(r["handle"]) for r in read_pending_file(self.storage, path)]
 
     def register(self, cfg: OperatorConfig) -> None:
         with self.lock:
@@ -101,15 +100,16 @@ class DriverCoordinator:
                     return None  # not this location's batch (yet)
                 records += [(uid, chosen[i]) for i in range(parallelism)]
             checkpoint_id = self.coordinator.trigger(batch)
+            log_records = 0
             for uid, record in records:
                 handle = KeyedStateHandle.from_json(record["handle"])
                 self.coordinator.acknowledge(checkpoint_id, uid, int(record["subtask"]), handle)
+                log_records += sum(s.records for e in handle.changelog for s in e.log.segments)
             stats = [r.get("stats", {}) for _, r in records]
             properties = {
                 "batch": batch,
                 "query_id": query_id,
-                "persist_ms_max": max((s.get("persist_ms", 0) for s in stats), default=0),
-                "log_records": sum(s.get("log_records", 0) for s in stats),
+                "log_records": log_records,
                 "materializations": sum(s.get("materialized", 0) for s in stats),
                 "restored_from": dict(Counter(str(s.get("source")) for s in stats)),
             }
@@ -123,18 +123,25 @@ class DriverCoordinator:
                 self.errors.append(str(exc))
                 raise
             self.completed_batches.append(batch)
-            # pending/<batch> stays until chk-<batch+1>: a task of batch+1 that missed chk-<batch>
-            # may be reading it right now
-            emptied: set[str] = set()
-            for path in self.storage.list_all("pending"):
-                pending = parse_pending_path(path)
-                if pending and pending[0] < batch:
-                    self.storage.delete_file(path)
-                    emptied.add(path.rsplit("/", 1)[0])
-            for directory in sorted(emptied, reverse=True):
-                self.storage.remove_empty_directory(directory)
-                self.storage.remove_empty_directory(directory.rsplit("/", 1)[0])
+            self._clean_pending(batch)
             return meta
+
+    def _clean_pending(self, batch: int) -> None:
+        """Delete the pending files of the batches before ``batch`` (``pending/<batch>`` stays
+        until chk-<batch+1>: a task of batch+1 that missed chk-<batch> may be reading it right
+        now), except the changelog files a retained checkpoint references: the registry deletes
+        those once no checkpoint does. Their directories are removed once empty."""
+        registry = self.coordinator.registry
+        for path in self.storage.list_all(PENDING_DIR):
+            pending = parse_pending_path(path)
+            if pending and pending[0] < batch:
+                if registry.count(path) == 0:
+                    self.storage.delete_file(path)
+                self._pending_dirs.add(path.rsplit("/", 1)[0])
+        for directory in sorted(self._pending_dirs, reverse=True):
+            if self.storage.remove_empty_directory(directory):
+                self._pending_dirs.discard(directory)
+                self.storage.remove_empty_directory(directory.rsplit("/", 1)[0])
 
     def close(self) -> None:
         self.storage.close()

@@ -18,8 +18,9 @@ another in tasks of their own would each flush alone. The task:
    a dead Python worker and a deleted local directory all land in one of these cases;
 3. marks the local directories dirty, runs the user's processor over each subtask's rows,
    materializes those due (synchronously: the worker that runs a subtask changes from batch to
-   batch and idle workers exit), makes every subtask's log durable at once (``snapshot``: one
-   flush) and writes the subtasks' handles to one file, ``pending/<b>/<uid>/<first>-<last>.json``;
+   batch and idle workers exit), and makes every subtask's log durable at once, each snapshot
+   carrying the subtask's pending record (handle, timers, event times) as a note: the records
+   land in the flush's file, ``pending/<b>/<uid>/<uuid>.dstl``, with the changes (``dstl`` notes);
 4. flushes the tables (another worker may adopt them), writes the markers (state = batch ``b``),
    and only then hands the output rows to Spark.
 
@@ -44,14 +45,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from backend.checkpointing.metadata import pending_path
+from backend.checkpointing.metadata import pending_dir
 from backend.core.errors import StateRestoreError
 from backend.core.handles import KeyedStateHandle
 from backend.spark.committed import BatchState, claim_directory, committed_handles, read_pending, state_after
 from backend.spark.config import OperatorConfig, Watermarks
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from backend.state.timers import EVENT_TIME, PROCESSING_TIME
-from dstl import ChangelogConfig, StateChangelogStorage
+from dstl import ChangelogConfig, Note, StateChangelogStorage
 from dstl.service import RemoteChangelogStorage
 from materializer.periodic import PeriodicMaterializer, restore
 
@@ -260,15 +261,8 @@ def run_subtasks(
                 _write_marker(directory, {"version": None})  # dirty until this batch's state is complete
             if now_ms is None:
                 now_ms = existing_now_ms(storage, cfg, batch, subtasks) or time.time_ns() // 1_000_000
-            outputs, handles, stats = _run_batch(cfg, acquired, previous, batch, now_ms, process, max_event_time_ms)
-            record = {
-                "query_id": query_id, "batch": batch, "parallelism": cfg.parallelism, "written_ns": time.time_ns(),
-                "subtasks": [
-                    {"subtask": i, "now_ms": now_ms, "handle": handles[i].to_json(), "stats": stats[i]}
-                    for i in subtasks
-                ],
-            }  # fmt: skip
-            storage.put_file(pending_path(batch, cfg.uid, subtasks[0], subtasks[-1]), json.dumps(record).encode())
+            outputs, stats = _run_batch(cfg, acquired, previous, batch, now_ms, process, max_event_time_ms)
+            handles = _persist(cfg, acquired, batch, query_id, now_ms, stats)
         except BaseException:
             for kept, _, _ in acquired.values():
                 _discard(kept)  # its tables may hold part of this batch: the marker says dirty
@@ -308,9 +302,9 @@ def _run_batch(
     now_ms: int,
     process: Process,
     max_event_time_ms: int | None,
-) -> tuple[list[Any], dict[int, KeyedStateHandle], dict[int, dict[str, Any]]]:
-    """Run every subtask, materialize those due (side by side), then make all their logs durable
-    at once: their changes share one flush."""
+) -> tuple[list[Any], dict[int, dict[str, Any]]]:
+    """Run every subtask and materialize those due (side by side); returns the output and each
+    subtask's figures."""
     basis, watermarks = None, None
     if cfg.watermark_delay_ms is not None:
         basis, watermarks = previous.state.event_time_basis_ms, previous.state.watermarks(cfg, batch)
@@ -325,21 +319,13 @@ def _run_batch(
         kept.materializer.poll()
     for kept, _, _ in acquired.values():
         kept.materializer.wait()  # a materialization finishes inside the task that started it
-    persist_began = time.perf_counter()
-    futures = {subtask: kept.backend.snapshot(batch) for subtask, (kept, _, _) in acquired.items()}
-    handles = {subtask: future.result(cfg.snapshot_timeout_ms / 1000) for subtask, future in futures.items()}
-    persist_ms = round((time.perf_counter() - persist_began) * 1000, 2)
     stats: dict[int, dict[str, Any]] = {}
     for subtask, (kept, source, restore_ms) in acquired.items():
-        handle = handles[subtask]
         stats[subtask] = {
             "source": source,  # where the state came from: kept | local | dfs
             "restore_ms": restore_ms,
             "run_ms": round(run_ms[subtask], 2),
-            "persist_ms": persist_ms,
             "materialized": kept.materializer.metrics.completed - materialized[subtask],
-            "log_records": sum(s.records for e in handle.changelog for s in e.log.segments),
-            "chunks": len(handle.materialized),
             # when the no-data batch source (backend.spark.ticks) must ask for the next batch
             "next_processing_timer_ms": kept.backend.timers.earliest(PROCESSING_TIME),
             "next_event_timer_ms": kept.backend.timers.earliest(EVENT_TIME),
@@ -347,4 +333,33 @@ def _run_batch(
         if basis is not None and watermarks is not None:
             stats[subtask]["event_time_basis_ms"] = max(basis, max_event_time_ms or 0)
             stats[subtask]["watermark_ms"] = watermarks.eviction_ms
-    return outputs, handles, stats
+    return outputs, stats
+
+
+def _persist(
+    cfg: OperatorConfig,
+    acquired: dict[int, tuple[_Kept, str, float]],
+    batch: int,
+    query_id: str,
+    now_ms: int,
+    stats: dict[int, dict[str, Any]],
+) -> dict[int, KeyedStateHandle]:
+    """Make every subtask's log durable at once, each snapshot carrying its subtask's pending
+    record as a note: the records land in the flush's file under ``pending/<b>/<uid>/``, with the
+    changes, in one request (``backend.spark.committed.read_pending`` reads them back)."""
+    began = time.perf_counter()
+    common = {"query_id": query_id, "batch": batch, "parallelism": cfg.parallelism, "written_ns": time.time_ns()}
+    directory = pending_dir(batch, cfg.uid)
+    futures = {
+        subtask: kept.backend.snapshot(
+            batch, Note(directory, {**common, "subtask": subtask, "now_ms": now_ms, "stats": stats[subtask]})
+        )
+        for subtask, (kept, _, _) in acquired.items()
+    }
+    handles = {subtask: future.result(cfg.snapshot_timeout_ms / 1000) for subtask, future in futures.items()}
+    persist_ms = round((time.perf_counter() - began) * 1000, 2)
+    for subtask, handle in handles.items():  # figures for the caller only: the records are written
+        stats[subtask]["persist_ms"] = persist_ms
+        stats[subtask]["log_records"] = sum(s.records for e in handle.changelog for s in e.log.segments)
+        stats[subtask]["chunks"] = len(handle.materialized)
+    return handles

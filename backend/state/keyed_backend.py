@@ -40,7 +40,7 @@ from backend.state.state_table import StateTable
 from backend.state.timers import EVENT_TIME, PROCESSING_TIME, TIMERS_DB, TimeDomain, TimerService
 from backend.state.truncation import SnapshotLineage
 from backend.state.value_table import ValueTable
-from dstl import ChangelogHandle, ConfigurationError, KeyGroupRange, StateChangelogStorage, WriterClosedError
+from dstl import ChangelogHandle, ConfigurationError, KeyGroupRange, Note, StateChangelogStorage, WriterClosedError
 from dstl.types import SequenceNumber
 
 __all__ = ["DEFAULT_CACHE_LIMIT", "ChangelogKeyedStateBackend", "ChunkLoader", "MaterializationPoint"]
@@ -279,8 +279,13 @@ class ChangelogKeyedStateBackend(KeyContext):
         service it wrote to is gone): the backend must be replaced before its next snapshot."""
         return self.writer is None or self.writer.usable
 
-    def snapshot(self, checkpoint_id: int) -> concurrent.futures.Future[KeyedStateHandle]:
-        """Make the state durable; the future yields the handle of checkpoint ``checkpoint_id``."""
+    def snapshot(self, checkpoint_id: int, note: Note | None = None) -> concurrent.futures.Future[KeyedStateHandle]:
+        """Make the state durable; the future yields the handle of checkpoint ``checkpoint_id``.
+
+        ``note``: written with the log's changes (``dstl.Note``), its payload extended by the
+        handle's template under ``"handle"`` (everything but this persist's own log), so that
+        ``KeyedStateHandle.from_note`` rebuilds exactly the handle the future yields: a Spark
+        task's pending record becomes durable in the same file and request as its changes."""
         with self._lock:
             if self.lineage.needs_full_materialization:
                 raise StateRestoreError(
@@ -306,9 +311,13 @@ class ChangelogKeyedStateBackend(KeyContext):
                 )
 
             if self.writer is None:
+                if note is not None:
+                    raise ConfigurationError("a snapshot note needs the changelog (log_enabled=True)")
                 result.set_result(handle(carried))
                 return result
-            persist = self.writer.persist_durably(lineage.materialized_sqn)
+            if note is not None:
+                note = Note(note.directory, {**note.payload, "handle": handle(carried).to_json()})
+            persist = self.writer.persist_durably(lineage.materialized_sqn, note)
             lineage.snapshot_started(checkpoint_id)
 
         def done(fut: concurrent.futures.Future[ChangelogHandle]) -> None:
@@ -322,7 +331,7 @@ class ChangelogKeyedStateBackend(KeyContext):
                     result.set_exception(WriterClosedError(f"backend {self.operator_id} closed during snapshot"))
                     return
                 lineage.snapshot_persisted(checkpoint_id, own)
-            result.set_result(handle((*carried, LogEntry(own, self.key_group_range)) if own.segments else carried))
+            result.set_result(handle(carried).with_own_log(own))
 
         persist.add_done_callback(done)
         return result

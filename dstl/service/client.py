@@ -284,8 +284,8 @@ class RemoteChangelogStorage:
     def undeleted_files(self) -> list[str]:
         return self._local.undeleted_files()
 
-    def remove_empty_directory(self, path: str) -> None:
-        self._local.remove_empty_directory(path)
+    def remove_empty_directory(self, path: str) -> bool:
+        return self._local.remove_empty_directory(path)
 
     def list_all(self, prefix: str = "") -> list[str]:
         return self._local.list_all(prefix)

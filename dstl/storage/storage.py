@@ -235,11 +235,11 @@ class StateChangelogStorage:
         """Files whose background deletion failed for good (left to the next recovery's orphan scan)."""
         return self._registry.undeleted()
 
-    def remove_empty_directory(self, path: str) -> None:
-        """Remove an empty directory under a local base path (object stores have none)."""
+    def remove_empty_directory(self, path: str) -> bool:
+        """Remove an empty directory under a local base path (object stores have none); whether
+        it is gone now (False: it still holds something)."""
         remove = getattr(self._uploader, "remove_empty_directory", None)
-        if remove is not None:
-            remove(check_relative(path))
+        return True if remove is None else bool(remove(check_relative(path)))
 
     def list_all(self, prefix: str = "") -> list[str]:
         return self.run(self._call("list", prefix or ".", lambda: self._uploader.list(prefix)))

@@ -263,12 +263,19 @@ class FsspecUploader:
             self._confine(prefix, self._full(prefix), follow_last=True)
         return await self._run(self._list_sync, prefix)
 
-    def remove_empty_directory(self, path: str) -> None:
-        if self._local:
-            full = self._full(path)
-            self._confine(path, full, follow_last=False)
-            with contextlib.suppress(OSError):
-                os.rmdir(full)
+    def remove_empty_directory(self, path: str) -> bool:
+        """Whether the directory is gone now (removed, or it never existed); object stores have none."""
+        if not self._local:
+            return True
+        full = self._full(path)
+        self._confine(path, full, follow_last=False)
+        try:
+            os.rmdir(full)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False  # not empty (or not ours to remove)
+        return True
 
     def wait_for_threads(self) -> None:
         """Block until every call handed to a thread has ended, abandoned ones included (for tests

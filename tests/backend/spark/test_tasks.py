@@ -146,16 +146,30 @@ def test_a_changed_operator_uid_or_a_replaced_spark_checkpoint_is_refused(tmp_pa
     driver.close()
 
 
-def test_pending_records_stay_until_the_next_checkpoint(tmp_path: Path) -> None:
-    cfg = config(tmp_path, 2)
+def test_pending_files_stay_while_the_next_batch_or_a_checkpoint_needs_them(tmp_path: Path) -> None:
+    """The records of batch b stay until chk-<b+1> (a task of b+1 may still read them); the files
+    holding them hold the log too, so they stay while a retained checkpoint references them, and
+    go (with their directories) once a materialization made the log before it unnecessary."""
+    state = tmp_path / "state"
+    cfg = config(tmp_path, 2, size_trigger_bytes=2_000)
     driver = DriverCoordinator(cfg)
     driver.register(cfg)
-    for batch in range(3):
+    for batch in range(12):
         run_batch(cfg, batch, batch)
         driver.complete_batch(batch, "q")
-    pending = tmp_path / "state" / "pending"
-    assert sorted(p.name for p in pending.iterdir()) == ["2"]  # a task of batch 3 may still read it
-    assert sorted(p.name for p in (tmp_path / "state").glob("chk-*")) == ["chk-1", "chk-2"]
+        retained = [
+            SnapshotMetadata.loads((state / metadata_path(c)).read_bytes(), "") for c in {max(batch - 1, 0), batch}
+        ]
+        referenced = {f for meta in retained for h in meta.handles("op") for f in h.referenced_files()}
+        on_disk = {str(p.relative_to(state)) for p in state.glob("pending/*/*/*")}
+        latest = {p for p in on_disk if p.startswith(f"pending/{batch}/")}
+        assert on_disk - latest <= referenced  # nothing older stays unless a checkpoint needs it
+        assert {p for p in referenced if p.startswith("pending/")} <= on_disk
+        assert all(any(d.iterdir()) for d in state.glob("pending/*/*"))  # no empty directory stays
+    assert len(list(state.glob("pending/*"))) < 12  # materializations let old batches go
+    driver.storage.flush()  # subsumption deletes in the background
+    assert sorted(p.name for p in state.glob("chk-*")) == ["chk-10", "chk-11"]
+    assert read_all(cfg, 11) == {k: list(range(12)) for k in KEYS}
     driver.close()
 
 
@@ -229,14 +243,15 @@ def run_tasks(cfg: OperatorConfig, batch: int, value: int) -> list[dict[str, Any
     return stats
 
 
-def test_a_task_of_several_subtasks_persists_them_in_one_file_and_leaves_one_pending_record(tmp_path: Path) -> None:
+def test_a_task_of_several_subtasks_persists_them_and_their_records_in_one_file(tmp_path: Path) -> None:
     cfg = config(tmp_path, 8, tasks=2)
     driver = DriverCoordinator(cfg)
     driver.register(cfg)
     for batch in range(3):
-        run_tasks(cfg, batch, batch)
-        pending = sorted(p.name for p in (tmp_path / "state" / "pending" / str(batch) / "op").iterdir())
-        assert pending == ["0-3.json", "4-7.json"]
+        run_tasks(cfg, batch, batch)  # one task after the other: a file each
+        pending = sorted((tmp_path / "state" / "pending" / str(batch) / "op").iterdir())
+        assert len(pending) == 2 and all(p.suffix == ".dstl" for p in pending)
+        assert not list((tmp_path / "state").glob("dstl/*/*"))  # the changes went into them
         assert driver.complete_batch(batch, "q") is not None
     latest = driver.latest()
     assert latest is not None
