@@ -74,10 +74,13 @@ class DriverCoordinator:
         return [KeyedStateHandle.from_json(r["handle"]) for r in read_pending_file(self.storage, path)]
 
     def register(self, cfg: OperatorConfig) -> None:
+        """The operator's batches complete at ``cfg.parallelism`` from now on: a query restarted in
+        the same session at another parallelism builds its operator again (a state directory
+        belongs to one query, ``committed.claim_directory``, so the last build is the running one)."""
         with self.lock:
             known = self.operators.get(cfg.uid)
             if known is not None and known != cfg.parallelism:
-                raise ConfigurationError(f"operator {cfg.uid!r} is registered already with parallelism {known}")
+                _log.info("operator %s: parallelism %s -> %s", cfg.uid, known, cfg.parallelism)
             self.operators[cfg.uid] = cfg.parallelism
 
     def latest(self) -> SnapshotMetadata | None:

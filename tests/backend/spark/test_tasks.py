@@ -306,3 +306,20 @@ def test_a_failing_subtask_fails_its_task_and_the_retry_starts_from_the_previous
 
 def _key_group(key: tuple[str]) -> int:
     return assign_key_group(serialize_key(key), 128)
+
+
+def test_a_query_restarted_in_the_same_driver_at_another_parallelism_completes_its_batches(tmp_path: Path) -> None:
+    """The driver's coordinator outlives a stopped query; the restarted query's operator registers
+    again at its new parallelism and its batches complete at that one."""
+    before, after = config(tmp_path, 4, tasks=2), config(tmp_path, 2, tasks=1)
+    driver = DriverCoordinator(before)
+    driver.register(before)
+    run_tasks(before, 0, 0)
+    assert driver.complete_batch(0, "q") is not None
+    other_worker()
+    driver.register(after)  # the same uid at parallelism 2: no longer refused
+    run_tasks(after, 1, 1)
+    meta = driver.complete_batch(1, "q")
+    assert meta is not None and len(meta.handles("op")) == 2
+    assert read_all(after, 1) == {k: [0, 1] for k in KEYS}
+    driver.close()
