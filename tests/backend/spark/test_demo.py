@@ -43,5 +43,6 @@ def test_demo_passes_against_s3(tmp_path: Path) -> None:
         out = run_demo(tmp_path, "--s3", "s3://demo/state", "--s3-endpoint", server.endpoint_url, env=env)
         keys = list_keys(server.endpoint_url, "demo", "state/")
     assert "PASS" in out
-    assert any(k.endswith("/_metadata") for k in keys) and any("/dstl/" in k for k in keys)
+    assert any(k.endswith("/_metadata") for k in keys)
+    assert any("/pending/" in k and k.endswith(".dstl") for k in keys)  # the log, the records in it
     assert not (tmp_path / "state").exists()
