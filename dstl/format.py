@@ -241,13 +241,7 @@ def parse_notes(path: str, prefix: bytes) -> list[NotedHandle] | int:
     each with the handle of its persist; or, if ``prefix`` is too short, how many bytes to read."""
     if len(prefix) < FILE_HEADER.size:
         raise CorruptChangelogError(path, f"file truncated ({len(prefix)} bytes)")
-    magic, version, flags = FILE_HEADER.unpack_from(prefix)
-    if magic != FILE_MAGIC:
-        raise CorruptChangelogError(path, f"not a changelog file (magic {magic!r})")
-    if version != FORMAT_VERSION:
-        raise CorruptChangelogError(path, f"unsupported format version {version} (this reader knows {FORMAT_VERSION})")
-    if flags & ~FLAG_NOTES:
-        raise CorruptChangelogError(path, f"unknown file header flags {flags:#06x}")
+    flags = _file_flags(path, prefix)
     if not flags & FLAG_NOTES:
         return []
     start = FILE_HEADER.size + NOTES_HEADER.size
@@ -267,6 +261,18 @@ def parse_notes(path: str, prefix: bytes) -> list[NotedHandle] | int:
         return [_noted(path, note, start + length) for note in notes]
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise CorruptChangelogError(path, f"malformed notes: {exc!r}") from None
+
+
+def _file_flags(path: str, data: bytes) -> int:
+    """The flags of a file header that is a changelog file's of this version (else corrupt)."""
+    magic, version, flags = FILE_HEADER.unpack_from(data)
+    if magic != FILE_MAGIC:
+        raise CorruptChangelogError(path, f"not a changelog file (magic {magic!r})")
+    if version != FORMAT_VERSION:
+        raise CorruptChangelogError(path, f"unsupported format version {version} (this reader knows {FORMAT_VERSION})")
+    if flags & ~FLAG_NOTES:  # no checksum covers the file header: unknown flags are damage
+        raise CorruptChangelogError(path, f"unknown file header flags {flags:#06x}")
+    return int(flags)
 
 
 def _noted(path: str, note: Any, body: int) -> NotedHandle:
@@ -363,13 +369,8 @@ def read_footer(path: str, data: bytes) -> FileIndex:
     """Check a whole file's framing and footer (for verification tools); returns its index."""
     if len(data) < FILE_HEADER.size + TRAILER.size:
         raise CorruptChangelogError(path, f"file truncated ({len(data)} bytes)")
-    magic, version, flags = FILE_HEADER.unpack_from(data)
-    if magic != FILE_MAGIC:
-        raise CorruptChangelogError(path, f"not a changelog file (magic {magic!r})")
-    if version != FORMAT_VERSION:
-        raise CorruptChangelogError(path, f"unsupported format version {version} (this reader knows {FORMAT_VERSION})")
-    if flags & ~FLAG_NOTES:  # no checksum covers the file header
-        raise CorruptChangelogError(path, f"unknown file header flags {flags:#06x}")
+    flags = _file_flags(path, data)
+    version = FORMAT_VERSION
     body = FILE_HEADER.size
     if flags & FLAG_NOTES:
         if len(data) < FILE_HEADER.size + NOTES_HEADER.size:

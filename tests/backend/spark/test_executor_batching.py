@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +16,11 @@ import pytest
 from backend.spark import tasks
 from backend.spark.config import OperatorConfig
 from backend.spark.driver import DriverCoordinator
-from tests.backend.spark.test_tasks import KEYS, appender, config, other_worker, read_all
+from tests.backend.spark.test_tasks import KEYS, _clean_workers, appender, config, read_all
+
+__all__ = ["_clean_workers"]  # the autouse fixture of test_tasks: every test starts with no worker state
 
 WAIT_S = 60
-
-
-@pytest.fixture(autouse=True)
-def _clean_workers() -> Iterator[None]:
-    other_worker()
-    yield
-    other_worker()
-    for storage in tasks._STORAGES.values():
-        storage.close()
-    tasks._STORAGES.clear()
 
 
 def run_concurrently(cfg: OperatorConfig, batch: int, value: int) -> None:
