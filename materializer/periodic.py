@@ -18,6 +18,17 @@ How (FLIP-158's steps, with Flink's rules):
 - Failure: the partial chunks of a failed materialization are deleted, its key groups stay dirty
   for the next attempt, and more than ``max_failures_allowed`` consecutive failures raise
   ``MaterializationError`` from ``poll()`` (Flink fails the job the same way).
+- Nobody waits for the upload: the caller only starts it (``poll``/``trigger``), and the next
+  ``poll`` applies it once done. ``wait`` is for callers that must have it applied now (a full
+  materialization before the first checkpoint, a clean shutdown).
+- Handing over: once the chunks are durable, and before ``poll`` can apply them, the upload
+  thread passes a ``MaterializationResult`` (chunks, and the log and SQN they cover) to
+  ``on_result``. A backend of another process that continues the same state can take it
+  (``ChangelogKeyedStateBackend.adopt_materialization``): under Spark the next batch of a subtask
+  may run in another Python worker, which never sees this materializer (``backend.spark.handover``).
+- Dropped: ``close(wait=False)`` lets a running materialization go on alone. If its backend is
+  closed meanwhile, its next read of the tables raises and it fails cleanly (``backend.state.cut``);
+  if it had read everything, it still finishes and hands its result over.
 
 Times are milliseconds, as everywhere in this project: ``interval_ms``, a ``clock_ms`` returning
 milliseconds, ``metrics.last_duration_ms``. ``metrics.registry`` holds the same figures as
@@ -28,6 +39,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import random
 import time
 import uuid
@@ -45,6 +57,8 @@ from materializer.binding import bound_chunk_sections
 from materializer.chunks import encode_chunk
 from materializer.metrics import MaterializationMetrics
 
+_log = logging.getLogger(__name__)
+
 
 def monotonic_ms() -> float:
     """The default clock: ``time.monotonic`` in milliseconds."""
@@ -53,6 +67,17 @@ def monotonic_ms() -> float:
 
 class MaterializationError(ChangelogError):
     """Materialization failed more often in a row than allowed."""
+
+
+@dataclass(frozen=True)
+class MaterializationResult:
+    """A finished materialization, for a backend that continues the same state elsewhere: its
+    ``chunks`` (durable) hold the state of ``key_group_range`` after log ``log_id`` up to ``sqn``."""
+
+    log_id: str
+    sqn: int
+    key_group_range: KeyGroupRange
+    chunks: tuple[dict[str, Any], ...]
 
 
 @dataclass
@@ -78,10 +103,13 @@ class PeriodicMaterializer:
         rng: random.Random | None = None,
         upload: Callable[[str, bytes], None] | None = None,
         registry: CollectorRegistry | None = None,
+        on_result: Callable[[MaterializationResult], None] | None = None,
     ) -> None:
         """``clock_ms`` returns milliseconds, any origin (not ``time.monotonic``, which counts
         seconds); ``registry`` receives this materializer's Prometheus metrics (default: a
-        registry of its own, ``metrics.registry``)."""
+        registry of its own, ``metrics.registry``); ``on_result`` is called in the upload thread
+        with each materialization whose chunks are durable, before ``poll`` may apply it (an
+        error it raises is logged, the materialization still completes here)."""
         if backend.storage is None or backend.writer is None:
             raise ConfigurationError(f"backend {backend.operator_id}: materialization needs a changelog storage")
         if interval_ms <= 0:
@@ -99,6 +127,7 @@ class PeriodicMaterializer:
         self._clock_ms = clock_ms
         self._upload = upload or backend.storage.put_file
         self._delete = backend.storage.delete_file
+        self._on_result = on_result
         jitter = (rng or random.Random()).uniform(0.5, 1.0)  # jittered first run
         self._due = clock_ms() + interval_ms * jitter
         self._running: concurrent.futures.Future[_Outcome] | None = None
@@ -139,6 +168,11 @@ class PeriodicMaterializer:
         self._running = self._pool.submit(self._materialize, point)
         return True
 
+    @property
+    def in_flight(self) -> concurrent.futures.Future[_Outcome] | None:
+        """The running materialization (done or not) that ``poll`` has not applied yet, if any."""
+        return self._running
+
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the running materialization (if any) and apply its outcome."""
         if self._running is not None:
@@ -167,9 +201,12 @@ class PeriodicMaterializer:
         duration_ms = (time.perf_counter_ns() - self._started_ns) / 1e6
         self.metrics.on_completed(duration_ms, outcome.full, outcome.uploaded, outcome.written, outcome.reused)
 
-    def close(self) -> None:
-        self.wait()
-        self._pool.shutdown(wait=True)
+    def close(self, wait: bool = True) -> None:
+        """Stop: apply the running materialization first (``wait``), or leave it to end in the
+        background, never applied here (its result still goes to ``on_result``)."""
+        if wait:
+            self.wait()
+        self._pool.shutdown(wait=wait)
 
     # -- the background side --------------------------------------------------------------
 
@@ -199,7 +236,8 @@ class PeriodicMaterializer:
                     full += old["size"]
                     reused += 1
                     continue
-                sections = read_sections(point.txn, point.databases, rng)
+                with point.reading() as txn:  # raises once the backend closed the tables
+                    sections = read_sections(txn, point.databases, rng)
                 if not sections and clean and old is None:
                     continue  # nothing ever stored in these key groups
                 if not sections:
@@ -225,6 +263,12 @@ class PeriodicMaterializer:
                 with contextlib.suppress(Exception):
                     self._delete(path)
             raise
+        if self._on_result is not None:
+            result = MaterializationResult(point.log_id, point.log_sqn, point.key_group_range, tuple(chunks))
+            try:
+                self._on_result(result)
+            except Exception:
+                _log.warning("handing over the materialization of %s failed", point.key_group_range, exc_info=True)
         return _Outcome(chunks, uploaded, full, len(written), reused)
 
 

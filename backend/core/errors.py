@@ -65,7 +65,13 @@ class CheckpointError(ChangelogError):
     """A checkpoint cannot be completed, read or restored (the message names the file or path)."""
 
 
+class BackendClosedError(ChangelogError, RuntimeError):
+    """The backend was closed while something still read its local tables (a materialization
+    uploading in the background): that reader stops instead of reading closed tables."""
+
+
 __all__ = [
+    "BackendClosedError",
     "ChangelogError",
     "CheckpointError",
     "ConfigurationError",

@@ -17,10 +17,13 @@ another in tasks of their own would each flush alone. The task:
    parallelism). A retried task, a batch evaluated twice, a batch re-run after a driver restart,
    a dead Python worker and a deleted local directory all land in one of these cases;
 3. marks the local directories dirty, runs the user's processor over each subtask's rows,
-   materializes those due (synchronously: the worker that runs a subtask changes from batch to
-   batch and idle workers exit), and makes every subtask's log durable at once, each snapshot
-   carrying the subtask's pending record (handle, timers, event times) as a note: the records
-   land in the flush's file, ``pending/<b>/<uid>/<uuid>.dstl``, with the changes (``dstl`` notes);
+   starts the materialization of those due (only the synchronous part: the upload goes on in the
+   background after the task returns, and no task waits for it), and makes every subtask's log
+   durable at once, each snapshot carrying the subtask's pending record (handle, timers, event
+   times) as a note: the records land in the flush's file, ``pending/<b>/<uid>/<uuid>.dstl``, with
+   the changes (``dstl`` notes). A handle names only chunks that are durable: those of a
+   materialization that finished, applied by the next task of the subtask, in this worker
+   (``poll``) or, through a file in the local directory, in another (``backend.spark.handover``);
 4. flushes the tables (another worker may adopt them), writes the markers (state = batch ``b``),
    and only then hands the output rows to Spark.
 
@@ -50,6 +53,7 @@ from backend.core.errors import StateRestoreError
 from backend.core.handles import KeyedStateHandle
 from backend.spark.committed import BatchState, claim_directory, committed_handles, read_pending, state_after
 from backend.spark.config import OperatorConfig, Watermarks
+from backend.spark.handover import result_writer, take_results
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from backend.state.timers import EVENT_TIME, PROCESSING_TIME
 from dstl import ChangelogConfig, Note, StateChangelogStorage
@@ -65,6 +69,10 @@ class _Kept:
     materializer: PeriodicMaterializer
     version: int
     token: str
+    #: the local directory's life: a new one whenever a task rebuilds it from the DFS
+    life: str
+    #: a materialization another worker finished was taken when this task acquired the backend
+    handed_over: bool = False
 
 
 _STORAGES: dict[tuple[str, ChangelogConfig, bool], StateChangelogStorage] = {}
@@ -127,17 +135,24 @@ def _write_marker(directory: Path, value: dict[str, Any]) -> None:
     os.replace(tmp, directory / MARKER)
 
 
+def _materializer(
+    cfg: OperatorConfig, backend: ChangelogKeyedStateBackend, directory: Path, life: str
+) -> PeriodicMaterializer:
+    return PeriodicMaterializer(
+        backend, interval_ms=cfg.materialization_interval_ms, size_trigger_bytes=cfg.size_trigger_bytes,
+        on_result=result_writer(directory, life),
+    )  # fmt: skip
+
+
 def _fresh(cfg: OperatorConfig, storage: StateChangelogStorage, subtask: int, directory: Path) -> _Kept:
     shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(parents=True)
+    directory.mkdir(parents=True, exist_ok=True)  # an upload of the old life may write into it meanwhile
     backend = ChangelogKeyedStateBackend(
         cfg.uid, cfg.key_group_range(subtask), directory / "lmdb", storage=storage,
         max_parallelism=cfg.max_parallelism, num_retained=2,
     )  # fmt: skip
-    materializer = PeriodicMaterializer(
-        backend, interval_ms=cfg.materialization_interval_ms, size_trigger_bytes=cfg.size_trigger_bytes
-    )
-    return _Kept(backend, materializer, -1, uuid.uuid4().hex)
+    life = uuid.uuid4().hex
+    return _Kept(backend, _materializer(cfg, backend, directory, life), -1, uuid.uuid4().hex, life)
 
 
 class _Previous:
@@ -171,6 +186,7 @@ def acquire(
     if kept is not None:
         current = marker is not None and marker.get("token") == kept.token and kept.version == batch - 1
         if trusted and current and kept.backend.log_usable:
+            kept.handed_over = take_results(directory, kept.life, kept.backend, storage)
             return kept, "kept"
         _discard(kept)  # a superseded attempt's, or its changelog service is gone: adopt its tables
     if trusted and marker is not None:
@@ -200,16 +216,20 @@ def _adopt(
         max_parallelism=cfg.max_parallelism, num_retained=2, reuse_local=True,
     )  # fmt: skip
     backend.adopt_local(handle)
-    materializer = PeriodicMaterializer(
-        backend, interval_ms=cfg.materialization_interval_ms, size_trigger_bytes=cfg.size_trigger_bytes
-    )
-    return _Kept(backend, materializer, int(marker["version"]), uuid.uuid4().hex)
+    life = marker.get("life")
+    life = life if isinstance(life, str) else uuid.uuid4().hex
+    kept = _Kept(backend, _materializer(cfg, backend, directory, life), int(marker["version"]), uuid.uuid4().hex, life)
+    kept.handed_over = take_results(directory, life, backend, storage)
+    return kept
 
 
 def _discard(kept: _Kept) -> None:
-    """Drop a backend whose tables another process has moved on from (never flush its caches)."""
+    """Drop a backend whose tables another process has moved on from (never flush its caches).
+    A materialization of it still uploading is not waited for: it fails at its next read of the
+    closed tables, or, if it read them all already, finishes and leaves its result for the next
+    task (``handover``)."""
     with contextlib.suppress(Exception):
-        kept.materializer.close()
+        kept.materializer.close(wait=False)
     with contextlib.suppress(Exception):
         kept.backend.close()
 
@@ -272,7 +292,8 @@ def run_subtasks(
             kept.backend.flush()
             kept.version = batch
             _write_marker(
-                cfg.local_dir(subtask), {"version": batch, "token": kept.token, "handle": handles[subtask].to_json()}
+                cfg.local_dir(subtask),
+                {"version": batch, "token": kept.token, "life": kept.life, "handle": handles[subtask].to_json()},
             )
             _KEPT[(cfg.job_dir, cfg.uid, cfg.parallelism, subtask)] = kept
     return outputs, [stats[i] for i in subtasks]
@@ -303,8 +324,8 @@ def _run_batch(
     process: Process,
     max_event_time_ms: int | None,
 ) -> tuple[list[Any], dict[int, dict[str, Any]]]:
-    """Run every subtask and materialize those due (side by side); returns the output and each
-    subtask's figures."""
+    """Run every subtask and start the materialization of those due (never waiting for one);
+    returns the output and each subtask's figures."""
     basis, watermarks = None, None
     if cfg.watermark_delay_ms is not None:
         basis, watermarks = previous.state.event_time_basis_ms, previous.state.watermarks(cfg, batch)
@@ -316,16 +337,17 @@ def _run_batch(
         run_ms[subtask] = (time.perf_counter() - began) * 1000
     materialized = {subtask: kept.materializer.metrics.completed for subtask, (kept, _, _) in acquired.items()}
     for kept, _, _ in acquired.values():
-        kept.materializer.poll()
-    for kept, _, _ in acquired.values():
-        kept.materializer.wait()  # a materialization finishes inside the task that started it
+        kept.materializer.poll()  # applies one that finished; starts one if due, and returns
     stats: dict[int, dict[str, Any]] = {}
     for subtask, (kept, source, restore_ms) in acquired.items():
         stats[subtask] = {
             "source": source,  # where the state came from: kept | local | dfs
             "restore_ms": restore_ms,
             "run_ms": round(run_ms[subtask], 2),
-            "materialized": kept.materializer.metrics.completed - materialized[subtask],
+            # materializations this task's handle names for the first time: one this worker's
+            # materializer finished, or one another worker finished (handover)
+            "materialized": kept.materializer.metrics.completed - materialized[subtask] + kept.handed_over,
+            "materializing": kept.materializer.in_flight is not None,  # still uploading, or not applied yet
             # when the no-data batch source (backend.spark.ticks) must ask for the next batch
             "next_processing_timer_ms": kept.backend.timers.earliest(PROCESSING_TIME),
             "next_event_timer_ms": kept.backend.timers.earliest(EVENT_TIME),

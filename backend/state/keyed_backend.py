@@ -10,7 +10,8 @@ The backend is the coordinator of smaller parts, each in its module: the current
 (``context.KeyContext``, which the backend is), the LMDB tables (``lmdb_tables``), one table and
 one user-facing wrapper per state (``primitives``), the timers (``timers``), the restore of
 handles of any old parallelism (``restore``), and what the snapshots reference on the DFS and
-when the log is truncated (``truncation``). Times are milliseconds throughout.
+when the log is truncated (``truncation``), and the cut a materialization reads (``cut``). Times are
+milliseconds throughout.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from backend.core import records as rec
@@ -33,6 +33,7 @@ from backend.core.serializers import Serializer
 from backend.core.tablekeys import key_group_of, split_table_key
 from backend.state import restore as restoring
 from backend.state.context import KeyContext
+from backend.state.cut import MaterializationPoint
 from backend.state.lmdb_tables import LmdbTables
 from backend.state.primitives import create_state
 from backend.state.restore import ChunkLoader
@@ -46,25 +47,6 @@ from dstl.types import SequenceNumber
 __all__ = ["DEFAULT_CACHE_LIMIT", "ChangelogKeyedStateBackend", "ChunkLoader", "MaterializationPoint"]
 
 DEFAULT_CACHE_LIMIT = 200_000
-
-
-@dataclass
-class MaterializationPoint:
-    """A consistent cut for a materialization: every change up to ``sqn`` is in ``txn``'s view.
-
-    ``dirty``: key groups changed since the previous materialization began; ``previous``: the
-    chunk entries of that materialization (re-referenced where their key groups are clean);
-    ``rewrite_all``: the state came (partly) from restored logs, so no previous chunk is complete.
-    """
-
-    sqn: int
-    txn: Any
-    databases: dict[str, Any]
-    dirty: frozenset[int]
-    previous: tuple[dict[str, Any], ...]
-    key_group_range: KeyGroupRange
-    log_bytes: int
-    rewrite_all: bool = False
 
 
 def _wall_clock_ms() -> int:
@@ -120,6 +102,8 @@ class ChangelogKeyedStateBackend(KeyContext):
         self._restored_meta: dict[str, dict[str, Any]] = {}
         self.timers = TimerService(self)
         self._lock = threading.RLock()
+        #: cuts of materializations not yet completed or aborted: ``close`` releases them
+        self._cuts: set[MaterializationPoint] = set()
 
     @property
     def materialized_sqn(self) -> SequenceNumber:
@@ -361,6 +345,10 @@ class ChangelogKeyedStateBackend(KeyContext):
             rewrite_all = bool(lineage.carried) or lineage.needs_full_materialization
             if sqn == lineage.materialized_sqn and not rewrite_all:
                 return None
+            if sqn > lineage.materialized_sqn or not lineage.carried:
+                log_id, log_sqn = self.writer.log_id, int(sqn)
+            else:  # nothing logged here yet: the cut is the carried state, up to the end of its last log
+                log_id, log_sqn = lineage.carried[-1].log.log_id, lineage.carried[-1].log.upto
             point = MaterializationPoint(
                 sqn=sqn,
                 txn=self.tables.env.begin(),
@@ -370,24 +358,50 @@ class ChangelogKeyedStateBackend(KeyContext):
                 key_group_range=self.key_group_range,
                 log_bytes=self.log_bytes_since_materialization,
                 rewrite_all=rewrite_all,
+                log_id=log_id,
+                log_sqn=log_sqn,
             )
+            self._cuts.add(point)
             self.dirty_key_groups = set()
             self.log_bytes_since_materialization = 0
             return point
 
+    def _end_cut(self, point: MaterializationPoint) -> None:
+        point.release()
+        self._cuts.discard(point)
+
     def complete_materialization(self, point: MaterializationPoint, chunks: Sequence[dict[str, Any]]) -> None:
         """The chunks of ``point`` are durable: later snapshots reference them and the log after
         ``point.sqn`` only; carried-over logs of a restore are no longer needed."""
-        point.txn.abort()
         with self._lock:
+            self._end_cut(point)
             self.lineage.materialized_at(point.sqn, list(chunks), full=point.rewrite_all)
 
     def abort_materialization(self, point: MaterializationPoint) -> None:
         """The materialization failed: its key groups stay dirty for the next attempt."""
-        point.txn.abort()
         with self._lock:
+            self._end_cut(point)
             self.dirty_key_groups |= point.dirty
             self.log_bytes_since_materialization += point.log_bytes
+
+    def adopt_materialization(
+        self, log_id: str, sqn: int, key_group_range: KeyGroupRange, chunks: Sequence[dict[str, Any]]
+    ) -> bool:
+        """Take a materialization that a backend of another process finished for this state: its
+        ``chunks`` (durable) hold the state after log ``log_id`` up to ``sqn``. It is taken only if
+        this backend's carried log ends with that log and covers it there
+        (``SnapshotLineage.adopt_materialization``); then later snapshots name the chunks and that
+        log after ``sqn`` instead of the carried log, and a materialization here need not start.
+        Returns whether it was taken. Why: under Spark the next batch of a subtask may run in
+        another Python worker, which adopts the local tables but not the first one's materializer."""
+        if key_group_range != self.key_group_range:
+            return False
+        with self._lock:
+            dropped = self.lineage.adopt_materialization(log_id, sqn, key_group_range, list(chunks))
+            if dropped is None:
+                return False
+            self.log_bytes_since_materialization = max(0, self.log_bytes_since_materialization - dropped)
+            return True
 
     def consistent_view(self) -> tuple[Any, dict[str, Any]]:
         """Flush, then an LMDB read transaction and the tables it sees (abort the txn when done)."""
@@ -475,9 +489,13 @@ class ChangelogKeyedStateBackend(KeyContext):
 
     def close(self) -> None:
         """Close the local tables and the writer. The files of snapshots handed out and not yet
-        confirmed or aborted stay (``truncation``); other unconfirmed log files are released."""
+        confirmed or aborted stay (``truncation``); other unconfirmed log files are released. A
+        materialization still reading the tables in the background fails at its next read
+        (``cut``); the close waits only for the read in progress."""
         with self._lock:
             self.lineage.close()
+            for point in list(self._cuts):  # after any read in progress; later reads raise
+                self._end_cut(point)
         if self.writer is not None:
             self.writer.close()
         self.tables.close()

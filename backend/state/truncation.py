@@ -17,6 +17,9 @@ what can go:
   them (``close``): whether that checkpoint completed is the coordinator's to know, and the
   orphan scan of the next recovery removes them if none did. A snapshot whose log is persisted
   only after the close is never returned (``closed``).
+- A materialization another process finished for the same state (Spark: the previous batch's
+  Python worker) replaces the carried log it covers (``adopt_materialization``), never the own
+  log; its chunks, like a restore's, are not ours to delete.
 - Deletions here run in the background with retries (``StateChangelogStorage.delete_later``):
   they happen after a commit or a materialization, which a refused DELETE must not fail.
 
@@ -25,10 +28,11 @@ The backend calls it under its lock; it never touches the local tables.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from backend.core.handles import LogEntry
-from dstl import ChangelogHandle, ConfigurationError, StateChangelogStorage, StateChangelogWriter
+from dstl import ChangelogHandle, ConfigurationError, KeyGroupRange, StateChangelogStorage, StateChangelogWriter
 from dstl.types import SequenceNumber
 
 __all__ = ["SnapshotLineage"]
@@ -119,6 +123,37 @@ class SnapshotLineage:
         if full:
             self.needs_full_materialization = False
         self.truncate_log()
+
+    def adopt_materialization(
+        self, log_id: str, sqn: int, key_groups: KeyGroupRange, chunks: list[dict[str, Any]]
+    ) -> int | None:
+        """Take a materialization that a backend of another process finished: ``chunks`` hold the
+        state after log ``log_id`` up to ``sqn`` for ``key_groups``. Returns the bytes of carried
+        log it replaces, or None (nothing changed) unless all of these hold:
+
+        - the carried entries end with that log, for exactly ``key_groups`` (its writer's range):
+          the entries before it are older than that log, so the chunks hold them too, and the log
+          was written by the backend that materialized (a log id names one writer);
+        - ``after < sqn <= upto`` for that entry: the lineage has every change of the log up to
+          ``sqn`` (none is lost by dropping them) and the chunks are newer than what it
+          materialized already (``after == sqn``: it holds this materialization already).
+
+        Then the lineage is the chunks, that log after ``sqn``, and the own log as before. The
+        chunks are not ours to delete (another process uploaded them; see ``close``)."""
+        if not self.carried or self.needs_full_materialization:
+            return None
+        last = self.carried[-1]
+        log = last.log
+        if log.log_id != log_id or last.key_groups != key_groups or log.key_group_range != key_groups:
+            return None
+        if not log.after < sqn <= log.upto:
+            return None
+        before = self.carried_bytes()
+        rest = tuple(seg for seg in log.segments if seg.sqn > sqn)
+        tail = dataclasses.replace(log, after=sqn, segments=rest)
+        self.carried = [LogEntry(tail, key_groups)] if rest else []
+        self.materialized = [dict(c) for c in chunks]
+        return before - self.carried_bytes()
 
     def disown(self) -> None:
         """Forget the restored files (they belong to a savepoint or another job)."""

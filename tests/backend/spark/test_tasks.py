@@ -7,6 +7,7 @@ replaced Spark checkpoint, and pending records the next batch may still need.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,9 +57,16 @@ def run_batch(cfg: OperatorConfig, batch: int, value: int, subtasks: Any = None)
     return [run_subtask(cfg, i, batch, "q", 1, appender(value))[1] for i in subtasks or range(cfg.parallelism)]
 
 
-def other_worker() -> None:
-    """The next task of every subtask runs in another Python worker of the host."""
+def other_worker(finish_uploads: bool = True) -> None:
+    """The next task of every subtask runs in another Python worker of the host. A materialization
+    this worker still uploads finishes first (as in a worker that lives on, or exits normally: the
+    interpreter waits for the upload thread); with ``finish_uploads=False`` the worker drops its
+    backends at once, as a worker that runs the subtask again after another one did: the upload
+    fails at its next read of the closed tables, or finishes if it read them all."""
     for kept in tasks._KEPT.values():
+        running = kept.materializer.in_flight
+        if finish_uploads and running is not None:
+            concurrent.futures.wait([running])
         tasks._discard(kept)
     tasks._KEPT.clear()
 
@@ -93,18 +101,30 @@ def _clean_workers() -> Iterator[None]:
 
 
 def test_a_subtask_that_changes_worker_every_batch_still_materializes(tmp_path: Path) -> None:
+    """Each batch runs in another Python worker. A task only starts the materialization; the
+    upload ends in the old worker, and the next worker takes its result from the local directory:
+    from then on its handle names the chunks and its own log, not the carried logs before them."""
     cfg = config(tmp_path, 1, size_trigger_bytes=4_000)
     driver = DriverCoordinator(cfg)
     driver.register(cfg)
-    materialized = 0
+    taken = 0
+    started = False
     for batch in range(30):
-        materialized += sum(s["materialized"] for s in run_batch(cfg, batch, batch))
+        (stats,) = run_batch(cfg, batch, batch)
+        assert stats["source"] == ("local" if batch else "dfs")
+        assert stats["materialized"] == int(started)  # the one the previous worker started, if any
+        taken += stats["materialized"]
+        started = stats["materializing"]
         driver.complete_batch(batch, "q")
-        other_worker()
-    latest = driver.latest()
-    assert latest is not None
-    assert materialized >= 2
-    assert len(latest.handles("op")[0].changelog) < 15  # the carried log does not grow with every batch
+        latest = driver.latest()
+        assert latest is not None
+        (handle,) = latest.handles("op")
+        if stats["materialized"]:
+            (own,) = handle.changelog  # the carried logs are in the chunks now
+            assert handle.materialized and own.log.segments
+        assert len(handle.changelog) < 15  # the carried log does not grow with every batch
+        other_worker()  # lets the upload finish in the old worker
+    assert taken >= 2
     assert read_all(cfg, 29) == {k: list(range(30)) for k in KEYS}
     driver.close()
 
