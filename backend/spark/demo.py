@@ -4,14 +4,22 @@ A user's ``StatefulProcessor`` keeps a running session per user (total and count
 the session's categories in map state) and closes sessions that were idle for a batch with a
 processing-time timer. It runs through ``transform_with_state_in_pandas`` on local Spark over
 generated events (one input file per micro-batch), checkpointing to a local directory (the
-embedded default) or to S3 with ``--s3``. The first run at 4 partitions is killed (SIGKILL, the
-whole driver) right after the input of a batch arrived; a second run restarts the query at 2
-partitions from the same checkpoints, Spark re-runs what was not committed, and every batch's
-output of both runs is compared with a batch computation of the same input. Prints per batch:
-input and output rows, log records in the checkpoint, the slowest task's persist time, files
-written, materializations; ends with PASS or FAIL.
+embedded default) or to S3 with ``--s3``, on ``local[2,4]`` or the Spark master ``--master`` names
+(``local-cluster[2,1,1024]``: two executor JVMs of one core each). The first run at 4 partitions
+is killed (SIGKILL, the whole driver) right after the input of a batch arrived; a second run
+restarts the query at 2 partitions from the same checkpoints, Spark re-runs what was not
+committed, and every batch's output of both runs is compared with a batch computation of the same
+input. Prints per batch: input and output rows, log records in the checkpoint, the slowest task's
+persist time, files written, materializations; ends with PASS or FAIL.
 
-    python -m backend.spark.demo [--dir DIR] [--batches N] [--kill-after N]
+The first run is a process group of its own, and the kill takes the whole group: the Python
+driver, its JVM and, on ``local-cluster``, the executor JVMs that JVM started. Killing the Python
+process alone left its JVM running on until it noticed, and shutting down under a running query
+it printed stack traces into this demo's output (a query listener call py4j could not deliver to
+the dead Python side, a batch failing mid-planning, executors relaunched during the shutdown); a
+driver host that dies takes its JVM with it.
+
+    python -m backend.spark.demo [--dir DIR] [--batches N] [--kill-after N] [--master MASTER]
                                  [--s3 s3://bucket/prefix --s3-endpoint http://host:port]
 """
 
@@ -21,6 +29,8 @@ import argparse
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,10 +112,21 @@ def expected_outputs(stream: list[list[tuple[str, int, str]]]) -> dict[int, list
     return out
 
 
-def _session() -> Any:
+DEFAULT_MASTER = "local[2,4]"
+
+
+def _session(master: str) -> Any:
     from backend.spark.session import local_session
 
-    return local_session("dstl-demo", "local[2,4]", **{"spark.sql.streaming.noDataMicroBatches.enabled": "false"})
+    return local_session("dstl-demo", master, **{"spark.sql.streaming.noDataMicroBatches.enabled": "false"})
+
+
+def _kill_driver() -> None:
+    """SIGKILL this driver: its process group (see the module docstring) when it leads one, else
+    this process alone."""
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _write_input(directory: Path, batch: int, rows: list[tuple[str, int, str]]) -> None:
@@ -128,7 +149,9 @@ def run_query(args: argparse.Namespace, parallelism: int, first: int, last: int,
     from dstl import ChangelogConfig, S3Options
 
     root = Path(args.dir)
-    spark = _session()
+    spark = _session(args.master)
+    with open(root / APPS, "a") as apps:  # whose executor logs to keep (run 1 cannot, it is killed)
+        apps.write(f"{spark.sparkContext.applicationId}\n")
     stream = events(args.batches)
     location = args.s3 or str(root / "state")
     config = ChangelogConfig(base_path=location, s3=S3Options(endpoint_url=args.s3_endpoint)) if args.s3 else None
@@ -151,8 +174,9 @@ def run_query(args: argparse.Namespace, parallelism: int, first: int, last: int,
             began = time.perf_counter()
             _write_input(root / "input", b, stream[b])
             if kill_after is not None and b == kill_after:
-                print(f"-- batch {b}: input written; killing the driver (SIGKILL) mid-batch", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+                executors = ", and with it the executor JVMs it started" if _cluster(args.master) else ""
+                print(f"-- batch {b}: input written; killing the driver (SIGKILL) mid-batch{executors}", flush=True)
+                _kill_driver()
             query.processAllAvailable()
             seconds = time.perf_counter() - began
             props = _wait_for_checkpoint(location, b)
@@ -192,6 +216,42 @@ def _report(root: Path, batch: int, rows_in: int, seconds: float, new_files: int
 
 
 HEADER = "batch  rows in updates closed  ckpt log records persist ms new files  mat. batch s"
+LEGEND = (
+    "per batch: input rows, sessions updated, sessions closed, the checkpoint completed, log records in it, "
+    "the slowest task's persist time, new files on the DFS, materializations, seconds"
+)
+APPS = "spark-apps.txt"
+
+
+def _cluster(master: str) -> bool:
+    return master.startswith("local-cluster")
+
+
+def _describe(master: str) -> str:
+    """One line on what the Spark master runs."""
+    shape = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*\]", master)
+    if shape:
+        executors, cores, memory = shape.groups()
+        return (f"spark master {master}: the driver starts {executors} executor JVMs on this machine, "
+                f"{cores} core(s) and {memory} MiB each, that run the tasks")  # fmt: skip
+    if master.startswith("local"):
+        return f"spark master {master}: one JVM runs the driver and the tasks"
+    return f"spark master {master}"
+
+
+def _keep_executor_logs(root: Path) -> Path | None:
+    """Move the executor logs a ``local-cluster`` run leaves under Spark's home
+    (``work/<application id>``) into ``root/executor-logs``; the directory, or None if none."""
+    from pyspark.find_spark_home import _find_spark_home
+
+    work = Path(_find_spark_home()) / "work"
+    apps = (root / APPS).read_text().split() if (root / APPS).exists() else []
+    kept = root / "executor-logs"
+    for app in apps:
+        if (work / app).is_dir():
+            kept.mkdir(exist_ok=True)
+            shutil.move(str(work / app), str(kept / app))
+    return kept if kept.is_dir() else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-after", type=int, default=6, help="the batch during which run 1 is killed")
     parser.add_argument("--s3", help="checkpoint to this s3:// URL instead of DIR/state")
     parser.add_argument("--s3-endpoint", help="S3-compatible endpoint URL (credentials from AWS_* variables)")
+    parser.add_argument(
+        "--master",
+        default=DEFAULT_MASTER,
+        help=f"Spark master (default {DEFAULT_MASTER}; local-cluster[2,1,1024]: two executor JVMs of one core each)",
+    )
     parser.add_argument("--phase", choices=["all", "first"], default="all", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not 1 <= args.kill_after < args.batches - 1:
@@ -211,16 +276,23 @@ def main(argv: list[str] | None = None) -> int:
         (root / "input").mkdir(parents=True, exist_ok=True)
         run_query(args, 4, 0, args.kill_after, args.kill_after)
         return 0
+    root.mkdir(parents=True, exist_ok=True)
     where = args.s3 or root / "state"
+    print(_describe(args.master))
     print(f"state checkpoints: {where}   (Spark's own query checkpoint: {root / 'spark'})")
-    print(f"run 1: {args.batches} batches planned, 4 partitions, killed during batch {args.kill_after}\n")
-    print(HEADER)
-    child = subprocess.run([sys.executable, "-m", "backend.spark.demo", "--phase", "first", *_passthrough(args)])
+    print(f"run 1: a streaming query over {args.batches} batches of generated events at 4 partitions, "
+          f"killed during batch {args.kill_after}\n")  # fmt: skip
+    print(LEGEND)
+    print(HEADER, flush=True)
+    # a process group of its own, which the kill takes whole (module docstring)
+    command = [sys.executable, "-m", "backend.spark.demo", "--phase", "first", *_passthrough(args)]
+    child = subprocess.run(command, process_group=0)
     if child.returncode != -signal.SIGKILL:
         print(f"FAIL: run 1 ended with exit code {child.returncode}, not killed")
         return 1
-    print(f"\nrun 2: restart at 2 partitions from the checkpoints (Spark re-runs batch {args.kill_after})\n")
-    print(HEADER)
+    print(f"\nrun 2: a new driver restarts the query at 2 partitions from the same checkpoints; Spark re-runs "
+          f"batch {args.kill_after}, which it had not committed\n")  # fmt: skip
+    print(HEADER, flush=True)
     run_query(args, 2, args.kill_after, args.batches - 1, None)
     expected = expected_outputs(events(args.batches))
     got = {b: [tuple(r) for r in json.loads((root / "output" / f"{b}.json").read_text())]
@@ -230,12 +302,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{'all equal' if not bad else f'batches {bad} differ'}")  # fmt: skip
     if not args.s3:
         print(f"inspect the state: dstl checkpoints list {where}")
+    logs = _keep_executor_logs(root) if _cluster(args.master) else None
+    if logs is not None:
+        print(f"the executors' logs: {logs}")
     print("PASS: exactly-once across a kill and a rescale 4 -> 2" if not bad else "FAIL")
     return 0 if not bad else 1
 
 
 def _passthrough(args: argparse.Namespace) -> list[str]:
     out = ["--dir", args.dir, "--batches", str(args.batches), "--kill-after", str(args.kill_after)]
+    out += ["--master", args.master]
     if args.s3:
         out += ["--s3", args.s3]
     if args.s3_endpoint:
