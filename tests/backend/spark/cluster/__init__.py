@@ -1,0 +1,3 @@
+"""Multi-executor Spark tests (marker ``cluster``): each scenario runs in a child process that
+starts ``local-cluster[2,1,1024]`` (two executor JVMs), since this test session already holds a
+SparkContext and a Python process can hold only one."""
