@@ -211,11 +211,11 @@ def _report(root: Path, batch: int, rows_in: int, seconds: float, new_files: int
     rows = json.loads(output.read_text()) if output.exists() else []
     closed = sum(1 for r in rows if r[1] == "closed")
     print(f"{batch:>5} {rows_in:>8} {len(rows) - closed:>7} {closed:>6} {props.get('batch', '-'):>5} "
-          f"{props.get('log_records', '-'):>11} {props.get('persist_ms_max', '-'):>10} {new_files:>9} "
+          f"{props.get('log_records', '-'):>11} {props.get('task_ms_max', '-'):>10} {new_files:>9} "
           f"{props.get('materializations', '-'):>5} {seconds:>8.2f}", flush=True)  # fmt: skip
 
 
-HEADER = "batch  rows in updates closed  ckpt log records persist ms new files  mat. batch s"
+HEADER = "batch  rows in updates closed  ckpt log records    task ms new files  mat. batch s"
 LEGEND = (
     "per batch: input rows, sessions updated, sessions closed, the checkpoint completed, log records in it, "
     "the slowest task's persist time, new files on the DFS, materializations, seconds"

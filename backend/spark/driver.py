@@ -113,6 +113,8 @@ class DriverCoordinator:
                 "batch": batch,
                 "query_id": query_id,
                 "log_records": log_records,
+                # the slowest subtask's restore and run (its persist is after its record was written)
+                "task_ms_max": round(max((s.get("restore_ms", 0) + s.get("run_ms", 0) for s in stats), default=0)),
                 "materializations": sum(s.get("materialized", 0) for s in stats),
                 "restored_from": dict(Counter(str(s.get("source")) for s in stats)),
             }
