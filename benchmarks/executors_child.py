@@ -65,9 +65,20 @@ def _pending_stats(client: Any, bucket: str, prefix: str, keys: set[str], batch:
                 s = sub.get("stats", {})
                 stats.append(
                     {"subtask": sub["subtask"], "source": s.get("source"), "materialized": s.get("materialized", 0),
-                     "chunks": s.get("chunks"), "persist_ms": s.get("persist_ms")}
+                     "chunks": s.get("chunks"), "persist_ms": s.get("persist_ms"), "run_ms": s.get("run_ms"),
+                     "restore_ms": s.get("restore_ms")}
                 )  # fmt: skip
     return stats
+
+
+def _slowest(stats: list[dict[str, Any]]) -> dict[str, float]:
+    """The largest of each of the tasks' timings (per subtask: restore, run; per task: persist)."""
+    out: dict[str, float] = {}
+    for name in ("restore_ms", "run_ms", "persist_ms"):
+        values = [float(s[name]) for s in stats if isinstance(s.get(name), int | float)]
+        if values:
+            out[name] = max(values)
+    return out
 
 
 def _kind(name: str) -> str:
@@ -247,7 +258,7 @@ def run_ours(
             batches.append(
                 {"batch": batch_id, "new_files": len(new), "kinds": kinds, "requests": requests, "ops": ops,
                  "materialized": materialized, "subtasks_materialized": sum(1 for s in stats if s["materialized"]),
-                 "sources": sources}
+                 "sources": sources, "slowest_ms": _slowest(stats)}
             )  # fmt: skip
 
         query = (
