@@ -298,6 +298,8 @@ def _plot(raw: dict[str, Any], configs: dict[str, dict[str, Any]], path: Path) -
     fig, axes = plt.subplots(len(executors), 1, figsize=(10, 4.5 * len(executors)), squeeze=False, sharex=True)
     colors = {4: "tab:blue", 8: "tab:orange", 16: "tab:green"}
     for ax, count in zip(axes[:, 0], executors, strict=True):
+        for due in range(4, max(c["batches_ours"] for c in configs.values()), 5):
+            ax.axvline(due, color="gray", alpha=0.4, linestyle=":")
         for config in (c for c in configs.values() if c["executors"] == count):
             p = config["partitions"]
             runs = raw[str(count)]["runs"]
@@ -318,7 +320,10 @@ def _plot(raw: dict[str, Any], configs: dict[str, dict[str, Any]], path: Path) -
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, ncol=2)
-    axes[-1, 0].set_xlabel("batch (0 is the first; dots: ours materialized, squares: Spark uploaded a snapshot)")
+    axes[-1, 0].set_xlabel(
+        "batch (0 is the first; dotted: ours due to materialize; dots: ours materialized; squares: Spark's snapshots)"
+    )
+    axes[-1, 0].xaxis.get_major_locator().set_params(integer=True)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
