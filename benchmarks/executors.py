@@ -21,9 +21,9 @@ of every process (the driver, the Python workers, the changelog service) crosses
 which logs it, so the count needs nothing of ours in those processes. A local directory with a
 counter would need a counting file system registered in every process, the changelog service's
 included, which only our own code could do. The proxy opens a fresh connection to moto per
-request and moto is Python: a request costs a few milliseconds, more than a local file and less
-than real S3. Spark's operator writes to a local directory (Spark's S3 connector is not installed
-here), so its requests are reported as n/a.
+request and moto is Python: a request costs more than on a local file, less than on real S3.
+Spark's operator writes to a local directory (Spark's S3 connector is not installed here), so its
+requests are reported as n/a.
 
 **Files and requests per batch.** The foreachBatch sink lists the state directory after each
 batch (ours straight from moto, bypassing the proxy, so listing adds no request; Spark's with
@@ -41,12 +41,12 @@ with the key groups Spark computes, and sets the trigger inside the window where
 subtask due in batches 4, 9, 14, ... (0-based) as long as the count is the bytes logged. It is not
 always: a subtask whose task lands on another Python worker than in the previous batch adopts the
 tables that worker left (or restores), and its count restarts from the carried log's size in the
-files, which is compressed (``carried_bytes``, about a sixth of the logged bytes here). Which
+files, which is compressed (``carried_bytes``: several times smaller than the bytes logged). Which
 worker runs a task is Spark's choice, so the batches in which subtasks did materialize are read
 from the tasks' pending records, reported (``materialized_batches_ours``, with where each
 subtask's state came from, ``state_sources_ours``) and marked in the plot; Spark's RocksDB
 snapshots (new ``.zip`` files) are marked too. A materialization writes one chunk per key group
-(128), so the files per batch are also given without them.
+(``max_parallelism`` of them), so the files per batch are also given without them.
 
 **Batch time.** Spark's ``triggerExecution`` of each batch, the first left out; p50 and p99 over
 the rest (with 20 batches the p99 lies between the two slowest).
@@ -54,7 +54,8 @@ the rest (with 20 batches the p99 lies between the two slowest).
 Figures: per configuration (executors x partitions) files per batch for both, requests per batch
 for ours, p50/p99 for both and p99/p50 for ours. ``files_per_batch_ours`` is at 4 partitions on 1
 executor; ``files_per_batch_max_over_partitions`` is the largest, over every run, of ours' files
-per batch minus the executors of the run; ``batch_p99_over_p50_ours`` is the largest p99/p50 of
+per batch minus the executors of the run (``..._without_chunks``: the same without the
+materialized chunks); ``batch_p99_over_p50_ours`` is the largest p99/p50 of
 ours over the runs (``batch_p99_over_p50_ours_at`` names the run).
 """
 
