@@ -19,6 +19,7 @@ BENCHMARKS = {
     "space": "benchmarks.space",
     "incremental": "benchmarks.incremental",
     "spark": "benchmarks.spark",
+    "executors": "benchmarks.executors",
     "backpressure": "benchmarks.backpressure",
     "soak": "benchmarks.soak",
 }
