@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.executors import Settings, measure, summarize
 
-pytestmark = [pytest.mark.spark, pytest.mark.s3, pytest.mark.slow]
+pytestmark = [pytest.mark.spark, pytest.mark.s3]
 pytest.importorskip("pyspark")
 
 METRICS = (
@@ -40,11 +40,12 @@ def test_one_master_at_one_partition_count_reports_every_figure(tmp_path: Path) 
     assert metrics["batch_p99_over_p50_ours_at"] == "x1_p4"
     config = doc["details"]["configurations"]["x1_p4"]
     assert config["batches_ours"] == config["batches_spark"] == 3
-    # every batch of ours writes at least its log file and its tasks' pending records, each through
-    # the proxy; the driver's checkpoint of a batch falls into a later batch's count (or after the last)
+    # every batch of ours writes at least its log file, under pending/ (the tasks' records ride in it
+    # as notes), through the proxy; the driver's checkpoint of a batch falls into a later batch's
+    # count (or after the last)
     ours = raw["1"]["runs"]["p4_ours"]
     batches = ours["batches"]
-    assert all(b["kinds"].get("dstl", 0) >= 1 and b["kinds"].get("pending", 0) >= 1 for b in batches)
+    assert all(b["kinds"].get("pending", 0) >= 1 and b["kinds"].get("dstl", 0) == 0 for b in batches)
     assert len(batches) - 2 <= sum(b["kinds"].get("chk", 0) for b in batches) <= len(batches) - 1
     assert all(b["requests"] >= b["new_files"] for b in batches)
     assert ours["after_last_batch"]["final_checkpoint"]
