@@ -173,6 +173,13 @@ class PeriodicMaterializer:
         """The running materialization (done or not) that ``poll`` has not applied yet, if any."""
         return self._running
 
+    @property
+    def logged_bytes(self) -> int:
+        """The logged bytes since the last materialization this materializer applied: the
+        backend's count, plus what the one not applied yet covers (another process may go on
+        from these tables without its result, and must count them)."""
+        return self.backend.log_bytes_since_materialization + (self._point.log_bytes if self._point else 0)
+
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the running materialization (if any) and apply its outcome."""
         if self._running is not None:

@@ -216,6 +216,9 @@ def _adopt(
         max_parallelism=cfg.max_parallelism, num_retained=2, reuse_local=True,
     )  # fmt: skip
     backend.adopt_local(handle)
+    logged = marker.get("log_bytes")
+    if type(logged) is int and logged >= 0:  # the size trigger counts logged bytes, not file bytes
+        backend.log_bytes_since_materialization = logged
     life = marker.get("life")
     life = life if isinstance(life, str) else uuid.uuid4().hex
     kept = _Kept(backend, _materializer(cfg, backend, directory, life), int(marker["version"]), uuid.uuid4().hex, life)
@@ -293,7 +296,13 @@ def run_subtasks(
             kept.version = batch
             _write_marker(
                 cfg.local_dir(subtask),
-                {"version": batch, "token": kept.token, "life": kept.life, "handle": handles[subtask].to_json()},
+                {
+                    "version": batch,
+                    "token": kept.token,
+                    "life": kept.life,
+                    "handle": handles[subtask].to_json(),
+                    "log_bytes": kept.materializer.logged_bytes,
+                },
             )
             _KEPT[(cfg.job_dir, cfg.uid, cfg.parallelism, subtask)] = kept
     return outputs, [stats[i] for i in subtasks]

@@ -397,10 +397,16 @@ class ChangelogKeyedStateBackend(KeyContext):
         if key_group_range != self.key_group_range:
             return False
         with self._lock:
+            before = self.lineage.carried_bytes()
             dropped = self.lineage.adopt_materialization(log_id, sqn, key_group_range, list(chunks))
             if dropped is None:
                 return False
-            self.log_bytes_since_materialization = max(0, self.log_bytes_since_materialization - dropped)
+            # the count is of logged (uncompressed) bytes, the carried log's of file (compressed)
+            # bytes: keep the share of the count that the log still carried stands for
+            kept = max(0, before - dropped)
+            self.log_bytes_since_materialization = (
+                self.log_bytes_since_materialization * kept // before if before else 0
+            )
             return True
 
     def consistent_view(self) -> tuple[Any, dict[str, Any]]:

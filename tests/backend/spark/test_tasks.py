@@ -343,3 +343,22 @@ def test_a_query_restarted_in_the_same_driver_at_another_parallelism_completes_i
     assert meta is not None and len(meta.handles("op")) == 2
     assert read_all(after, 1) == {k: [0, 1] for k in KEYS}
     driver.close()
+
+
+def test_the_size_trigger_counts_the_same_bytes_whichever_worker_runs_the_subtask(tmp_path: Path) -> None:
+    """The size trigger counts logged (uncompressed) bytes; a subtask adopted by another worker
+    must go on counting from the bytes logged so far, not from the carried log's file
+    (compressed) bytes, which would make it materialize far later than one that stays put."""
+
+    def logged_after(root: Path, switch: bool) -> int:
+        cfg = config(root, 1, size_trigger_bytes=None)
+        for batch in range(4):
+            stats = run_batch(cfg, batch, batch)
+            if switch and batch < 3:
+                other_worker()
+        assert stats[0]["source"] == ("local" if switch else "kept")
+        logged: int = tasks._KEPT[(cfg.job_dir, cfg.uid, 1, 0)].backend.log_bytes_since_materialization
+        other_worker()
+        return logged
+
+    assert logged_after(tmp_path / "moving", True) == logged_after(tmp_path / "staying", False) > 0
