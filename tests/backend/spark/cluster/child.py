@@ -15,7 +15,8 @@ files (``DIR/input``) and compares. The phases, in order, each a few batches:
   state (it claims ``DIR/control/block-<b>``, a marker file only one attempt can rename, and
   writes its pid to ``blocked-<b>.json``); the driver walks up from that pid to the executor JVM
   running it (``CoarseGrainedExecutorBackend`` of this application) and SIGKILLs it, and Spark
-  retries the task on the other executor; then one more batch;
+  retries the task on the other executor or the one the cluster starts in its place; then one
+  more batch;
 - ``local-dir-wipe``: ``local_dir`` (the drop-in's LMDB directories; on this one-host cluster both
   executors share it) is deleted between two batches;
 - ``service-kill``: a task blocks as above and the driver SIGKILLs every changelog service process
