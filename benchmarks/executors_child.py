@@ -87,6 +87,18 @@ def _slowest(stats: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def _run_available(out: Any, sink: Any, work: Path) -> Any:
+    """Run ``out`` over every input file available (one per batch) into ``sink``; the ended query."""
+    query = (
+        out.writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(work / "spark-chk"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    return query
+
+
 def _kind(name: str) -> str:
     """What a path of our state directory is: chk (checkpoint metadata), dstl (log), pending,
     shared (materialized chunks), or the file name (``_query.json``, ...)."""
@@ -191,13 +203,7 @@ def run_spark(spark: Any, source: Path, work: Path) -> dict[str, Any]:
             kinds[_spark_kind(name)] = kinds.get(_spark_kind(name), 0) + 1
         batches.append({"batch": batch_id, "new_files": len(new), "kinds": kinds, "snapshot": kinds.get("zip", 0) > 0})
 
-    query = (
-        out.writeStream.foreachBatch(sink)
-        .option("checkpointLocation", str(work / "spark-chk"))
-        .trigger(availableNow=True)
-        .start()
-    )
-    query.awaitTermination()
+    query = _run_available(out, sink, work)
     return {"durations_ms": _durations(query), "batches": batches, "rows_out": rows_out[0]}
 
 
@@ -267,13 +273,7 @@ def run_ours(
                  "sources": sources, "slowest_ms": _slowest(stats)}
             )  # fmt: skip
 
-        query = (
-            out.writeStream.foreachBatch(sink)
-            .option("checkpointLocation", str(work / "spark-chk"))
-            .trigger(availableNow=True)
-            .start()
-        )
-        query.awaitTermination()
+        query = _run_available(out, sink, work)
         durations = _durations(query)
         last = batches[-1]["batch"] if batches else -1
         deadline = time.monotonic() + FINAL_CHECKPOINT_WAIT_S
