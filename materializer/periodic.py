@@ -12,9 +12,12 @@ How (FLIP-158's steps, with Flink's rules):
 - Consistency: the synchronous part runs on the operator's thread (``begin_materialization``):
   flush, take the log's SQN and an LMDB read transaction with no write in between.
 - Upload: in a background thread, one chunk per key-group range (``chunk_key_groups`` key groups
-  each). A chunk whose key groups did not change since the last materialization is re-referenced,
-  not uploaded (incremental). Then the backend records (chunks, SQN), later snapshots reference
-  the chunks plus the log after the SQN, and the log is truncated (see the backend).
+  each), packed into files of at most ``pack_bytes`` (``materializer.packs``: a handle names a
+  chunk by file, offset and size), and the last pack shared with the materializations started
+  together with this one when the caller passes a ``SharedPack``. A chunk whose key groups did
+  not change since the last materialization is re-referenced, not uploaded (incremental). Then
+  the backend records (chunks, SQN), later snapshots reference the chunks plus the log after the
+  SQN, and the log is truncated (see the backend).
 - Failure: the partial chunks of a failed materialization are deleted, its key groups stay dirty
   for the next attempt, and more than ``max_failures_allowed`` consecutive failures raise
   ``MaterializationError`` from ``poll()`` (Flink fails the job the same way).
@@ -42,7 +45,6 @@ import contextlib
 import logging
 import random
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +58,7 @@ from dstl import ChangelogError, ConfigurationError, KeyGroupRange, StateChangel
 from materializer.binding import bound_chunk_sections
 from materializer.chunks import encode_chunk
 from materializer.metrics import MaterializationMetrics
+from materializer.packs import PackBuilder, SharedPack
 
 _log = logging.getLogger(__name__)
 
@@ -97,6 +100,7 @@ class PeriodicMaterializer:
         interval_ms: int = 600_000,
         size_trigger_bytes: int | None = 64 << 20,
         chunk_key_groups: int = 1,
+        pack_bytes: int = 16 << 20,
         max_failures_allowed: int = 3,
         compression_level: int = 1,
         clock_ms: Callable[[], float] = monotonic_ms,
@@ -116,12 +120,15 @@ class PeriodicMaterializer:
             raise ConfigurationError(f"interval_ms must be positive, got {interval_ms}")
         if chunk_key_groups < 1:
             raise ConfigurationError(f"chunk_key_groups must be >= 1, got {chunk_key_groups}")
+        if pack_bytes < 1:
+            raise ConfigurationError(f"pack_bytes must be >= 1, got {pack_bytes}")
         if max_failures_allowed < 0:
             raise ConfigurationError(f"max_failures_allowed must be >= 0, got {max_failures_allowed}")
         self.backend = backend
         self.interval_ms = interval_ms
         self.size_trigger_bytes = size_trigger_bytes
         self.chunk_key_groups = chunk_key_groups
+        self.pack_bytes = pack_bytes
         self.max_failures_allowed = max_failures_allowed
         self.compression_level = compression_level
         self._clock_ms = clock_ms
@@ -141,8 +148,9 @@ class PeriodicMaterializer:
 
     # -- the operator's side --------------------------------------------------------------
 
-    def poll(self) -> bool:
-        """Finish a completed materialization, start one if due; True if one was started."""
+    def poll(self, pack: SharedPack | None = None) -> bool:
+        """Finish a completed materialization, start one if due; True if one was started (then
+        it is a member of ``pack``, if given: see ``trigger``)."""
         if self._running is not None:
             if not self._running.done():
                 return False
@@ -151,10 +159,14 @@ class PeriodicMaterializer:
         size_due = self.size_trigger_bytes is not None and log_bytes >= self.size_trigger_bytes
         if self._clock_ms() < self._due and not size_due:
             return False
-        return self.trigger()
+        return self.trigger(pack)
 
-    def trigger(self) -> bool:
-        """Start a materialization now (unless one runs or nothing changed)."""
+    def trigger(self, pack: SharedPack | None = None) -> bool:
+        """Start a materialization now (unless one runs or nothing changed). With ``pack``, its
+        last chunks go into that file, shared with the other materializations the caller starts
+        before it seals the pack; only for backends that never delete chunks themselves."""
+        if pack is not None and self.backend.storage is not None and self.backend.storage.owns_files:
+            raise ConfigurationError("a shared chunk pack needs a storage that never deletes files (owns_files=False)")
         if self._running is not None:
             return False
         self._due = self._clock_ms() + self.interval_ms
@@ -165,7 +177,14 @@ class PeriodicMaterializer:
         self.metrics.on_started()
         self._point = point
         self._started_ns = time.perf_counter_ns()
-        self._running = self._pool.submit(self._materialize, point)
+        if pack is not None:
+            pack.join()
+        try:
+            self._running = self._pool.submit(self._materialize, point, pack)
+        except BaseException:
+            if pack is not None:
+                pack.withdraw()
+            raise
         return True
 
     @property
@@ -226,47 +245,49 @@ class PeriodicMaterializer:
             yield KeyGroupRange(start, end)
             start = end + 1
 
-    def _materialize(self, point: MaterializationPoint) -> _Outcome:
+    def _materialize(self, point: MaterializationPoint, shared: SharedPack | None = None) -> _Outcome:
         previous = {
             (tuple(c["key_groups"]), tuple(c["scope"])): c for c in point.previous if c["key_groups"] == c["scope"]
         }
         chunks: list[dict[str, Any]] = []
-        written: list[str] = []
-        uploaded = full = reused = 0
+        pack = PackBuilder(self._upload, self.pack_bytes)
+        uploaded = full = reused = written = 0
         try:
-            for rng in self._ranges(point.key_group_range):
-                key = (tuple(rng.to_json()), tuple(rng.to_json()))
-                old = previous.get(key)
-                clean = not point.rewrite_all and not any(kg in point.dirty for kg in rng)
-                if old is not None and clean:
-                    chunks.append(old)
-                    full += old["size"]
-                    reused += 1
-                    continue
-                with point.reading() as txn:  # raises once the backend closed the tables
-                    sections = read_sections(txn, point.databases, rng)
-                if not sections and clean and old is None:
-                    continue  # nothing ever stored in these key groups
-                if not sections:
-                    continue  # emptied since the last materialization: no chunk needed
-                data = encode_chunk(rng, point.sqn, sections, level=self.compression_level)
-                path = f"shared/{uuid.uuid4().hex}.chunk"
-                self._upload(path, data)
-                written.append(path)
-                chunk = {
-                    "path": path,
-                    "key_groups": rng.to_json(),
-                    "scope": rng.to_json(),
-                    "sqn": int(point.sqn),
-                    "size": len(data),
-                    "entries": sum(len(v) for v in sections.values()),
-                    CHUNK_HASH: chunk_digest(data),
-                }
-                chunks.append(chunk)
-                uploaded += len(data)
-                full += len(data)
+            try:
+                for rng in self._ranges(point.key_group_range):
+                    key = (tuple(rng.to_json()), tuple(rng.to_json()))
+                    old = previous.get(key)
+                    clean = not point.rewrite_all and not any(kg in point.dirty for kg in rng)
+                    if old is not None and clean:
+                        chunks.append(old)
+                        full += old["size"]
+                        reused += 1
+                        continue
+                    with point.reading() as txn:  # raises once the backend closed the tables
+                        sections = read_sections(txn, point.databases, rng)
+                    if not sections:
+                        continue  # nothing stored in these key groups (any more): no chunk needed
+                    data = encode_chunk(rng, point.sqn, sections, level=self.compression_level)
+                    chunk = {
+                        "key_groups": rng.to_json(),
+                        "scope": rng.to_json(),
+                        "sqn": int(point.sqn),
+                        "size": len(data),
+                        "entries": sum(len(v) for v in sections.values()),
+                        CHUNK_HASH: chunk_digest(data),
+                    }
+                    pack.add(data, chunk)  # sets the offset (and the path once its pack is uploaded)
+                    chunks.append(chunk)
+                    written += 1
+                    uploaded += len(data)
+                    full += len(data)
+            except BaseException:
+                if shared is not None:
+                    shared.withdraw()
+                raise
+            pack.finish(shared)
         except BaseException:
-            for path in written:  # a failed materialization leaves nothing behind (best effort)
+            for path in pack.written:  # a failed materialization leaves nothing behind (best effort)
                 with contextlib.suppress(Exception):
                     self._delete(path)
             raise
@@ -276,7 +297,7 @@ class PeriodicMaterializer:
                 self._on_result(result)
             except Exception:
                 _log.warning("handing over the materialization of %s failed", point.key_group_range, exc_info=True)
-        return _Outcome(chunks, uploaded, full, len(written), reused)
+        return _Outcome(chunks, uploaded, full, written, reused)
 
 
 def read_sections(txn: Any, databases: Mapping[str, Any], rng: KeyGroupRange) -> dict[str, list[tuple[bytes, bytes]]]:

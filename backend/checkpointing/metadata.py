@@ -5,7 +5,7 @@ Layout of a job directory (the changelog storage's base path is ``<root>/<job>``
     <root>/<job>/chk-<n>/_metadata               one per completed checkpoint (JSON, relative paths)
     <root>/<job>/chk-<n>/_aborted                the fence of a checkpoint whose _metadata write failed
     <root>/<job>/_ids/<start>-<end>               checkpoint ids start..end reserved by one run
-    <root>/<job>/shared/<uuid>.chunk              materialized chunks
+    <root>/<job>/shared/<uuid>.chunk              materialized chunks, back to back (packs)
     <root>/<job>/dstl/<xx>/<uuid>                 changelog files
     <root>/<job>/pending/<b>/<uid>/<uuid>.dstl    Spark: changelog files of batch b whose notes are the
                                                   subtasks' records (handles) of that batch

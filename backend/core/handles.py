@@ -12,10 +12,15 @@ several handles, each for different key groups).
 A materialized entry names one chunk: ``path``, its ``key_groups``, the ``scope`` a restore takes
 from it, its ``sqn``, ``size`` and ``entries``, and (version 2) ``sha256``, the hash of its bytes,
 so that a restore can tell the chunk it reads is the one the handle names (another valid chunk in
-its place passes every checksum of the chunk format). Version 1 (written before the hash) is still
-read: its entries are bound by the other fields. A handle is written as version 2 when every
-entry has its hash, else as version 1 (entries carried over from a version-1 handle without
-reading their chunk); a version-2 handle with an entry lacking the hash is refused. Every number is
+its place passes every checksum of the chunk format). Version 3 adds ``offset``: the chunk is the
+``size`` bytes at ``offset`` of the file at ``path``, which may hold other chunks too (a *pack*:
+one materialization, or the materializations a Spark task started together, write one file
+instead of one per key-group range; see ``materializer.packs``). Without ``offset`` the chunk is
+the whole file. Version 1 (written before the hash) is still read: its entries are bound by the
+other fields. A handle is written as version 1 when an entry lacks its hash (entries carried over
+from a version-1 handle without reading their chunk), as version 3 when an entry has an offset,
+else as version 2 (so that a reader of version 2 still reads it); a version-2 handle with an entry
+lacking the hash, or an older one with an offset, is refused. Every number is
 bounded and nothing nests deeper than the format does, so a damaged handle raises
 ``StateRestoreError`` instead of an overflow or a recursion error later.
 """
@@ -34,9 +39,11 @@ from backend.core.keygroups import UPPER_BOUND_MAX_PARALLELISM
 from dstl import ChangelogHandle, CorruptChangelogError, KeyGroupRange, NotedHandle
 from dstl.types import MAX_SQN
 
-HANDLE_VERSION = 2
+HANDLE_VERSION = 3
 #: handles of this version (and up to HANDLE_VERSION) are read; before 2, chunks carry no hash
 OLDEST_HANDLE_VERSION = 1
+#: the oldest version whose chunk entries may carry an offset (a chunk inside a pack)
+PACKED_HANDLE_VERSION = 3
 #: the chunk entry field holding the SHA-256 (hex) of the chunk's bytes
 CHUNK_HASH = "sha256"
 #: larger numbers in a handle are damage (a chunk's size is at most this many bytes)
@@ -68,12 +75,35 @@ def check_chunk_entry(value: Any, version: int = HANDLE_VERSION) -> dict[str, An
         raise ValueError(f"materialized chunk entry {path}: {type(exc).__name__} {exc}") from None
     if not len(key_groups) or (len(scope) and not (key_groups.start <= scope.start and scope.end <= key_groups.end)):
         raise ValueError(f"materialized chunk entry {path}: scope {scope.to_json()} outside {key_groups.to_json()}")
+    if "offset" in value:
+        if version < PACKED_HANDLE_VERSION:
+            raise ValueError(f"materialized chunk entry {path} has an offset (handle version {version})")
+        try:
+            _bounded(value["offset"], 0, MAX_FILE_BYTES)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"materialized chunk entry {path}: offset: {exc}") from None
     digest = value.get(CHUNK_HASH)
     if digest is None and version >= 2:
         raise ValueError(f"materialized chunk entry {path} has no {CHUNK_HASH} (handle version {version})")
     if digest is not None and not (isinstance(digest, str) and _HEX64.fullmatch(digest)):
         raise ValueError(f"materialized chunk entry {path}: {CHUNK_HASH} {digest!r} is not 64 hex digits")
     return value
+
+
+def read_chunk(reader: Any, entry: dict[str, Any], timeout: float | None = None) -> bytes:
+    """The bytes of the chunk ``entry`` names, from ``reader`` (a storage): a ranged read inside a
+    pack, the whole file otherwise. Raises what the storage raises (``FileNotFoundError``, ...)."""
+    path = str(entry["path"])
+    if "offset" in entry:
+        return bytes(reader.read_range(path, int(entry["offset"]), int(entry["size"]), timeout=timeout))
+    return bytes(reader.get_file(path, timeout=timeout))
+
+
+def handle_version(chunks: Any) -> int:
+    """The version a handle (or a savepoint's part) holding the chunk entries ``chunks`` is written as."""
+    if not all(CHUNK_HASH in chunk for chunk in chunks):
+        return OLDEST_HANDLE_VERSION
+    return PACKED_HANDLE_VERSION if any("offset" in chunk for chunk in chunks) else 2
 
 
 def _bounded(value: Any, low: int, high: int) -> int:
@@ -131,9 +161,8 @@ class KeyedStateHandle:
         return chunks | {seg.path for entry in self.changelog for seg in entry.log.segments}
 
     def to_json(self) -> dict[str, Any]:
-        hashed = all(CHUNK_HASH in chunk for chunk in self.materialized)
         return {
-            "version": HANDLE_VERSION if hashed else OLDEST_HANDLE_VERSION,
+            "version": handle_version(self.materialized),
             "operator_id": self.operator_id,
             "checkpoint_id": self.checkpoint_id,
             "max_parallelism": self.max_parallelism,

@@ -35,6 +35,9 @@ class OperatorConfig:
     changelog: ChangelogConfig
     materialization_interval_ms: int = 600_000
     size_trigger_bytes: int | None = 64 << 20
+    #: the largest file of chunks a materialization writes alone (``materializer.packs``); the
+    #: chunks left below it share one file with the other materializations the task started
+    materialization_pack_bytes: int = 16 << 20
     #: how long a task waits for its batch's snapshot to be durable, milliseconds
     snapshot_timeout_ms: int = 120_000
     #: the input's ``withWatermark`` delay (None: no watermark); the watermark of batch b is the

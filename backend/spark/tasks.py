@@ -18,7 +18,8 @@ another in tasks of their own would each flush alone. The task:
    a dead Python worker and a deleted local directory all land in one of these cases;
 3. marks the local directories dirty, runs the user's processor over each subtask's rows,
    starts the materialization of those due (only the synchronous part: the upload goes on in the
-   background after the task returns, and no task waits for it), and makes every subtask's log
+   background after the task returns, and no task waits for it; the materializations a task
+   starts together share one chunk file, ``materializer.packs``), and makes every subtask's log
    durable at once, each snapshot carrying the subtask's pending record (handle, timers, event
    times) as a note: the records land in the flush's file, ``pending/<b>/<uid>/<uuid>.dstl``, with
    the changes (``dstl`` notes). A handle names only chunks that are durable: those of a
@@ -58,6 +59,7 @@ from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from backend.state.timers import EVENT_TIME, PROCESSING_TIME
 from dstl import ChangelogConfig, Note, StateChangelogStorage
 from dstl.service import RemoteChangelogStorage
+from materializer.packs import SharedPack
 from materializer.periodic import PeriodicMaterializer, restore
 
 MARKER = "state.json"
@@ -140,7 +142,7 @@ def _materializer(
 ) -> PeriodicMaterializer:
     return PeriodicMaterializer(
         backend, interval_ms=cfg.materialization_interval_ms, size_trigger_bytes=cfg.size_trigger_bytes,
-        on_result=result_writer(directory, life),
+        pack_bytes=cfg.materialization_pack_bytes, on_result=result_writer(directory, life),
     )  # fmt: skip
 
 
@@ -345,8 +347,7 @@ def _run_batch(
         outputs += process(subtask, kept.backend, now_ms, watermarks)
         run_ms[subtask] = (time.perf_counter() - began) * 1000
     materialized = {subtask: kept.materializer.metrics.completed for subtask, (kept, _, _) in acquired.items()}
-    for kept, _, _ in acquired.values():
-        kept.materializer.poll()  # applies one that finished; starts one if due, and returns
+    start_materializations([kept.materializer for kept, _, _ in acquired.values()])
     stats: dict[int, dict[str, Any]] = {}
     for subtask, (kept, source, restore_ms) in acquired.items():
         stats[subtask] = {
@@ -365,6 +366,20 @@ def _run_batch(
             stats[subtask]["event_time_basis_ms"] = max(basis, max_event_time_ms or 0)
             stats[subtask]["watermark_ms"] = watermarks.eviction_ms
     return outputs, stats
+
+
+def start_materializations(materializers: list[PeriodicMaterializer]) -> None:
+    """Apply the materializations that finished and start those due, never waiting for one; the
+    ones started here write their last chunks into one file together (``materializer.packs``), so
+    a task's materializations cost one file, not one per subtask."""
+    if not materializers:
+        return
+    pack = SharedPack(materializers[0].backend.storage.put_file)  # type: ignore[union-attr]
+    try:
+        for materializer in materializers:
+            materializer.poll(pack)
+    finally:
+        pack.seal()
 
 
 def _persist(

@@ -20,7 +20,7 @@ import lmdb
 
 from backend.core import records as rec
 from backend.core.errors import SerializationError, StateRestoreError
-from backend.core.handles import CHUNK_HASH, KeyedStateHandle, chunk_digest, intersect
+from backend.core.handles import CHUNK_HASH, KeyedStateHandle, chunk_digest, intersect, read_chunk
 from backend.core.records import Op
 from backend.state.lmdb_tables import LmdbTables
 from backend.state.timers import TIMERS_DB, TIMERS_SID
@@ -105,7 +105,7 @@ def load_materialized(
     loaded = 0
     for rng, chunk in sorted(parts, key=lambda p: p[0].start):
         try:
-            data = reader.get_file(chunk["path"])
+            data = read_chunk(reader, chunk)
         except FileNotFoundError:
             raise StateRestoreError(f"materialized chunk {chunk['path']} is missing") from None
         except ValueError as exc:  # a path outside the storage's base path

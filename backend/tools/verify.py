@@ -5,7 +5,8 @@
   checksums and columns); then every segment a handle references must lie inside the file and be
   one the footer lists (same log, SQN, offset, length, record count), else it is decoded on its
   own.
-- chunks: ``materializer.chunks.decode_chunk`` (every section decompressed and checked); the
+- chunks: ``materializer.chunks.decode_chunk`` on each chunk a handle names (the whole file, or
+  the bytes at the entry's offset in a pack; every section decompressed and checked); the
   handle's entry (key groups, SQN, size, entry count, and the hash where the handle records one)
   must match the chunk, as a restore checks it (``materializer.binding.check_binding``).
 
@@ -72,6 +73,22 @@ def verify(snapshot: Snapshot, progress: Progress) -> VerifyResult:
 
 
 def _check_chunk(path: str, data: bytes, entries: list[dict[str, Any]]) -> list[str]:
+    """Check each entry's chunk: the whole file, or (in a pack) the bytes at the entry's offset."""
+    problems: list[str] = []
+    for span in sorted({(e.get("offset"), e.get("size")) for e in entries}, key=str):
+        offset, size = span
+        named = [e for e in entries if (e.get("offset"), e.get("size")) == span]
+        if offset is None:
+            problems.extend(_check_one_chunk(path, data, named))
+        elif not (isinstance(offset, int) and isinstance(size, int) and offset + size <= len(data)):
+            problems.append(f"the chunk at offset {offset} ({size} bytes) lies outside the file ({len(data)} bytes)")
+        else:
+            found = _check_one_chunk(path, data[offset : offset + size], named)
+            problems.extend(f"the chunk at offset {offset}: {problem}" for problem in found)
+    return sorted(set(problems))
+
+
+def _check_one_chunk(path: str, data: bytes, entries: list[dict[str, Any]]) -> list[str]:
     try:
         chunk = decode_chunk(path, data)
         info = chunk_info(path, data)
@@ -90,7 +107,7 @@ def _check_chunk(path: str, data: bytes, entries: list[dict[str, Any]]) -> list[
             continue
         if len(scope) and not (chunk.key_groups.start <= scope.start and scope.end <= chunk.key_groups.end):
             problems.append(f"the handle's scope {scope.to_json()} is outside the chunk's key groups")
-    return sorted(set(problems))
+    return problems
 
 
 def _check_log(path: str, data: bytes, refs: list[tuple[str, SegmentRef]]) -> list[str]:

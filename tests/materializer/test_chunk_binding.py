@@ -5,7 +5,9 @@ key groups from an older materialization) passes every checksum of the chunk for
 handle can tell it is not the chunk it names. Handles record each chunk's key groups, SQN, size,
 entry count and (since handle version 2) its SHA-256; handles of version 1 (written before the
 hash) are checked on what they have. The files are replaced on the local DFS as a damaged or
-misplaced upload would leave them; no code of ours is patched.
+misplaced upload would leave them; no code of ours is patched. The world materializes one chunk
+per file (``pack_bytes=1``) so that a file can be swapped for another, as before packs existed;
+a chunk inside a pack is bound the same way (the last tests).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ class World(BackendWorld):
         super().__init__(tmp, ChangelogConfig.local(tmp / "dfs", persist_delay_ms=0), MAX_P)
         self.checkpoint_id = 0
 
-    def materialize(self, b: ChangelogKeyedStateBackend) -> None:
-        m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None)
+    def materialize(self, b: ChangelogKeyedStateBackend, pack_bytes: int = 1) -> None:
+        m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None, pack_bytes=pack_bytes)
         assert m.trigger()
         m.wait(30)
         m.close()
@@ -94,17 +96,39 @@ def chunk_path(world: World, handle: KeyedStateHandle, key_group: int) -> Path:
     return world.dfs / str(entry["path"])
 
 
-def materialized_handle(world: World, values: dict[int, int]) -> tuple[ChangelogKeyedStateBackend, KeyedStateHandle]:
+def materialized_handle(
+    world: World, values: dict[int, int], pack_bytes: int = 1
+) -> tuple[ChangelogKeyedStateBackend, KeyedStateHandle]:
     b = world.backend()
     write(b, values)
-    world.materialize(b)
+    world.materialize(b, pack_bytes)
     return b, world.checkpoint(b)
+
+
+def whole_files(handle: KeyedStateHandle) -> KeyedStateHandle:
+    """``handle`` as a writer before packs wrote it (version 2): each chunk is a whole file."""
+    value = json.loads(handle.dumps())
+    value["version"] = 2
+    for entry in value["materialized"]:
+        assert entry.pop("offset") == 0
+    return KeyedStateHandle.from_json(value)
+
+
+def legacy_version_1(handle: KeyedStateHandle) -> dict[str, Any]:
+    """``handle`` as a version-1 writer wrote it: no hash, one chunk per file (no offset)."""
+    legacy = json.loads(handle.dumps())
+    legacy["version"] = 1
+    for entry in legacy["materialized"]:
+        assert entry.pop("offset") == 0
+        del entry["sha256"]
+    return legacy
 
 
 def test_a_chunk_replaced_by_a_chunk_of_other_key_groups_is_refused(world: World) -> None:
     keys = keys_by_group()
     values = {key: 100 + kg for kg, key in keys.items()}
-    _, handle = materialized_handle(world, values)
+    _, packed = materialized_handle(world, values)
+    handle = whole_files(packed)
     chunk_path(world, handle, 0).write_bytes(chunk_path(world, handle, 1).read_bytes())
     with pytest.raises(CorruptDataError) as info:
         world.restored(handle)
@@ -118,7 +142,7 @@ def test_a_chunk_replaced_by_an_older_chunk_of_the_same_key_groups_is_refused(wo
     old_bytes = chunk_path(world, old_handle, 2).read_bytes()
     write(b, {keys[2]: 2})
     world.materialize(b)
-    handle = world.checkpoint(b)
+    handle = whole_files(world.checkpoint(b))
     assert read(world.restored(handle), [keys[2]]) == {keys[2]: 2}
     chunk_path(world, handle, 2).write_bytes(old_bytes)
     with pytest.raises(CorruptDataError, match="sqn"):
@@ -129,11 +153,7 @@ def test_a_version_1_handle_is_checked_on_what_it_records(world: World) -> None:
     """Handles written before the hash existed: key groups, SQN, size and entries still bind."""
     keys = keys_by_group()
     _, handle = materialized_handle(world, {key: 7 for key in keys.values()})
-    legacy = json.loads(handle.dumps())
-    legacy["version"] = 1
-    for entry in legacy["materialized"]:
-        del entry["sha256"]
-    old = KeyedStateHandle.from_json(json.loads(json.dumps(legacy)))
+    old = KeyedStateHandle.from_json(legacy_version_1(handle))
     assert read(world.restored(old), list(keys.values())) == {key: 7 for key in keys.values()}
     chunk_path(world, handle, 3).write_bytes(chunk_path(world, handle, 1).read_bytes())
     with pytest.raises(CorruptDataError, match="key groups"):
@@ -164,11 +184,59 @@ def test_restoring_a_version_1_handle_records_the_hash_of_the_chunks_it_checked(
     """Later snapshots carry the restored chunks: they must be version-2 entries, hash included."""
     keys = keys_by_group()
     _, handle = materialized_handle(world, {key: 7 for key in keys.values()})
-    legacy = json.loads(handle.dumps())
-    legacy["version"] = 1
-    for entry in legacy["materialized"]:
-        del entry["sha256"]
-    b = world.restored(KeyedStateHandle.from_json(legacy))
+    b = world.restored(KeyedStateHandle.from_json(legacy_version_1(handle)))
     again = world.checkpoint(b)
-    assert again.to_json()["version"] == 2
+    assert again.to_json()["version"] == 2  # no offsets: a reader of version 2 still reads it
     assert [c["sha256"] for c in again.materialized] == [c["sha256"] for c in handle.materialized]
+
+
+def test_a_materialization_packs_its_chunks_into_one_file_and_a_restore_reads_each_by_its_range(
+    world: World,
+) -> None:
+    keys = keys_by_group()
+    values = {key: 100 + kg for kg, key in keys.items()}
+    _, handle = materialized_handle(world, values, pack_bytes=1 << 20)
+    assert len({c["path"] for c in handle.materialized}) == 1
+    assert sorted(c["offset"] for c in handle.materialized) == [
+        sum(c["size"] for c in handle.materialized[:i]) for i in range(len(handle.materialized))
+    ]
+    assert handle.to_json()["version"] == 3
+    assert read(world.restored(handle), list(keys.values())) == values
+
+
+def test_a_pack_entry_pointing_at_another_chunk_of_its_pack_is_refused(world: World) -> None:
+    keys = keys_by_group()
+    _, handle = materialized_handle(world, {key: 100 + kg for kg, key in keys.items()}, pack_bytes=1 << 20)
+    value: dict[str, Any] = handle.to_json()
+    first, second = value["materialized"][:2]
+    first["offset"], first["size"] = second["offset"], second["size"]
+    with pytest.raises(CorruptDataError, match="key groups"):
+        world.restored(KeyedStateHandle.from_json(value))
+
+
+def test_a_pack_entry_reaching_past_the_end_of_its_file_is_refused(world: World) -> None:
+    keys = keys_by_group()
+    _, handle = materialized_handle(world, {key: 100 + kg for kg, key in keys.items()}, pack_bytes=1 << 20)
+    value: dict[str, Any] = handle.to_json()
+    value["materialized"][-1]["offset"] += 10
+    with pytest.raises(CorruptDataError):
+        world.restored(KeyedStateHandle.from_json(value))
+
+
+@pytest.mark.parametrize("offset", [-1, "0", 1.5, None])
+def test_a_malformed_offset_is_refused_by_name(world: World, offset: object) -> None:
+    keys = keys_by_group()
+    _, handle = materialized_handle(world, {key: 7 for key in keys.values()}, pack_bytes=1 << 20)
+    value: dict[str, Any] = handle.to_json()
+    value["materialized"][0]["offset"] = offset
+    with pytest.raises(StateRestoreError, match="offset"):
+        KeyedStateHandle.from_json(value)
+
+
+def test_an_offset_in_a_handle_older_than_packs_is_refused(world: World) -> None:
+    keys = keys_by_group()
+    _, handle = materialized_handle(world, {key: 7 for key in keys.values()}, pack_bytes=1 << 20)
+    value: dict[str, Any] = handle.to_json()
+    value["version"] = 2
+    with pytest.raises(StateRestoreError, match="offset"):
+        KeyedStateHandle.from_json(value)

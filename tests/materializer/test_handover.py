@@ -160,7 +160,7 @@ def test_a_result_covering_only_carried_state_names_the_last_carried_log(env: En
 def test_closing_a_backend_while_its_materialization_uploads_fails_the_materialization_cleanly(env: Env) -> None:
     a = env.backends.new()
     upload = GatedUpload(env.storage)
-    m, results = handing_over(a, chunk_key_groups=8, upload=upload)
+    m, results = handing_over(a, chunk_key_groups=8, upload=upload, pack_bytes=1)  # one chunk per upload
     apply_to_backend(a, batch_a())
     upload.gate.clear()
     assert m.trigger()

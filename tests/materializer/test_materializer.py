@@ -628,7 +628,9 @@ def test_materialization_after_a_restore_rewrites_restored_state(env: Env) -> No
 def test_failed_upload_deletes_partial_chunks_and_the_retry_succeeds(env: Env) -> None:
     b = env.backends.new()
     upload = FlakyUpload(env.storage, failing={3})
-    m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=8, upload=upload)
+    m = PeriodicMaterializer(
+        b, interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=8, upload=upload, pack_bytes=1
+    )  # one chunk per upload
     model = checkpoint_1_model()
     apply_to_backend(b, batch_a())
     apply_to_backend(b, batch_b())
@@ -655,7 +657,9 @@ def test_failed_upload_deletes_partial_chunks_and_the_retry_succeeds(env: Env) -
 def test_failed_incremental_upload_keeps_the_previous_chunks_and_the_changed_key_groups_dirty(env: Env) -> None:
     b = env.backends.new()
     upload = FlakyUpload(env.storage, failing=set())
-    m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=1, upload=upload)
+    m = PeriodicMaterializer(
+        b, interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=1, upload=upload, pack_bytes=1
+    )  # one chunk per upload
     model = Model()
     ops = [(k, k, k, ("x", k)) for k in range(400)]
     apply_to_backend(b, ops)

@@ -99,11 +99,12 @@ CASES = [
     Case("after-subsume-metadata-retain-2", "after-subsume-metadata", 3, num_retained=2, events=nth_checkpoint(5)),
     Case("during-file-deletion-retain-1", "during-file-deletion", 2),
     Case("during-file-deletion-retain-2", "during-file-deletion", 2, num_retained=2),
-    # materialization: a chunk upload (the first materialization, later ones), after the upload
-    Case("chunk-put-before-write", "chunk-put-before", 5),
-    Case("chunk-put-partial-write", "chunk-put-partial", 30),
-    Case("chunk-put-after-write", "chunk-put-after", 60),
-    Case("chunk-put-after-write-retain-2", "chunk-put-after", 40, num_retained=2),
+    # materialization: a chunk upload (the first materialization, later ones), after the upload;
+    # a materialization uploads one pack of chunks per subtask (materializer.packs)
+    Case("chunk-put-before-write", "chunk-put-before", 2),
+    Case("chunk-put-partial-write", "chunk-put-partial", 9),
+    Case("chunk-put-after-write", "chunk-put-after", 15),
+    Case("chunk-put-after-write-retain-2", "chunk-put-after", 11, num_retained=2),
     Case("materialized-before-checkpoint", "materialized", 2, events=nth_checkpoint(4)),
     Case("materialized-checkpoint-before-metadata", "materialized-checkpoint", 2, events=nth_checkpoint(4)),
     # the recovery itself killed half-way through its deletions, then recovered again
@@ -133,7 +134,7 @@ CASES = [
         previous=("before-metadata", 4),
         parallelism=3,
     ),
-    Case("resumed-at-3-chunk-put-partial", "chunk-put-partial", 10, previous=("chunk-put-after", 20), parallelism=3),
+    Case("resumed-at-3-chunk-put-partial", "chunk-put-partial", 10, previous=("chunk-put-after", 12), parallelism=3),
     # a failure after the commit point, the job goes on, then a crash
     Case("subsume-delete-error", "subsume-delete-error", 4, events=nth_checkpoint(4)),
     Case("metadata-put-lost", "metadata-put-lost", 4),

@@ -33,7 +33,8 @@ from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from dstl import ChangelogConfig
 from tests.backend.spark.test_tasks import KEYS, SEEN, _key_group, appender, config, other_worker, run_tasks
 
-#: the chunks of a materialization of the whole state at parallelism 1: one per non-empty key group
+#: the chunks of a materialization of the whole state at parallelism 1: one per non-empty key group,
+#: all in one file (a pack) unless the config says otherwise
 CHUNKS = len({_key_group(k) for k in KEYS})
 #: chunk puts, relative to the faulty base path
 CHUNK_PUTS = "state/shared/*"
@@ -52,14 +53,14 @@ def _clean_workers() -> Iterator[None]:
     tasks._STORAGES.clear()
 
 
-def faulty(tmp_path: Path, plan: FaultPlan, host: str = "a") -> OperatorConfig:
+def faulty(tmp_path: Path, plan: FaultPlan, host: str = "a", pack_bytes: int = 16 << 20) -> OperatorConfig:
     """One subtask on a DFS with ``plan``'s faults; a materialization is due in every batch that
-    logged something, unless one is running."""
+    logged something, unless one is running; ``pack_bytes=1``: one put per chunk."""
     job = f"{faulty_base_path(tmp_path / 'dfs', plan)}/state"
     return OperatorConfig(
         job_dir=job, uid="op", parallelism=1, max_parallelism=128, local_root=str(tmp_path / host),
         changelog=ChangelogConfig(base_path=job, max_attempts=1), materialization_interval_ms=10**12,
-        size_trigger_bytes=1,
+        size_trigger_bytes=1, materialization_pack_bytes=pack_bytes,
     )  # fmt: skip
 
 
@@ -192,8 +193,8 @@ def test_a_materialization_finishing_while_another_worker_runs_the_next_batch_is
     plan = FaultPlan()
     cfg = faulty(tmp_path, plan)
     first_batch(cfg)
-    # A's last chunk put: every read of its tables is done, so A may close them meanwhile
-    plan.add(Fault(op="put", path=CHUNK_PUTS, action="stall", after=CHUNKS - 1, times=1))
+    # A's put of its chunks (one file): every read of its tables is done, so A may close them meanwhile
+    plan.add(Fault(op="put", path=CHUNK_PUTS, action="stall", times=1))
     run_subtask(cfg, 0, 1, "q", 1, appender(1))
     assert plan.wait_stalled(1)
     upload_a = running(cfg)
@@ -246,7 +247,7 @@ def test_a_result_whose_chunks_are_gone_from_the_dfs_is_not_taken(tmp_path: Path
 
 def test_a_worker_that_dies_mid_upload_leaves_no_result_and_the_next_worker_materializes_again(tmp_path: Path) -> None:
     plan = FaultPlan()
-    cfg = faulty(tmp_path, plan)
+    cfg = faulty(tmp_path, plan, pack_bytes=1)  # a put per chunk: reads of the tables follow the first
     first_batch(cfg)
     plan.add(Fault(op="put", path=CHUNK_PUTS, action="stall", times=1))  # A's first chunk put
     run_subtask(cfg, 0, 1, "q", 1, appender(1))

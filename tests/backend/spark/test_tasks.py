@@ -284,6 +284,32 @@ def test_a_task_of_several_subtasks_persists_them_and_their_records_in_one_file(
     driver.close()
 
 
+def test_the_materializations_a_task_starts_together_write_one_chunk_file(tmp_path: Path) -> None:
+    """Two tasks of four subtasks each, every subtask due after batch 1: a chunk file per task
+    (``materializer.packs``), not one per subtask or key group; the checkpoints name them."""
+    cfg = config(tmp_path, 8, tasks=2, size_trigger_bytes=1)
+    driver = DriverCoordinator(cfg)
+    driver.register(cfg)
+    shared = tmp_path / "state" / "shared"
+    for batch in range(3):
+        stats = run_tasks(cfg, batch, batch)
+        if batch == 1:
+            assert all(s["materializing"] for s in stats)
+            other_worker()  # the uploads finish (and hand over their results)
+            assert len(list(shared.iterdir())) == 2
+        assert driver.complete_batch(batch, "q") is not None
+    latest = driver.latest()
+    assert latest is not None
+    handles = latest.handles("op")
+    for first in (0, 4):
+        paths = {c["path"] for h in handles[first : first + 4] for c in h.materialized}
+        assert len(paths) == 1 and sum(len(h.materialized) for h in handles[first : first + 4]) > 4
+    named = {str(c["path"]) for h in handles for c in h.materialized}
+    assert {f"shared/{p.name}" for p in shared.iterdir()} == named
+    assert read_all(cfg, 2) == {k: [0, 1, 2] for k in KEYS}
+    driver.close()
+
+
 def test_attempts_that_group_subtasks_into_tasks_differently_mix_by_last_write(tmp_path: Path) -> None:
     """Batch 1 ran with one task for all subtasks and, re-run, with one task per subtask for
     some: each subtask's latest record counts, and restores and local tables agree with it."""

@@ -355,6 +355,35 @@ def test_verify_checks_each_referenced_segment_against_its_file(run: Run, job_di
     assert code == 1 and "segment sqn" in out and "no segment at the referenced offset" in out
 
 
+def test_verify_checks_each_chunk_of_a_pack_by_its_range(run: Run, job_dir: Path) -> None:
+    """Chunks share files (packs): an entry reaching past its file, or naming another chunk's
+    range of the same file, is reported with the file and the offset."""
+    meta_path = job_dir / "chk-2" / "_metadata"
+    original = meta_path.read_bytes()
+
+    def chunks(body: dict[str, Any]) -> list[dict[str, Any]]:
+        handle = body["operators"]["counts"]["subtasks"][0]
+        found: list[dict[str, Any]] = handle["materialized"]
+        return found
+
+    def past_the_end(body: dict[str, Any]) -> None:
+        chunks(body)[-1]["offset"] += 10**6
+
+    rewrite_metadata(meta_path, past_the_end)
+    code, out, _ = run("checkpoints", "verify", job_dir / "chk-2")
+    assert code == 1 and "lies outside the file" in out
+
+    def swapped(body: dict[str, Any]) -> None:
+        first, second = chunks(body)[:2]
+        assert first["path"] == second["path"]  # one materialization: one file
+        first["offset"], first["size"] = second["offset"], second["size"]
+
+    meta_path.write_bytes(original)
+    rewrite_metadata(meta_path, swapped)
+    code, out, _ = run("checkpoints", "verify", job_dir / "chk-2")
+    assert code == 1 and "the chunk at offset" in out and "key groups" in out
+
+
 # -- savepoint trigger / dispose ---------------------------------------------------------------
 
 

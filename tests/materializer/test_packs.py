@@ -1,0 +1,210 @@
+"""Chunk packs: a materialization's chunks in few files, and the materializations a task starts
+together in one file (``materializer.packs``), each chunk read back by its range.
+
+Every handle is checked by restoring it (at other parallelisms too) and comparing with a dict
+model. The storage owns no files, as a Spark worker's: only such backends may share a pack.
+Failures come from the upload callable a materializer is given (no code of ours is patched);
+nothing waits by sleeping.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backend.core.handles import KeyedStateHandle
+from backend.core.keygroups import key_group_ranges
+from dstl import ChangelogConfig, ConfigurationError, StateChangelogStorage
+from materializer.packs import SharedPack
+from materializer.periodic import PeriodicMaterializer, restore
+from tests.materializer.test_materializer import (
+    MAX_P,
+    NEVER,
+    WAIT_S,
+    Backends,
+    Env,
+    FlakyUpload,
+    assert_state_equals,
+    checkpoint,
+    model_keys,
+    owner,
+)
+from tests.materializer_crash_child import LIST, MAP, VALUE, Model, apply_to_model, batch_a, batch_b
+
+B = Any
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[Env]:
+    storage = StateChangelogStorage(ChangelogConfig.local(tmp_path / "dfs", persist_delay_ms=0), owns_files=False)
+    backends = Backends(tmp_path, storage)
+    try:
+        yield Env(tmp_path, storage, backends)
+    finally:
+        backends.close_all()
+        storage.close()
+
+
+def subtasks_with(env: Env, parallelism: int, model: Model, ops: Sequence[Any]) -> list[B]:
+    subtasks = [env.backends.new(rng) for rng in key_group_ranges(MAX_P, parallelism)]
+    for key, value, element, (user_key, entry) in ops:
+        b = owner(subtasks, key)
+        if value is None:
+            b.get_state(VALUE).clear()
+        else:
+            b.get_state(VALUE).update(value)
+        b.get_state(LIST).add(element)
+        b.get_state(MAP).put(user_key, entry)
+    apply_to_model(model, ops)
+    return subtasks
+
+
+def materializers(subtasks: Sequence[B], **kwargs: Any) -> list[PeriodicMaterializer]:
+    return [PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None, **kwargs) for b in subtasks]
+
+
+def start_together(ms: Sequence[PeriodicMaterializer], pack: SharedPack) -> None:
+    try:
+        for m in ms:
+            assert m.trigger(pack)
+    finally:
+        pack.seal()
+    for m in ms:
+        m.wait(WAIT_S)
+
+
+def restores_to(env: Env, handles: Sequence[KeyedStateHandle], model: Model, parallelisms: Sequence[int]) -> None:
+    handles = [KeyedStateHandle.loads(h.dumps()) for h in handles]
+    for parallelism in parallelisms:
+        restored = [env.backends.new(rng) for rng in key_group_ranges(MAX_P, parallelism)]
+        for b in restored:
+            restore(b, handles)
+        assert_state_equals(restored, model, model_keys(model))
+        for b in restored:
+            env.backends.close(b)
+
+
+def test_one_materialization_writes_its_chunks_into_files_of_at_most_pack_bytes(env: Env) -> None:
+    model = Model()
+    (b,) = subtasks_with(env, 1, model, batch_a() + batch_b())
+    whole = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None)
+    whole.trigger()
+    whole.wait(WAIT_S)
+    one_file = checkpoint(b, 1)
+    assert len({c["path"] for c in one_file.materialized}) == 1 < len(one_file.materialized)
+    largest = max(c["size"] for c in one_file.materialized)
+    whole.close()
+
+    (c,) = subtasks_with(env, 1, Model(), batch_a() + batch_b())
+    split = PeriodicMaterializer(c, interval_ms=NEVER, size_trigger_bytes=None, pack_bytes=2 * largest)
+    split.trigger()
+    split.wait(WAIT_S)
+    handle = checkpoint(c, 1)
+    files: dict[str, int] = {}
+    for chunk in handle.materialized:
+        files[chunk["path"]] = max(files.get(chunk["path"], 0), chunk["offset"] + chunk["size"])
+    assert 1 < len(files) < len(handle.materialized)
+    assert all(size <= 2 * largest for size in files.values())
+    assert {p: len(env.storage.get_file(p)) for p in files} == files  # nothing else in them
+    restores_to(env, [handle], model, parallelisms=(1, 3))
+    split.close()
+
+
+def test_materializations_started_together_share_one_file_and_each_restores(env: Env) -> None:
+    model = Model()
+    subtasks = subtasks_with(env, 3, model, batch_a() + batch_b())
+    ms = materializers(subtasks)
+    start_together(ms, SharedPack(env.storage.put_file))
+    assert [m.metrics.completed for m in ms] == [1, 1, 1]
+    handles = [checkpoint(b, 1) for b in subtasks]
+    paths = {c["path"] for h in handles for c in h.materialized}
+    assert len(paths) == 1 and env.storage.list_all("shared") == sorted(paths)
+    spans = sorted((c["offset"], c["size"]) for h in handles for c in h.materialized)
+    assert all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(spans))  # back to back, no overlap
+    restores_to(env, handles, model, parallelisms=(1, 2, 4))
+    for m in ms:
+        m.close()
+
+
+def test_a_member_that_fails_before_it_contributes_does_not_hold_up_the_others(env: Env) -> None:
+    model = Model()
+    subtasks = subtasks_with(env, 2, model, batch_a())
+    failing = FlakyUpload(env.storage, failing={1})  # its first own file fails
+    alone = PeriodicMaterializer(subtasks[0], interval_ms=NEVER, size_trigger_bytes=None, upload=failing, pack_bytes=1)
+    other = PeriodicMaterializer(subtasks[1], interval_ms=NEVER, size_trigger_bytes=None)
+    start_together([alone, other], SharedPack(env.storage.put_file))
+    assert (alone.metrics.failed, other.metrics.completed) == (1, 1)
+    handles = [checkpoint(b, 1) for b in subtasks]
+    assert handles[0].materialized == () and handles[1].materialized
+    restores_to(env, handles, model, parallelisms=(1, 2))
+    for m in (alone, other):
+        m.close()
+
+
+def test_a_failed_shared_upload_fails_every_member_and_the_next_attempt_succeeds(env: Env) -> None:
+    model = Model()
+    subtasks = subtasks_with(env, 2, model, batch_a())
+    ms = materializers(subtasks)
+    upload = FlakyUpload(env.storage, failing={1})
+    start_together(ms, SharedPack(upload))
+    assert upload.calls == 1  # one file for both
+    assert [(m.metrics.failed, m.metrics.completed) for m in ms] == [(1, 0), (1, 0)]
+    assert env.storage.list_all("shared") == []
+    failed = [checkpoint(b, 1) for b in subtasks]
+    assert all(h.materialized == () for h in failed)
+    restores_to(env, failed, model, parallelisms=(1,))  # the log was kept for the failed attempt
+
+    start_together(ms, SharedPack(upload))  # the key groups are still dirty: both start again
+    assert upload.calls == 2
+    assert [m.metrics.completed for m in ms] == [1, 1]
+    handles = [checkpoint(b, 2) for b in subtasks]
+    restores_to(env, handles, model, parallelisms=(1, 3))
+    for m in ms:
+        m.close()
+
+
+def test_a_sealed_pack_without_members_writes_nothing(env: Env) -> None:
+    pack = SharedPack(env.storage.put_file)
+    pack.seal()
+    with pytest.raises(RuntimeError, match="sealed"):
+        pack.join()
+    assert env.storage.list_all("shared") == []
+
+
+def test_members_wait_for_the_seal_and_upload_once(env: Env) -> None:
+    """Contributions that arrive before the starter seals the pack are uploaded together after it."""
+    uploads: list[tuple[str, bytes]] = []
+    pack = SharedPack(lambda path, data: uploads.append((path, data)))
+    pack.join()
+    pack.join()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(pack.contribute, b"abc")
+        second = pool.submit(pack.contribute, b"defg")
+        done, _ = concurrent.futures.wait([first, second], timeout=0.2)
+        assert not done and uploads == []  # not sealed yet: nobody uploads
+        pack.seal()
+        results = [first.result(WAIT_S), second.result(WAIT_S)]
+    ((path, data),) = uploads
+    assert len(data) == 7
+    for (where, offset), part in zip(results, (b"abc", b"defg"), strict=True):
+        assert where == path and data[offset : offset + len(part)] == part
+
+
+def test_a_storage_that_deletes_its_files_cannot_share_a_pack(tmp_path: Path) -> None:
+    storage = StateChangelogStorage(ChangelogConfig.local(tmp_path / "dfs", persist_delay_ms=0))
+    backends = Backends(tmp_path, storage)
+    try:
+        model = Model()
+        (b,) = subtasks_with(Env(tmp_path, storage, backends), 1, model, batch_a())
+        m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None)
+        with pytest.raises(ConfigurationError, match="owns_files"):
+            m.trigger(SharedPack(storage.put_file))
+        m.close()
+    finally:
+        backends.close_all()
+        storage.close()
