@@ -14,7 +14,7 @@ backend class, so the backend can import them without an import cycle.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn, Protocol
 
 import mmh3
@@ -86,6 +86,9 @@ class KeyContext:
         self.current_ckey = b""
         self.current_kg = -1
         self.current_key: Any = None
+        #: int and str keys of the running batch -> (ckey, key group), computed once for the batch
+        #: (``ChangelogKeyedStateBackend.batch``); empty outside a batch
+        self._known: dict[Any, tuple[bytes, int]] = {}
 
     def key_group_of(self, key: Any) -> int:
         """The key group ``key`` belongs to (whether or not this subtask owns it)."""
@@ -96,7 +99,14 @@ class KeyContext:
         # The hot path of every keyed access: assign_key_group and tablekeys.ckey are inlined, and
         # so is the int case of the canonical key serializer (the same try/pack as
         # ``serialize_key``), with the ckey head of an int key taken from the per-key-group table
-        # (an index instead of a struct pack and a range check).
+        # (an index instead of a struct pack and a range check). In a batch, an int or str key
+        # the batch named is one dict lookup (only those types: 1 == True == 1.0 in a dict).
+        if self._known and (type(key) is int or type(key) is str):
+            known = self._known.get(key)
+            if known is not None:
+                self.current_ckey, self.current_kg = known
+                self.current_key = key
+                return
         if type(key) is int and self._canonical_keys:
             try:
                 data = pack_int_key(INT_KEY_TAG, key + INT_KEY_OFFSET)
@@ -134,6 +144,34 @@ class KeyContext:
         self.current_ckey = _ckey_head(key_group, len(data)) + data
         self.current_kg = key_group
         self.current_key = key
+
+    def ckeys_of(self, keys: Iterable[Any], key_groups: Iterable[int] | None = None) -> list[bytes]:
+        """The ckeys of ``keys`` (checked as ``set_current_key`` checks them; with ``key_groups``,
+        as ``set_current_key_in_group``), in order; the current key stays what it was. Remembers
+        those of int and str keys for ``set_current_key`` until ``forget_keys``."""
+        saved = self.current_ckey, self.current_kg, self.current_key
+        ckeys: list[bytes] = []
+        known: dict[Any, tuple[bytes, int]] = {}
+        try:
+            if key_groups is None:
+                for key in keys:
+                    self.set_current_key(key)
+                    ckeys.append(self.current_ckey)
+                    if type(key) is int or type(key) is str:
+                        known[key] = (self.current_ckey, self.current_kg)
+            else:
+                for key, key_group in zip(keys, key_groups, strict=True):
+                    self.set_current_key_in_group(key, key_group)
+                    ckeys.append(self.current_ckey)
+        finally:
+            self.current_ckey, self.current_kg, self.current_key = saved
+        if key_groups is None:
+            self._known.update(known)
+        return ckeys
+
+    def forget_keys(self) -> None:
+        """``set_current_key`` computes every key again (the batch ended)."""
+        self._known = {}
 
     def set_current_ckey(self, ck: bytes) -> Any:
         """Make the key of ckey ``ck`` current (a timer firing, a restored entry); returns the key."""

@@ -17,10 +17,11 @@ milliseconds throughout.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from backend.core import records as rec
@@ -104,6 +105,7 @@ class ChangelogKeyedStateBackend(KeyContext):
         self._lock = threading.RLock()
         #: cuts of materializations not yet completed or aborted: ``close`` releases them
         self._cuts: set[MaterializationPoint] = set()
+        self._in_batch = False
 
     @property
     def materialized_sqn(self) -> SequenceNumber:
@@ -188,6 +190,34 @@ class ChangelogKeyedStateBackend(KeyContext):
         meta = dict(self._restored_meta)
         meta.update({name: t.descriptor.metadata() for name, t in self._states.items()})
         return meta
+
+    # -- a unit of work with known keys ----------------------------------------------------
+
+    @contextlib.contextmanager
+    def batch(self, keys: Iterable[Any], key_groups: Iterable[int] | None = None) -> Iterator[None]:
+        """Run a unit of work (a micro-batch) that addresses ``keys``: their stored state is read
+        ahead for every registered state, in key order, one pass per state, and the work's reads
+        are served from memory; ``set_current_key`` of an int or str key of the batch is one dict
+        lookup. ``key_groups``: each key's key group, computed elsewhere (Spark's SQL hash), as
+        ``set_current_key_in_group`` takes it.
+
+        Nothing else changes: writes go to the write-back caches as outside a batch (logged and
+        written to LMDB, sorted, at the next checkpoint or spill), a key outside ``keys`` is read
+        from LMDB, and a flush inside the batch (a spill) drops what was read ahead (the work
+        goes on reading LMDB). States registered inside the batch are not read ahead."""
+        if self._in_batch:
+            raise RuntimeError(f"backend {self.operator_id}: a batch is running already (batches do not nest)")
+        self._in_batch = True
+        try:
+            cks = sorted(set(self.ckeys_of(keys, key_groups)))
+            if cks:
+                for table in self._states.values():
+                    table.load_ahead(cks)
+            yield
+        finally:
+            self._in_batch = False
+            self.forget_keys()
+            self.tables.unload()
 
     # -- timers (milliseconds) ------------------------------------------------------------
 

@@ -41,7 +41,7 @@ class ListTable(StateTable):
         return self.stamp(value)
 
     def _stored(self, ck: bytes) -> list[Any]:
-        blob = self.host.tables.get(self.db, require_key(ck))
+        blob = self.host.tables.get(self.db, require_key(ck), name=self.name)
         return [] if blob is None else list(map(self.decode, rec.decode_list(blob)))
 
     def get(self, ck: bytes) -> list[Any]:
@@ -83,6 +83,10 @@ class ListTable(StateTable):
 
     def clear(self, ck: bytes) -> None:
         self._replace(ck, [])
+
+    def load_ahead(self, cks: list[bytes]) -> None:
+        """Read the lists of ``cks`` (sorted) ahead (``ChangelogKeyedStateBackend.batch``)."""
+        self.host.tables.load(self.name, cks)
 
     def prepare_flush(self) -> FlushStep:
         # Per key, in key order: (ck, op, blob); ADD appends to what LMDB holds, SET replaces it.

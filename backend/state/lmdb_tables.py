@@ -12,6 +12,13 @@ the batch and the handle). Otherwise the LMDB files a crashed or closed backend 
 at open, so that a new backend never serves the state written after the checkpoint it restores.
 Removing them is safe because the tables are a cache of the DFS; refusing instead would stop
 every restart of a job over the same local directory.
+
+Loading ahead (``load``, ``load_prefixes``): a unit of work that knows its keys (a micro-batch,
+``ChangelogKeyedStateBackend.batch``) reads their entries in key order, in one C call per state
+(LMDB's ``getmulti`` over sorted keys walks the B-tree pages in order instead of a random ``get``
+per key), and its reads become dict lookups. What was loaded holds the entries as of the read
+view, so every write transaction (a flush, a restore) drops it: it never serves bytes older than
+the tables. A key that was loaded and is absent reads as absent without touching LMDB.
 """
 
 from __future__ import annotations
@@ -29,6 +36,10 @@ DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; LMDB only uses what it wr
 _LMDB_FILES = ("data.mdb", "lock.mdb")
 
 
+#: "not loaded" in the loaded entries (None there means "loaded, and absent")
+_NOT_LOADED: Any = object()
+
+
 class Getter:
     """See ``LmdbTables.getter``."""
 
@@ -36,6 +47,17 @@ class Getter:
 
     def __init__(self) -> None:
         self.get: Callable[[bytes], bytes | None] = lambda key: None
+
+
+def _loaded_first(loaded: dict[bytes, bytes | None], get: Callable[[bytes], bytes | None]) -> Callable[[bytes], Any]:
+    """A reader that answers from ``loaded`` and asks ``get`` (LMDB) for what was not loaded."""
+    lookup = loaded.get
+
+    def read(key: bytes) -> bytes | None:
+        value = lookup(key, _NOT_LOADED)
+        return get(key) if value is _NOT_LOADED else value
+
+    return read
 
 
 class LmdbTables:
@@ -62,6 +84,10 @@ class LmdbTables:
         self._dbs: dict[str, Any] = {}
         self._getters: dict[str, Getter] = {}
         self._db_readers: list[Any] = []
+        #: entries read ahead, per database name: table key -> stored bytes (None: absent)
+        self._loaded: dict[str, dict[bytes, bytes | None]] = {}
+        #: per database name, the key prefixes whose every entry was read ahead (map state)
+        self._loaded_prefixes: dict[str, set[bytes]] = {}
         #: the read transaction; renewed after every write, so it always sees the last flush
         self.reader = self.env.begin()
 
@@ -86,8 +112,12 @@ class LmdbTables:
             holder = self._getters[name] = Getter()
             txn = self.env.begin(db=db)
             self._db_readers.append(txn)
-            holder.get = txn.get
+            self._bind(holder, name, txn)
         return holder
+
+    def _bind(self, holder: Getter, name: str, txn: Any) -> None:
+        loaded = self._loaded.get(name)
+        holder.get = txn.get if loaded is None else _loaded_first(loaded, txn.get)
 
     def _end_reads(self) -> None:
         self.reader.abort()
@@ -100,7 +130,7 @@ class LmdbTables:
         for name, holder in self._getters.items():
             txn = self.env.begin(db=self._dbs[name])
             self._db_readers.append(txn)
-            holder.get = txn.get
+            self._bind(holder, name, txn)
 
     def database_in(self, txn: Any, name: str) -> Any:
         """Open (or create) a named database inside a running write transaction."""
@@ -115,9 +145,57 @@ class LmdbTables:
     def databases(self) -> dict[str, Any]:
         return dict(self._dbs)
 
-    def get(self, db: Any, key: bytes) -> bytes | None:
-        value: bytes | None = self.reader.get(key, db=db)
-        return value
+    def get(self, db: Any, key: bytes, *, name: str = "", prefix: bytes = b"") -> bytes | None:
+        """The stored bytes of ``key`` in ``db`` (named ``name``: what was loaded ahead is looked
+        up by name; ``prefix``: a loaded prefix of ``key``, whose absent keys are absent)."""
+        loaded = self._loaded.get(name) if name else None
+        if loaded is not None:
+            value = loaded.get(key, _NOT_LOADED)
+            if value is not _NOT_LOADED:
+                return value  # type: ignore[no-any-return]
+            if prefix and prefix in self._loaded_prefixes.get(name, ()):
+                return None
+        stored: bytes | None = self.reader.get(key, db=db)
+        return stored
+
+    # -- reading ahead ----------------------------------------------------------------------
+
+    def load(self, name: str, keys: list[bytes]) -> None:
+        """Read ``keys`` (sorted) of database ``name`` ahead, in one pass; until the next write,
+        reading one of them is a dict lookup (``getter``, ``get``)."""
+        db = self.database(name)
+        loaded = self._loaded.setdefault(name, {})
+        loaded.update(dict.fromkeys(keys))  # absent unless found
+        loaded.update(self.reader.cursor(db=db).getmulti(keys))
+        self._rebind(name)
+
+    def load_prefixes(self, name: str, prefixes: list[bytes]) -> None:
+        """Read every entry under each of ``prefixes`` (sorted) of database ``name`` ahead."""
+        db = self.database(name)
+        loaded = self._loaded.setdefault(name, {})
+        cursor = self.reader.cursor(db=db)
+        for prefix in prefixes:
+            if cursor.set_range(prefix):
+                for key, value in cursor:
+                    if not key.startswith(prefix):
+                        break
+                    loaded[key] = value
+        self._loaded_prefixes.setdefault(name, set()).update(prefixes)
+        self._rebind(name)
+
+    def unload(self) -> None:
+        """Forget what was read ahead (a unit of work ended)."""
+        if self._loaded or self._loaded_prefixes:
+            self._loaded.clear()
+            self._loaded_prefixes.clear()
+            self._end_reads()
+            self._begin_reads()
+
+    def _rebind(self, name: str) -> None:
+        holder = self._getters.get(name)
+        if holder is not None:
+            self._end_reads()
+            self._begin_reads()
 
     def scan_prefix(self, db: Any, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         cursor = self.reader.cursor(db=db)
@@ -141,7 +219,10 @@ class LmdbTables:
 
     @contextmanager
     def write(self) -> Iterator[Any]:
-        """A write transaction; the read view is renewed after it commits."""
+        """A write transaction; the read view is renewed after it commits, and what was read
+        ahead is dropped (it may be older than what this transaction writes)."""
+        self._loaded.clear()
+        self._loaded_prefixes.clear()
         self._end_reads()
         try:
             with self.env.begin(write=True) as txn:

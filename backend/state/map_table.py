@@ -58,7 +58,7 @@ class MapTable(StateTable):
                 return None if value is MISS else value
             if entry.cleared:
                 return None
-        stored = self.host.tables.get(self.db, ck + ukey)
+        stored = self.host.tables.get(self.db, ck + ukey, name=self.name, prefix=ck)
         if stored is None:
             return None
         value = self.read(stored)
@@ -105,6 +105,10 @@ class MapTable(StateTable):
                 changes.setdefault(ukey, TOMBSTONE)
         deser = self.user_ser.deserialize
         return iter([(deser(k), merged[k]) for k in sorted(merged)])
+
+    def load_ahead(self, cks: list[bytes]) -> None:
+        """Read every entry of the maps of ``cks`` (sorted) ahead (``ChangelogKeyedStateBackend.batch``)."""
+        self.host.tables.load_prefixes(self.name, cks)
 
     def prepare_flush(self) -> FlushStep:
         # Per key, in key order: whether it was cleared, then (user key, stored bytes or None).

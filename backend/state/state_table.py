@@ -125,3 +125,7 @@ class StateTable:
 
     def cache_size(self) -> int:
         return len(self.cache)
+
+    def load_ahead(self, cks: list[bytes]) -> None:
+        """Read the stored entries of the keys ``cks`` (sorted) ahead, in one pass: the unit of
+        work about to run addresses them (``ChangelogKeyedStateBackend.batch``)."""

@@ -93,6 +93,11 @@ class ValueTable(StateTable):
     def cache_size(self) -> int:
         return sum(map(len, self.caches)) + sum(map(len, self.cleans))
 
+    def load_ahead(self, cks: list[bytes]) -> None:
+        """Read the values of ``cks`` (sorted) ahead (``ChangelogKeyedStateBackend.batch``); the
+        hot path reads them through ``lookup`` as before."""
+        self.host.tables.load(self.name, cks)
+
     def _serialize_entries(self, entries: list[Any]) -> list[bytes | None]:
         """The stored bytes of cache entries (None for TOMBSTONE), in one call where the
         serializer packs many values at once."""

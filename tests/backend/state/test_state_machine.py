@@ -6,12 +6,15 @@ processing-time timers (the model fires them in time order); flush a subtask; ta
 that complete (the model is copied per checkpoint) or abort, possibly with writes while the
 snapshot is in flight; and restore a random completed checkpoint at a new parallelism, each new
 subtask from ALL handles of that checkpoint. After every restore the union of the subtasks must
-equal the model at that checkpoint, and the machine continues on the restored subtasks.
+equal the model at that checkpoint, and the machine continues on the restored subtasks. Every
+rule also runs inside batches (``ChangelogKeyedStateBackend.batch``: state read ahead for keys
+named up front, keys outside them too, spills and checkpoints inside them): both modes.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import itertools
 import operator
@@ -108,6 +111,7 @@ class BackendMachine(RuleBasedStateMachine):
         self.completed: list[tuple[list[KeyedStateHandle], Model]] = []
         self.pending: tuple[int, list[concurrent.futures.Future[KeyedStateHandle]], Model] | None = None
         self.stamps = itertools.count(10_000)
+        self.open_batches: list[contextlib.AbstractContextManager[None]] = []
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -133,6 +137,7 @@ class BackendMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         try:
+            self._end_batches()
             for sub in self.subtasks:
                 sub.b.close()
             self.storage.close()
@@ -147,6 +152,28 @@ class BackendMachine(RuleBasedStateMachine):
     def start(self, cache_limit: int) -> None:
         self.cache_limit = cache_limit
         self.subtasks = [Subtask(b) for b in self._backends(START_PARALLELISM)]
+
+    # -- batches: the rules below run inside them too ----------------------------------------
+
+    @precondition(lambda self: not self.open_batches)
+    @rule(keys=st.lists(KEYS, unique=True))
+    def begin_batch(self, keys: list[Any]) -> None:
+        """A micro-batch naming its keys: each subtask reads its keys' state ahead."""
+        for sub in self.subtasks:
+            owned = [k for k in keys if sub.b.key_group_of(k) in sub.b.key_group_range]
+            batch = sub.b.batch(owned)
+            batch.__enter__()
+            self.open_batches.append(batch)
+
+    @precondition(lambda self: self.open_batches)
+    @rule()
+    def end_batch(self) -> None:
+        self._end_batches()
+
+    def _end_batches(self) -> None:
+        batches, self.open_batches = self.open_batches, []
+        for batch in batches:
+            batch.__exit__(None, None, None)
 
     # -- value, list, map, reducing and TTL state: one rule per state, the operation drawn -----
 
@@ -410,6 +437,7 @@ class BackendMachine(RuleBasedStateMachine):
             pending, self.pending = self.pending, None
             self._finish(*pending, complete=False)
         handles, model = self.completed[index]
+        self._end_batches()
         old, self.subtasks = self.subtasks, []
         for sub in old:
             sub.b.close()
