@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from backend.core.descriptors import ValueStateDescriptor
 from backend.core.serializers import Int64Serializer, OptionalSerializer, TupleSerializer
-from backend.spark.batch import SPARK_MAX_RECORDS_PER_BATCH, BatchClock, Partition, key_order, outputs
+from backend.spark.batch import SPARK_MAX_RECORDS_PER_BATCH, BatchClock, Partition, key_order, outputs, read_ahead
 from backend.spark.codecs import struct_codec
 from backend.spark.group_state import GroupState, GroupStateTimeout, check_timeout_conf
 from backend.spark.keys import set_key
@@ -149,8 +149,8 @@ def run_apply_in_pandas_with_state(
             if effective is not None and effective != live:
                 register(effective)
 
-    with BatchClock(backend, batch_timestamp_ms):
-        part = Partition(data, key_columns, True, key_group_column, numpy_keys=True, input_schema=input_schema)
+    part = Partition(data, key_columns, True, key_group_column, numpy_keys=True, input_schema=input_schema)
+    with BatchClock(backend, batch_timestamp_ms), read_ahead(backend, part):
         # Spark's JVM packs the keys of a partition into Arrow batches of max_records_per_batch
         # rows and splits a key at a batch's end: a key's chunks start where the last one's ended
         filled = 0

@@ -37,7 +37,16 @@ from backend.spark.schema import SparkType, input_type
 if TYPE_CHECKING:
     from backend.state.keyed_backend import ChangelogKeyedStateBackend
 
-__all__ = ["SPARK_MAX_RECORDS_PER_BATCH", "BatchClock", "Group", "Partition", "RowTypes", "key_order", "outputs"]
+__all__ = [
+    "SPARK_MAX_RECORDS_PER_BATCH",
+    "BatchClock",
+    "Group",
+    "Partition",
+    "RowTypes",
+    "key_order",
+    "outputs",
+    "read_ahead",
+]
 
 SPARK_MAX_RECORDS_PER_BATCH = 10_000  # spark.sql.execution.arrow.maxRecordsPerBatch
 
@@ -381,6 +390,16 @@ def key_order(*partitions: Partition) -> list[tuple[Any, ...]]:
     with contextlib.suppress(TypeError):  # keys of mixed types: keep the order of first appearance
         keys.sort(key=_sort_key)
     return keys
+
+
+def read_ahead(backend: ChangelogKeyedStateBackend, *partitions: Partition | None) -> Any:
+    """``backend.batch`` over the keys of ``partitions`` (a context manager): their state is read
+    ahead, in key order, before the user's code runs; each key in the key group the plumbing
+    computed, if it did."""
+    groups = [(bkey, g.key_group) for p in partitions if p is not None for bkey, g in p.groups.items()]
+    keys = [bkey for bkey, _ in groups]
+    key_groups = [key_group for _, key_group in groups if key_group is not None]
+    return backend.batch(keys, key_groups if groups and len(key_groups) == len(groups) else None)
 
 
 class BatchClock:

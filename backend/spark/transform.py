@@ -16,11 +16,20 @@ run (state updates, timers, ``close``) completes only when the generator is exha
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from backend.spark.batch import SPARK_MAX_RECORDS_PER_BATCH, BatchClock, Partition, RowTypes, key_order, outputs
+from backend.spark.batch import (
+    SPARK_MAX_RECORDS_PER_BATCH,
+    BatchClock,
+    Partition,
+    RowTypes,
+    key_order,
+    outputs,
+    read_ahead,
+)
 from backend.spark.codecs import make_row
 from backend.spark.handle import (
     CLOSED,
@@ -115,7 +124,7 @@ def run_transform_with_state(
         row_types = None if input_schema is None else RowTypes.of(input_schema, session_timezone)
         init_types = None if initial_state_schema is None else RowTypes.of(initial_state_schema, session_timezone)
     key_columns = tuple(key_columns)
-    with BatchClock(backend, batch_timestamp_ms):
+    with BatchClock(backend, batch_timestamp_ms), contextlib.ExitStack() as reading:
         data_part = Partition(data, key_columns, use_pandas, key_group_column, row_types=row_types)
         init_part = None
         if initial_state is not None and batch_id == 0:
@@ -123,6 +132,7 @@ def run_transform_with_state(
             init_part = Partition(initial_state, init_columns, use_pandas, key_group_column, row_types=init_types)
         processor.init(handle)
         handle.phase = INITIALIZED
+        reading.enter_context(read_ahead(backend, data_part, init_part))  # the states init registered
         init_keys: list[tuple[Any, ...]] = []
         if init_part is not None:  # as Spark: every key's initial state before any key's input
             init_keys = key_order(init_part)
