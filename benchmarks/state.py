@@ -13,6 +13,10 @@
    the same keys on a plain dict of N ints (``d[k] = d[k] + 1``): the speed of this shared
    machine at that moment (it drifts between hours), so runs on different days can
    be compared through ``on_vs_bare_dict``.
+   *Batch mode* runs the same updates in micro-batches of 10,000 keys through the batch API
+   (``with backend.batch(keys):``, the keys' state read ahead in key order), as a Spark
+   micro-batch partition runs: ``batch_on_vs_bare_dict`` and ``batch_on_off_ratio`` are its figures,
+   measured in the same rounds.
 2. Checkpoint latency: 10k random keys changed per checkpoint, with 100k and with 1M keys in
    total (quick: 50k and 200k); p50 of the snapshot latency (flush to LMDB + log + durable upload
    on a local directory). ``flat_ratio`` = large / small: a checkpoint costs what changed.
@@ -20,6 +24,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import tempfile
@@ -34,6 +39,9 @@ from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
 
 ALL = KeyGroupRange(0, 127)
 CHECKPOINT_EVERY = 100_000
+#: keys per micro-batch in batch mode
+BATCH_KEYS = 10_000
+MODES = ("bare", "off", "on", "batch_off", "batch_on")
 
 
 def _backend(tmp: str, storage: StateChangelogStorage | None, log: bool) -> ChangelogKeyedStateBackend:
@@ -53,17 +61,24 @@ def _populate(backend: ChangelogKeyedStateBackend, keys: int) -> None:
     backend.notify_checkpoint_complete(0)
 
 
-def _updates(backend: ChangelogKeyedStateBackend, keys: list[int], checkpoint_base: int) -> float:
+def _updates(backend: ChangelogKeyedStateBackend, keys: list[int], checkpoint_base: int, batched: bool) -> float:
+    """Updates per second of ``value()`` + ``update(v + 1)`` over ``keys``, a checkpoint every
+    ``CHECKPOINT_EVERY``; ``batched``: in micro-batches of ``BATCH_KEYS`` through ``batch``."""
     state = backend.get_state(ValueStateDescriptor("count", Int64Serializer()))
     set_key = backend.set_current_key
     pending = []
+    step = BATCH_KEYS if batched else CHECKPOINT_EVERY
     start = time.perf_counter()
-    for i, k in enumerate(keys, start=1):
-        set_key(k)
-        state.update(state.value() + 1)
-        if i % CHECKPOINT_EVERY == 0:
+    for first in range(0, len(keys), step):
+        chunk = keys[first : first + step]
+        with backend.batch(chunk) if batched else contextlib.nullcontext():
+            for k in chunk:
+                set_key(k)
+                state.update(state.value() + 1)
+        done = first + len(chunk)
+        if done % CHECKPOINT_EVERY == 0:
             # As in Flink, processing goes on while the checkpoint's upload completes.
-            cid = checkpoint_base + i // CHECKPOINT_EVERY
+            cid = checkpoint_base + done // CHECKPOINT_EVERY
             pending.append((cid, backend.snapshot(cid)))
     for cid, fut in pending:
         fut.result(120)
@@ -115,15 +130,17 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
         _populate(on, keys)
         _populate(off, keys)
         rng = random.Random(1)
-        rates: dict[str, list[float]] = {"on": [], "off": [], "bare": []}
+        rates: dict[str, list[float]] = {mode: [] for mode in MODES}
         for r in range(rounds):
             sample = [rng.randrange(keys) for _ in range(updates)]
-            for mode in ("bare", "off", "on") if r % 2 == 0 else ("on", "off", "bare"):
+            for i, mode in enumerate(MODES if r % 2 == 0 else MODES[::-1]):
                 if mode == "bare":
                     rates[mode].append(_bare_dict(sample, keys))
                 else:
-                    rates[mode].append(_updates(on if mode == "on" else off, sample, r * 100))
-            progress(f"state: round {r + 1}/{rounds}: on {rates['on'][-1]:,.0f}/s, off {rates['off'][-1]:,.0f}/s")
+                    backend = on if mode.endswith("on") else off
+                    rates[mode].append(_updates(backend, sample, (r * len(MODES) + i) * 100, mode.startswith("batch")))
+            progress(f"state: round {r + 1}/{rounds}: on {rates['on'][-1]:,.0f}/s, off {rates['off'][-1]:,.0f}/s, "
+                     f"batch on {rates['batch_on'][-1]:,.0f}/s, off {rates['batch_off'][-1]:,.0f}/s")  # fmt: skip
         on.close()
         off.close()
         progress("state: checkpoint latency, small state")
@@ -131,7 +148,12 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
         progress("state: checkpoint latency, large state")
         p50_large = _checkpoint_p50(tmp, st, large, 10_000, 10)
     on_rate, off_rate, bare_rate = max(rates["on"]), max(rates["off"]), max(rates["bare"])
-    ratio = statistics.median(a / b for a, b in zip(rates["on"], rates["off"], strict=True))
+
+    def paired(a: str, b: str) -> float:  # the median of the rounds' ratios
+        return statistics.median(x / y for x, y in zip(rates[a], rates[b], strict=True))
+
+    ratio = paired("on", "off")
+    batch_ratio = paired("batch_on", "batch_off")
     metrics = {
         "keys": keys,
         "updates_per_s_on": round(on_rate),
@@ -140,7 +162,11 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
         "updates_per_s_off_mean": round(statistics.mean(rates["off"])),
         "on_off_ratio": round(ratio, 3),
         "bare_dict_updates_per_s": round(bare_rate),
-        "on_vs_bare_dict": round(statistics.median(a / b for a, b in zip(rates["on"], rates["bare"], strict=True)), 3),
+        "on_vs_bare_dict": round(paired("on", "bare"), 3),
+        "updates_per_s_batch_on": round(max(rates["batch_on"])),
+        "updates_per_s_batch_off": round(max(rates["batch_off"])),
+        "batch_on_off_ratio": round(batch_ratio, 3),
+        "batch_on_vs_bare_dict": round(paired("batch_on", "bare"), 3),
         "ckpt_p50_ms_small": round(p50_small, 2),
         "ckpt_p50_ms_large": round(p50_large, 2),
         "flat_ratio": round(p50_large / p50_small, 3),
@@ -158,6 +184,11 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
             ("updates/s, mean of rounds, off", f"{statistics.mean(rates['off']):,.0f}"),
             ("on/off ratio (median of rounds)", f"{ratio:.3f}"),
             ("machine: plain dict updates/s", f"{bare_rate:,.0f} (log on / dict {metrics['on_vs_bare_dict']})"),
+            (
+                f"batch mode ({BATCH_KEYS:,} keys a batch): on / off",
+                f"{max(rates['batch_on']):,.0f} / {max(rates['batch_off']):,.0f} updates/s, ratio {batch_ratio:.3f}",
+            ),
+            ("batch mode: log on / dict", f"{metrics['batch_on_vs_bare_dict']}"),
             (f"checkpoint p50, {small:,} keys", f"{p50_small:.2f} ms (10k changed)"),
             (f"checkpoint p50, {large:,} keys", f"{p50_large:.2f} ms (10k changed)"),
             ("flat ratio (large/small)", f"{p50_large / p50_small:.3f}"),

@@ -97,6 +97,8 @@ class MaterializationOptions:
     size_trigger_bytes: int | None = 64 << 20
     #: key groups per chunk (aligned to multiples of it, so subtasks of any parallelism share chunks)
     chunk_key_groups: int = 1
+    #: the largest file of chunks one materialization writes (its chunks are packed back to back)
+    pack_bytes: int = 16 << 20
     #: consecutive failed materializations tolerated before ``poll()`` raises ``MaterializationError``
     max_failures_allowed: int = 3
 
@@ -107,6 +109,8 @@ class MaterializationOptions:
             raise ConfigurationError(f"size_trigger_bytes must be positive or None, got {self.size_trigger_bytes}")
         if self.chunk_key_groups < 1:
             raise ConfigurationError(f"chunk_key_groups must be >= 1, got {self.chunk_key_groups}")
+        if self.pack_bytes < 1:
+            raise ConfigurationError(f"pack_bytes must be >= 1, got {self.pack_bytes}")
         if self.max_failures_allowed < 0:
             raise ConfigurationError(f"max_failures_allowed must be >= 0, got {self.max_failures_allowed}")
 
@@ -299,6 +303,7 @@ class LocalJob:
             interval_ms=m.interval_ms,
             size_trigger_bytes=m.size_trigger_bytes,
             chunk_key_groups=m.chunk_key_groups,
+            pack_bytes=m.pack_bytes,
             max_failures_allowed=m.max_failures_allowed,
         )
 
