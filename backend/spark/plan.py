@@ -32,6 +32,7 @@ from typing import Any
 import mmh3
 
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
+from backend.spark.batch import coalesced
 from backend.spark.config import OperatorConfig, Watermarks
 from backend.spark.driver import coordinator_for
 from backend.spark.tasks import run_subtasks
@@ -274,7 +275,7 @@ def run_partition(cfg: OperatorConfig, frames: Iterator[Any], process: Callable[
         return process(backend, rows, now, int(batch_id), None if watermarks is None else watermarks.eviction_ms)
 
     outputs, _ = run_subtasks(cfg, subtasks, int(batch_id), query_id, now_ms, body, max_event)
-    yield from outputs
+    yield from coalesced(outputs, cfg.max_records_per_batch)  # one Arrow conversion per run, not per key
 
 
 def _by_subtask(cfg: OperatorConfig, subtasks: range, frame: Any) -> Iterator[tuple[int, Any]]:
