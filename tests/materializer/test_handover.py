@@ -22,20 +22,20 @@ from typing import Any
 import pytest
 
 from backend.core.errors import BackendClosedError
-from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
+from dstl import KeyGroupRange
 from materializer.periodic import MaterializationResult, PeriodicMaterializer
 from tests.materializer.test_materializer import (
     FULL,
     MAX_P,
     NEVER,
     WAIT_S,
-    Backends,
     Env,
     GatedUpload,
     apply_to_backend,
     apply_to_model,
     check_restores,
     checkpoint,
+    environment,
     writer,
 )
 from tests.materializer_crash_child import Model, batch_a, batch_b, batch_c
@@ -45,13 +45,8 @@ B = Any
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[Env]:
-    storage = StateChangelogStorage(ChangelogConfig.local(tmp_path / "dfs", persist_delay_ms=0), owns_files=False)
-    backends = Backends(tmp_path, storage)
-    try:
-        yield Env(tmp_path, storage, backends)
-    finally:
-        backends.close_all()
-        storage.close()
+    with environment(tmp_path, owns_files=False) as e:
+        yield e
 
 
 def handing_over(b: B, **kwargs: Any) -> tuple[PeriodicMaterializer, list[MaterializationResult]]:

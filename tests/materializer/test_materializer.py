@@ -9,6 +9,7 @@ callable the materializer accepts; nothing here waits by sleeping.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import random
@@ -211,15 +212,23 @@ class Env:
     backends: Backends
 
 
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[Env]:
-    storage = new_storage(tmp_path / "dfs")
-    backends = Backends(tmp_path, storage)
+@contextlib.contextmanager
+def environment(tmp: Path, owns_files: bool = True) -> Iterator[Env]:
+    """A local DFS under ``tmp`` and the backends of a test; ``owns_files=False``: the storage never
+    deletes a file, as a Spark worker's."""
+    storage = StateChangelogStorage(ChangelogConfig.local(tmp / "dfs", persist_delay_ms=0), owns_files=owns_files)
+    backends = Backends(tmp, storage)
     try:
-        yield Env(tmp_path, storage, backends)
+        yield Env(tmp, storage, backends)
     finally:
         backends.close_all()
         storage.close()
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[Env]:
+    with environment(tmp_path) as e:
+        yield e
 
 
 def check_restores(env: Env, handle: KeyedStateHandle, model: Model, parallelisms: Sequence[int] = (1, 3)) -> None:

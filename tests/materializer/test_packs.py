@@ -19,18 +19,18 @@ import pytest
 
 from backend.core.handles import KeyedStateHandle
 from backend.core.keygroups import key_group_ranges
-from dstl import ChangelogConfig, ConfigurationError, StateChangelogStorage
+from dstl import ConfigurationError
 from materializer.packs import SharedPack
 from materializer.periodic import PeriodicMaterializer, restore
 from tests.materializer.test_materializer import (
     MAX_P,
     NEVER,
     WAIT_S,
-    Backends,
     Env,
     FlakyUpload,
     assert_state_equals,
     checkpoint,
+    environment,
     model_keys,
     owner,
 )
@@ -41,13 +41,8 @@ B = Any
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[Env]:
-    storage = StateChangelogStorage(ChangelogConfig.local(tmp_path / "dfs", persist_delay_ms=0), owns_files=False)
-    backends = Backends(tmp_path, storage)
-    try:
-        yield Env(tmp_path, storage, backends)
-    finally:
-        backends.close_all()
-        storage.close()
+    with environment(tmp_path, owns_files=False) as e:
+        yield e
 
 
 def subtasks_with(env: Env, parallelism: int, model: Model, ops: Sequence[Any]) -> list[B]:
@@ -196,15 +191,9 @@ def test_members_wait_for_the_seal_and_upload_once(env: Env) -> None:
 
 
 def test_a_storage_that_deletes_its_files_cannot_share_a_pack(tmp_path: Path) -> None:
-    storage = StateChangelogStorage(ChangelogConfig.local(tmp_path / "dfs", persist_delay_ms=0))
-    backends = Backends(tmp_path, storage)
-    try:
-        model = Model()
-        (b,) = subtasks_with(Env(tmp_path, storage, backends), 1, model, batch_a())
+    with environment(tmp_path, owns_files=True) as owning:
+        (b,) = subtasks_with(owning, 1, Model(), batch_a())
         m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None)
         with pytest.raises(ConfigurationError, match="owns_files"):
-            m.trigger(SharedPack(storage.put_file))
+            m.trigger(SharedPack(owning.storage.put_file))
         m.close()
-    finally:
-        backends.close_all()
-        storage.close()
