@@ -14,12 +14,15 @@ Two ways chunks share a file:
 - **One materialization** (``PackBuilder``): the chunks it writes go into packs of at most
   ``pack_bytes`` each (a pack is built in memory, so this bounds the memory of an upload).
 - **Materializations started together** (``SharedPack``): a Spark task runs several subtasks and
-  starts the materializations of those due at once; the last pack of each (below
-  ``pack_bytes``) goes into one file for all of them. Each materialization still runs in its own
-  thread and applies (or hands over) its own result; they meet only for the upload: each thread
-  *contributes* its bytes (or *withdraws*: it failed, or wrote nothing) and waits; once the task
-  has *sealed* the pack (no more members) and every member has arrived, one member thread
-  uploads the file and all of them learn the outcome. The task thread never waits for an upload.
+  starts the materializations of those due at once; their last packs go into one file for all of
+  them, as long as it stays within ``pack_bytes`` (a last pack that does not fit any more is
+  uploaded as a file of its own). Each materialization still runs in its own thread and applies
+  (or hands over) its own result; they meet only for the upload: each thread *contributes* its
+  bytes (or *withdraws*: it failed, or wrote nothing) and waits; once the task has *sealed* the
+  pack (no more members) and every member has arrived, one member thread uploads the file and
+  all of them learn the outcome. The task thread never waits for an upload. Memory: a shared
+  file is held once by its parts and once joined, so an upload holds at most twice
+  ``pack_bytes``, whatever the number of members.
 
 Space: a file stays while any chunk in it is referenced (the registry counts files), so a pack
 whose ranges were mostly rewritten keeps its old bytes until its last chunk is superseded: the
@@ -70,30 +73,36 @@ class PackBuilder:
         self._entries.append(entry)
 
     def finish(self, shared: SharedPack | None) -> None:
-        """Upload what is left: into ``shared`` if given and it fits (blocks until the shared file
-        is uploaded), else as a file of its own. A member of ``shared`` always arrives."""
-        if shared is not None and self._data and len(self._data) <= self._pack_bytes:
-            path, base = shared.contribute(bytes(self._data))
-            for entry in self._entries:
-                entry["path"] = path
-                entry["offset"] += base
-            self._data.clear()
-            self._entries = []
-            return
-        try:
-            if self._data:
-                self._flush_alone()
-        finally:
+        """Upload what is left: into ``shared`` if given and it fits there (blocks until the
+        shared file is uploaded), else as a file of its own. A member of ``shared`` always arrives."""
+        if not self._data:
             if shared is not None:
                 shared.withdraw()
+            return
+        try:
+            data = bytes(self._data)
+            self._data = bytearray()  # held once while the shared upload waits
+        except BaseException:
+            if shared is not None:
+                shared.withdraw()
+            raise
+        placed = shared.contribute(data) if shared is not None else None  # arrives either way
+        if placed is None:
+            self._flush_alone(data)
+            return
+        path, base = placed
+        for entry in self._entries:
+            entry["path"] = path
+            entry["offset"] += base
+        self._entries = []
 
-    def _flush_alone(self) -> None:
+    def _flush_alone(self, data: bytes | None = None) -> None:
         path = new_pack_path()
-        self._upload(path, bytes(self._data))
+        self._upload(path, bytes(self._data) if data is None else data)
         self.written.append(path)
         for entry in self._entries:
             entry["path"] = path
-        self._data.clear()
+        self._data = bytearray()
         self._entries = []
 
 
@@ -103,8 +112,10 @@ class SharedPack:
     The starter calls ``join`` once per materialization it starts, then ``seal``; each started
     materialization's thread calls ``contribute`` or ``withdraw`` exactly once."""
 
-    def __init__(self, upload: Callable[[str, bytes], None]) -> None:
+    def __init__(self, upload: Callable[[str, bytes], None], max_bytes: int) -> None:
+        """``max_bytes``: the largest file; a contribution that would make it larger is refused."""
         self._upload = upload
+        self._max_bytes = max_bytes
         self.path = new_pack_path()
         self._cond = threading.Condition()
         self._members = 0
@@ -134,10 +145,15 @@ class SharedPack:
             self._arrived += 1
             self._cond.notify_all()
 
-    def contribute(self, data: bytes) -> tuple[str, int]:
+    def contribute(self, data: bytes) -> tuple[str, int] | None:
         """Add ``data``; wait until the file holding it is durable. Returns the file's path and
-        the offset of ``data`` in it; raises the upload's error in every contributor."""
+        the offset of ``data`` in it; raises the upload's error in every contributor. None (at
+        once, as a withdrawal): ``data`` does not fit in the file any more."""
         with self._cond:
+            if self._parts and self._size + len(data) > self._max_bytes:
+                self._arrived += 1
+                self._cond.notify_all()
+                return None
             base = self._size
             self._parts.append(data)
             self._size += len(data)

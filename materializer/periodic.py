@@ -258,7 +258,9 @@ class PeriodicMaterializer:
                     key = (tuple(rng.to_json()), tuple(rng.to_json()))
                     old = previous.get(key)
                     clean = not point.rewrite_all and not any(kg in point.dirty for kg in rng)
-                    if old is not None and clean:
+                    # an entry without its hash (carried from a version-1 handle) is rewritten: a
+                    # handle mixing it with packed entries could not be written in any version
+                    if old is not None and clean and CHUNK_HASH in old:
                         chunks.append(old)
                         full += old["size"]
                         reused += 1

@@ -454,4 +454,3 @@ def coalesced(frames: Iterable[Any], max_rows: int) -> Iterator[Any]:
         signature = this
     if run:
         yield run[0] if len(run) == 1 else pd.concat(run, ignore_index=True)
-

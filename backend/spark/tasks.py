@@ -372,9 +372,12 @@ def start_materializations(materializers: list[PeriodicMaterializer]) -> None:
     """Apply the materializations that finished and start those due, never waiting for one; the
     ones started here write their last chunks into one file together (``materializer.packs``), so
     a task's materializations cost one file, not one per subtask."""
-    if not materializers:
+    storage = materializers[0].backend.storage if materializers else None
+    if storage is None:
+        for materializer in materializers:
+            materializer.poll()
         return
-    pack = SharedPack(materializers[0].backend.storage.put_file)  # type: ignore[union-attr]
+    pack = SharedPack(storage.put_file, materializers[0].pack_bytes)
     try:
         for materializer in materializers:
             materializer.poll(pack)

@@ -240,3 +240,25 @@ def test_an_offset_in_a_handle_older_than_packs_is_refused(world: World) -> None
     value["version"] = 2
     with pytest.raises(StateRestoreError, match="offset"):
         KeyedStateHandle.from_json(value)
+
+
+def test_state_adopted_from_a_version_1_handle_materializes_into_a_readable_handle(world: World) -> None:
+    """A Spark worker adopting local tables whose record is a version-1 handle (no hashes) and
+    materializing incrementally: the unhashed chunks are rewritten, not mixed with packed ones."""
+    keys = keys_by_group()
+    values = {key: 100 + kg for kg, key in keys.items()}
+    a, handle = materialized_handle(world, values)
+    directory = world.tmp / "local-0"
+    a.close()
+    world.backends.remove(a)
+    b = ChangelogKeyedStateBackend(
+        "op", FULL, directory, storage=world.storage, max_parallelism=MAX_P, reuse_local=True
+    )
+    world.backends.append(b)
+    b.adopt_local(KeyedStateHandle.from_json(legacy_version_1(handle)))
+    write(b, {keys[0]: 1})  # one key group changes; the others are clean
+    values[keys[0]] = 1
+    world.materialize(b, pack_bytes=1 << 20)
+    again = world.checkpoint(b)  # read back from JSON: it must be a valid handle
+    assert again.to_json()["version"] == 3 and all("sha256" in c for c in again.materialized)
+    assert read(world.restored(again), list(keys.values())) == values

@@ -114,7 +114,7 @@ def test_materializations_started_together_share_one_file_and_each_restores(env:
     model = Model()
     subtasks = subtasks_with(env, 3, model, batch_a() + batch_b())
     ms = materializers(subtasks)
-    start_together(ms, SharedPack(env.storage.put_file))
+    start_together(ms, SharedPack(env.storage.put_file, 1 << 20))
     assert [m.metrics.completed for m in ms] == [1, 1, 1]
     handles = [checkpoint(b, 1) for b in subtasks]
     paths = {c["path"] for h in handles for c in h.materialized}
@@ -132,7 +132,7 @@ def test_a_member_that_fails_before_it_contributes_does_not_hold_up_the_others(e
     failing = FlakyUpload(env.storage, failing={1})  # its first own file fails
     alone = PeriodicMaterializer(subtasks[0], interval_ms=NEVER, size_trigger_bytes=None, upload=failing, pack_bytes=1)
     other = PeriodicMaterializer(subtasks[1], interval_ms=NEVER, size_trigger_bytes=None)
-    start_together([alone, other], SharedPack(env.storage.put_file))
+    start_together([alone, other], SharedPack(env.storage.put_file, 1 << 20))
     assert (alone.metrics.failed, other.metrics.completed) == (1, 1)
     handles = [checkpoint(b, 1) for b in subtasks]
     assert handles[0].materialized == () and handles[1].materialized
@@ -146,7 +146,7 @@ def test_a_failed_shared_upload_fails_every_member_and_the_next_attempt_succeeds
     subtasks = subtasks_with(env, 2, model, batch_a())
     ms = materializers(subtasks)
     upload = FlakyUpload(env.storage, failing={1})
-    start_together(ms, SharedPack(upload))
+    start_together(ms, SharedPack(upload, 1 << 20))
     assert upload.calls == 1  # one file for both
     assert [(m.metrics.failed, m.metrics.completed) for m in ms] == [(1, 0), (1, 0)]
     assert env.storage.list_all("shared") == []
@@ -154,7 +154,7 @@ def test_a_failed_shared_upload_fails_every_member_and_the_next_attempt_succeeds
     assert all(h.materialized == () for h in failed)
     restores_to(env, failed, model, parallelisms=(1,))  # the log was kept for the failed attempt
 
-    start_together(ms, SharedPack(upload))  # the key groups are still dirty: both start again
+    start_together(ms, SharedPack(upload, 1 << 20))  # the key groups are still dirty: both start again
     assert upload.calls == 2
     assert [m.metrics.completed for m in ms] == [1, 1]
     handles = [checkpoint(b, 2) for b in subtasks]
@@ -163,8 +163,28 @@ def test_a_failed_shared_upload_fails_every_member_and_the_next_attempt_succeeds
         m.close()
 
 
+def test_a_shared_file_stays_within_its_bound_and_the_rest_goes_to_files_of_their_own(env: Env) -> None:
+    model = Model()
+    subtasks = subtasks_with(env, 3, model, batch_a() + batch_b())
+    ms = materializers(subtasks)
+    uploads: list[int] = []
+
+    def upload(path: str, data: bytes) -> None:
+        uploads.append(len(data))
+        env.storage.put_file(path, data)
+
+    start_together(ms, SharedPack(upload, 1))  # room for the first contribution only
+    assert [m.metrics.completed for m in ms] == [1, 1, 1]
+    handles = [checkpoint(b, 1) for b in subtasks]
+    files = {c["path"] for h in handles for c in h.materialized}
+    assert len(files) == 3 and len(uploads) == 1  # the shared file took the first; the others went alone
+    restores_to(env, handles, model, parallelisms=(1, 2))
+    for m in ms:
+        m.close()
+
+
 def test_a_sealed_pack_without_members_writes_nothing(env: Env) -> None:
-    pack = SharedPack(env.storage.put_file)
+    pack = SharedPack(env.storage.put_file, 1 << 20)
     pack.seal()
     with pytest.raises(RuntimeError, match="sealed"):
         pack.join()
@@ -174,7 +194,7 @@ def test_a_sealed_pack_without_members_writes_nothing(env: Env) -> None:
 def test_members_wait_for_the_seal_and_upload_once(env: Env) -> None:
     """Contributions that arrive before the starter seals the pack are uploaded together after it."""
     uploads: list[tuple[str, bytes]] = []
-    pack = SharedPack(lambda path, data: uploads.append((path, data)))
+    pack = SharedPack(lambda path, data: uploads.append((path, data)), 1 << 20)
     pack.join()
     pack.join()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -195,5 +215,5 @@ def test_a_storage_that_deletes_its_files_cannot_share_a_pack(tmp_path: Path) ->
         (b,) = subtasks_with(owning, 1, Model(), batch_a())
         m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None)
         with pytest.raises(ConfigurationError, match="owns_files"):
-            m.trigger(SharedPack(owning.storage.put_file))
+            m.trigger(SharedPack(owning.storage.put_file, 1 << 20))
         m.close()
