@@ -103,9 +103,11 @@ def load_materialized(
             "the handles hold materialized chunks: restore with materializer.restore(backend, handles)"
         )
     loaded = 0
-    for rng, chunk in sorted(parts, key=lambda p: p[0].start):
+    ordered = sorted(parts, key=lambda p: p[0].start)
+    spans = _SpanReader(reader, [chunk for _, chunk in ordered])
+    for index, (rng, chunk) in enumerate(ordered):
         try:
-            data = read_chunk(reader, chunk)
+            data = spans.read(index)
         except FileNotFoundError:
             raise StateRestoreError(f"materialized chunk {chunk['path']} is missing") from None
         except ValueError as exc:  # a path outside the storage's base path
@@ -127,6 +129,42 @@ def load_materialized(
         if progress is not None:
             progress(loaded)
     return loaded
+
+
+#: the most bytes one ranged read of adjacent chunks of a pack fetches
+SPAN_BYTES = 16 << 20
+
+
+class _SpanReader:
+    """The bytes of each chunk of ``chunks`` (in load order), reading a run of chunks that lie
+    back to back in one pack with one ranged read (at most ``SPAN_BYTES``): a restore of a whole
+    pack costs one request, not one per key group, and holds at most one span at a time."""
+
+    def __init__(self, reader: Any, chunks: list[dict[str, Any]]) -> None:
+        self.reader, self.chunks = reader, chunks
+        self.path: str | None = None
+        self.start = 0
+        self.span = b""
+
+    def read(self, index: int) -> bytes:
+        chunk = self.chunks[index]
+        if "offset" not in chunk:
+            return read_chunk(self.reader, chunk)
+        path, offset, size = str(chunk["path"]), int(chunk["offset"]), int(chunk["size"])
+        if path != self.path or not (self.start <= offset and offset + size <= self.start + len(self.span)):
+            end = offset + size
+            for after in self.chunks[index + 1 :]:  # the run of chunks right after it in the same file
+                if (
+                    str(after["path"]) != path
+                    or after.get("offset") != end
+                    or end - offset + after["size"] > SPAN_BYTES
+                ):
+                    break
+                end += int(after["size"])
+            self.path, self.start = None, offset
+            self.span = bytes(self.reader.read_range(path, offset, end - offset))
+            self.path = path
+        return self.span[offset - self.start : offset - self.start + size]
 
 
 def replay_log(

@@ -19,7 +19,7 @@ import pytest
 
 from backend.core.handles import KeyedStateHandle
 from backend.core.keygroups import key_group_ranges
-from dstl import ConfigurationError
+from dstl import ConfigurationError, CorruptDataError, StateChangelogStorage
 from materializer.packs import SharedPack
 from materializer.periodic import PeriodicMaterializer, restore
 from tests.materializer.test_materializer import (
@@ -217,3 +217,56 @@ def test_a_storage_that_deletes_its_files_cannot_share_a_pack(tmp_path: Path) ->
         with pytest.raises(ConfigurationError, match="owns_files"):
             m.trigger(SharedPack(owning.storage.put_file, 1 << 20))
         m.close()
+
+
+class CountingReads:
+    """The storage a restore reads through, counting its reads of chunk files (``shared/``)."""
+
+    def __init__(self, storage: StateChangelogStorage) -> None:
+        self.storage = storage
+        self.reads: list[tuple[str, int, int]] = []
+
+    def read_range(self, path: str, offset: int, length: int, timeout: float | None = None) -> bytes:
+        self.reads.append((path, offset, length))
+        return self.storage.read_range(path, offset, length, timeout=timeout)
+
+    def get_file(self, path: str, timeout: float | None = None) -> bytes:
+        self.reads.append((path, 0, -1))
+        return self.storage.get_file(path, timeout=timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.storage, name)
+
+
+def test_a_restore_reads_the_chunks_of_a_pack_it_owns_with_one_request(env: Env) -> None:
+    model = Model()
+    (b,) = subtasks_with(env, 1, model, batch_a() + batch_b())
+    m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None)
+    m.trigger()
+    m.wait(WAIT_S)
+    handle = KeyedStateHandle.loads(checkpoint(b, 1).dumps())
+    (path,) = {c["path"] for c in handle.materialized}
+    assert len(handle.materialized) > 2
+    for parallelism in (1, 2):
+        restored = [env.backends.new(rng) for rng in key_group_ranges(MAX_P, parallelism)]
+        for r in restored:
+            reads = CountingReads(env.storage)
+            restore(r, [handle], source=reads)  # type: ignore[arg-type]
+            assert [p for p, _, _ in reads.reads if p.startswith("shared/")] == [path]  # one span each
+        assert_state_equals(restored, model, model_keys(model))
+    m.close()
+
+
+def test_a_truncated_pack_fails_the_restore_naming_the_file(env: Env) -> None:
+    (b,) = subtasks_with(env, 1, Model(), batch_a())
+    m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None)
+    m.trigger()
+    m.wait(WAIT_S)
+    handle = KeyedStateHandle.loads(checkpoint(b, 1).dumps())
+    (path,) = {c["path"] for c in handle.materialized}
+    file = env.tmp / "dfs" / path
+    file.write_bytes(file.read_bytes()[:-20])
+    with pytest.raises(CorruptDataError) as info:
+        restore(env.backends.new(), [handle])
+    assert path in str(info.value)
+    m.close()
