@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import BenchResult, MiB, progress, rss_mb
+from benchmarks.common import BenchResult, MiB, progress, rss_mb, save_figure
 from benchmarks.support.faulty_fs import Action, Fault, FaultPlan, faulty_base_path
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
 
@@ -165,10 +165,7 @@ def _plot(runs: dict[str, dict[str, Any]], limit_mb: int, bound_mb: float, path:
         ax.grid(True, linewidth=0.3)
     axes[0].set_ylabel("MiB")
     axes[-1].legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

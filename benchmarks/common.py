@@ -76,3 +76,26 @@ def rss_mb() -> float:
             return int(f.read().split()[1]) * _PAGE / MiB
     except OSError:  # not Linux: the peak so far is the best there is
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Write a matplotlib figure as the benchmark's PNG and free it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt  # only called where matplotlib is installed
+
+    plt.close(fig)
+
+
+def run_available_now(out: Any, sink: Any, work: Path) -> Any:
+    """Run the streaming DataFrame ``out`` over every input available now (``availableNow``) into
+    the ``foreachBatch`` ``sink``, its checkpoint under ``work``; returns the ended query."""
+    query = (
+        out.writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(work / "spark-chk"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    return query

@@ -73,7 +73,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import BenchResult, percentile, progress
+from benchmarks.common import BenchResult, percentile, progress, save_figure
 from benchmarks.spark import _write_input
 from benchmarks.support.s3_server import create_bucket, start_s3_server
 
@@ -325,10 +325,7 @@ def _plot(raw: dict[str, Any], configs: dict[str, dict[str, Any]], path: Path) -
         "batch (0 is the first; dotted: ours due to materialize; dots: ours materialized; squares: Spark's snapshots)"
     )
     axes[-1, 0].xaxis.get_major_locator().set_params(integer=True)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import run_available_now
 from benchmarks.spark import OUTPUT, _count_files, _processor
 from benchmarks.support.fault_plan import FaultPlan
 from benchmarks.support.fault_proxy import FaultProxy
@@ -85,18 +86,6 @@ def _slowest(stats: list[dict[str, Any]]) -> dict[str, float]:
         if values:
             out[name] = max(values)
     return out
-
-
-def _run_available(out: Any, sink: Any, work: Path) -> Any:
-    """Run ``out`` over every input file available (one per batch) into ``sink``; the ended query."""
-    query = (
-        out.writeStream.foreachBatch(sink)
-        .option("checkpointLocation", str(work / "spark-chk"))
-        .trigger(availableNow=True)
-        .start()
-    )
-    query.awaitTermination()
-    return query
 
 
 def _kind(name: str) -> str:
@@ -203,7 +192,7 @@ def run_spark(spark: Any, source: Path, work: Path) -> dict[str, Any]:
             kinds[_spark_kind(name)] = kinds.get(_spark_kind(name), 0) + 1
         batches.append({"batch": batch_id, "new_files": len(new), "kinds": kinds, "snapshot": kinds.get("zip", 0) > 0})
 
-    query = _run_available(out, sink, work)
+    query = run_available_now(out, sink, work)
     return {"durations_ms": _durations(query), "batches": batches, "rows_out": rows_out[0]}
 
 
@@ -273,7 +262,7 @@ def run_ours(
                  "sources": sources, "slowest_ms": _slowest(stats)}
             )  # fmt: skip
 
-        query = _run_available(out, sink, work)
+        query = run_available_now(out, sink, work)
         durations = _durations(query)
         last = batches[-1]["batch"] if batches else -1
         deadline = time.monotonic() + FINAL_CHECKPOINT_WAIT_S

@@ -40,7 +40,7 @@ import subprocess
 from pathlib import Path
 
 from benchmarks import hedging_model
-from benchmarks.common import BenchResult, percentile, progress
+from benchmarks.common import BenchResult, percentile, progress, save_figure
 from benchmarks.support.latency_proxy import LatencyProfile, run_in_subprocess
 from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, create_bucket, start_s3_server
 from dstl.config import ChangelogConfig, HedgingPolicy, S3Options
@@ -161,10 +161,7 @@ def _plot(plain: list[float], hedged: list[float], path: Path) -> bool:
         ax.axhline(q, color="grey", linewidth=0.5, linestyle=":")
     ax.legend()
     ax.grid(True, which="both", linewidth=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

@@ -42,7 +42,7 @@ from typing import Any
 from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.core.descriptors import MapStateDescriptor, ValueStateDescriptor
 from backend.core.serializers import Int64Serializer, StrSerializer
-from benchmarks.common import BenchResult, MiB, progress, rss_mb
+from benchmarks.common import BenchResult, MiB, progress, rss_mb, save_figure
 from benchmarks.support.faulty_fs import Action, Fault, FaultPlan, Op, faulty_base_path
 from dstl import ChangelogError
 
@@ -353,10 +353,7 @@ def _plot(raw: dict[str, Any], warm: float, growth: float, path: Path) -> bool:
         ax.grid(True, linewidth=0.3)
         ax.set_ylim(bottom=0)
     axes[0].set_title(f"soak: RSS last / first quarter after warm-up (shaded): {growth:.3f}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

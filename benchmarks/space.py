@@ -40,7 +40,7 @@ from backend.core.descriptors import ValueStateDescriptor
 from backend.core.handles import KeyedStateHandle
 from backend.core.serializers import Int64Serializer
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
-from benchmarks.common import BenchResult, progress
+from benchmarks.common import BenchResult, progress, save_figure
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
 from materializer.chunks import encode_chunk
 from materializer.periodic import PeriodicMaterializer, restore
@@ -249,10 +249,7 @@ def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> None:
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8, loc="lower right")
     fig.suptitle(f"DFS bytes, {RETAINED} retained checkpoints, materialization every {MATERIALIZE_EVERY} checkpoints")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(quick: bool, out_dir: Path) -> BenchResult:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import BenchResult, progress
+from benchmarks.common import BenchResult, progress, run_available_now
 
 OUTPUT = "user string, count long, last long"
 
@@ -106,20 +106,11 @@ def _run(spark: Any, which: str, source: Path, work: Path, parallelism: int) -> 
 
     def sink(batch_df: Any, batch_id: int) -> None:
         rows_out[0] += batch_df.count()
-        if which == "ours":
-            # the listener completes chk-<b-1> asynchronously; count what exists now
-            pass
-        files = _count_files(state_dir)
+        files = _count_files(state_dir)  # ours: the listener completes chk-<b-1> later; what exists now
         new_files.append(len(files - seen))
         seen.update(files)
 
-    query = (
-        out.writeStream.foreachBatch(sink)
-        .option("checkpointLocation", str(work / "spark-chk"))
-        .trigger(availableNow=True)
-        .start()
-    )
-    query.awaitTermination()
+    query = run_available_now(out, sink, work)
     durations = [p["durationMs"]["triggerExecution"] for p in query.recentProgress if p["numInputRows"] > 0]
     return {"durations_ms": durations, "new_files": new_files, "rows_out": rows_out[0]}
 

@@ -18,7 +18,6 @@ import asyncio
 import gc
 import os
 import threading
-import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from dstl import format as format_module
 from dstl.errors import UploadFailedError, WriterClosedError
 from dstl.uploaders.fsspec import FsspecUploader
 from dstl.writer import ChangelogWriter
+from tests import polling
 
 RANGE = KeyGroupRange(0, 15)
 WAIT_S = 60.0
@@ -43,11 +43,7 @@ MAX_CHANGES = 1_000_000
 
 
 def wait_until(predicate: Callable[[], bool], what: str) -> None:
-    """Wait for a condition the storage's loop thread brings about (no event is exposed for it)."""
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
+    polling.wait_until(predicate, what, WAIT_S)
 
 
 @dataclass

@@ -84,22 +84,24 @@ def restores_to(env: Env, handles: Sequence[KeyedStateHandle], model: Model, par
             env.backends.close(b)
 
 
+def materialized_alone(env: Env, model: Model, ops: Sequence[Any], **kwargs: Any) -> KeyedStateHandle:
+    """One subtask holding ``ops``, materialized once (``kwargs`` to its materializer), then
+    checkpointed: the handle, read back from JSON."""
+    (b,) = subtasks_with(env, 1, model, ops)
+    m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None, **kwargs)
+    assert m.trigger()
+    m.wait(WAIT_S)
+    m.close()
+    return KeyedStateHandle.loads(checkpoint(b, 1).dumps())
+
+
 def test_one_materialization_writes_its_chunks_into_files_of_at_most_pack_bytes(env: Env) -> None:
     model = Model()
-    (b,) = subtasks_with(env, 1, model, batch_a() + batch_b())
-    whole = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None)
-    whole.trigger()
-    whole.wait(WAIT_S)
-    one_file = checkpoint(b, 1)
+    one_file = materialized_alone(env, model, batch_a() + batch_b())
     assert len({c["path"] for c in one_file.materialized}) == 1 < len(one_file.materialized)
     largest = max(c["size"] for c in one_file.materialized)
-    whole.close()
 
-    (c,) = subtasks_with(env, 1, Model(), batch_a() + batch_b())
-    split = PeriodicMaterializer(c, interval_ms=NEVER, size_trigger_bytes=None, pack_bytes=2 * largest)
-    split.trigger()
-    split.wait(WAIT_S)
-    handle = checkpoint(c, 1)
+    handle = materialized_alone(env, Model(), batch_a() + batch_b(), pack_bytes=2 * largest)
     files: dict[str, int] = {}
     for chunk in handle.materialized:
         files[chunk["path"]] = max(files.get(chunk["path"], 0), chunk["offset"] + chunk["size"])
@@ -107,7 +109,6 @@ def test_one_materialization_writes_its_chunks_into_files_of_at_most_pack_bytes(
     assert all(size <= 2 * largest for size in files.values())
     assert {p: len(env.storage.get_file(p)) for p in files} == files  # nothing else in them
     restores_to(env, [handle], model, parallelisms=(1, 3))
-    split.close()
 
 
 def test_materializations_started_together_share_one_file_and_each_restores(env: Env) -> None:
@@ -240,11 +241,7 @@ class CountingReads:
 
 def test_a_restore_reads_the_chunks_of_a_pack_it_owns_with_one_request(env: Env) -> None:
     model = Model()
-    (b,) = subtasks_with(env, 1, model, batch_a() + batch_b())
-    m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None)
-    m.trigger()
-    m.wait(WAIT_S)
-    handle = KeyedStateHandle.loads(checkpoint(b, 1).dumps())
+    handle = materialized_alone(env, model, batch_a() + batch_b())
     (path,) = {c["path"] for c in handle.materialized}
     assert len(handle.materialized) > 2
     for parallelism in (1, 2):
@@ -254,19 +251,13 @@ def test_a_restore_reads_the_chunks_of_a_pack_it_owns_with_one_request(env: Env)
             restore(r, [handle], source=reads)  # type: ignore[arg-type]
             assert [p for p, _, _ in reads.reads if p.startswith("shared/")] == [path]  # one span each
         assert_state_equals(restored, model, model_keys(model))
-    m.close()
 
 
 def test_a_truncated_pack_fails_the_restore_naming_the_file(env: Env) -> None:
-    (b,) = subtasks_with(env, 1, Model(), batch_a())
-    m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None)
-    m.trigger()
-    m.wait(WAIT_S)
-    handle = KeyedStateHandle.loads(checkpoint(b, 1).dumps())
+    handle = materialized_alone(env, Model(), batch_a())
     (path,) = {c["path"] for c in handle.materialized}
     file = env.tmp / "dfs" / path
     file.write_bytes(file.read_bytes()[:-20])
     with pytest.raises(CorruptDataError) as info:
         restore(env.backends.new(), [handle])
     assert path in str(info.value)
-    m.close()

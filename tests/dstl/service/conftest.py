@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Serve
 from dstl import ChangelogConfig, S3Options
 from dstl.service import ChangelogService, RemoteChangelogStorage, service_socket_path
 from dstl.service.protocol import Hello, Welcome, encode, read_message
+from tests import polling
 
 WAIT_S = 30.0
 
@@ -38,11 +38,7 @@ Records = list[tuple[int, bytes]]
 
 
 def wait_until(predicate: Callable[[], bool], what: str) -> None:
-    """Poll a condition another thread or process brings about (no event is exposed for it)."""
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
+    polling.wait_until(predicate, what, WAIT_S)
 
 
 def accept_hello(listener: socket.socket) -> tuple[socket.socket, Any]:
