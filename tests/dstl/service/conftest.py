@@ -33,6 +33,8 @@ from dstl.service.protocol import Hello, Welcome, encode, read_message
 from tests import polling
 
 WAIT_S = 30.0
+#: appends of 100 bytes after which a flood that met no backpressure fails its test (bounded memory)
+FLOOD_CAP = 2_000_000
 
 Records = list[tuple[int, bytes]]
 

@@ -26,7 +26,7 @@ from dstl.errors import WriterClosedError
 from dstl.service import Liveness, RemoteChangelogStorage, ServiceUnavailableError, service_socket_path
 from dstl.service.protocol import OpenWriter, read_message
 from dstl.storage import StateChangelogStorage
-from tests.dstl.service.conftest import WAIT_S, Harness, accept_hello, local_config, wait_until
+from tests.dstl.service.conftest import FLOOD_CAP, WAIT_S, Harness, accept_hello, local_config, wait_until
 
 
 def test_closing_the_storage_fails_every_outstanding_persist_exactly_once(
@@ -154,11 +154,16 @@ def test_a_backpressured_service_answers_another_writers_call_late_but_answers(
         calling = storage.create_writer("calling", KeyGroupRange(16, 31))
         plan.add(Fault(op="put", action="stall"))
         errors: list[BaseException] = []
+        stop = threading.Event()
 
         def flood() -> None:
+            # Until told to stop: how much a service and its socket absorb before they push back
+            # depends on thread scheduling, so a fixed number of appends may never reach the gate.
             try:
-                for i in range(300_000):
+                i = 0
+                while not stop.is_set() and i < FLOOD_CAP:
                     flooding.append(i % 16, i.to_bytes(4, "little") * 25)
+                    i += 1
             except BaseException as exc:
                 errors.append(exc)
 
@@ -167,7 +172,12 @@ def test_a_backpressured_service_answers_another_writers_call_late_but_answers(
         assert plan.wait_stalled(1, WAIT_S)
         assert service.storage is not None
         metrics = service.storage.metrics
-        wait_until(lambda: metrics.backpressure_waits > 0 and flooding.backpressure_waits > 0, "backpressure")
+
+        def backpressured() -> bool:
+            assert flooder.is_alive() and not errors, f"the flood ended before any backpressure: {errors}"
+            return metrics.backpressure_waits > 0 and flooding.backpressure_waits > 0
+
+        wait_until(backpressured, "backpressure")
 
         calling.append(16, b"behind the flood")
         outcome: list[Any] = []
@@ -187,6 +197,7 @@ def test_a_backpressured_service_answers_another_writers_call_late_but_answers(
         wait_until(lambda: storage.liveness_probes >= probes + 2, "the liveness rule to find the service alive")
         assert not answered.is_set() and storage.lost is None
 
+        stop.set()
         plan.release()
         assert answered.wait(WAIT_S) and outcome == [1]
         flooder.join(WAIT_S)

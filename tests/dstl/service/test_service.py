@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from dstl.service import FencedWriterError, ServiceUnavailableError
 from dstl.service.configjson import dumps_config
 from dstl.writer import ChangelogWriter
 from tests.dstl.service.conftest import (
+    FLOOD_CAP,
     WAIT_S,
     Harness,
     Records,
@@ -287,16 +289,20 @@ def test_backpressure_blocks_the_appending_thread_and_loses_nothing(tmp_path: Pa
         storage = harness.client(config, start=False)
         writer = storage.create_writer("op", KeyGroupRange(0, 15))
         plan.add(Fault(op="put", action="stall"))
-        # 30 MiB: far more than every buffer on the way holds (the client's bound plus what one
-        # sender interval lets through, both socket buffers, the service's bound and one frame)
-        total = 300_000
+        # Appends until told to stop: how much the sender, both socket buffers and the service
+        # absorb before they push back depends on thread scheduling, so a fixed number of appends
+        # may pass before the service's loop notices the held upload.
+        stop = threading.Event()
         done = threading.Event()
+        appended = 0
         errors: list[BaseException] = []
 
         def operator() -> None:
+            nonlocal appended
             try:
-                for i in range(total):
-                    writer.append(i % 16, change(i))
+                while not stop.is_set() and appended < FLOOD_CAP:
+                    writer.append(appended % 16, change(appended))
+                    appended += 1
             except BaseException as exc:
                 errors.append(exc)
             finally:
@@ -307,14 +313,23 @@ def test_backpressure_blocks_the_appending_thread_and_loses_nothing(tmp_path: Pa
         assert plan.wait_stalled(1, WAIT_S)
         assert service.storage is not None
         metrics = service.storage.metrics
-        wait_until(lambda: metrics.backpressure_waits > 0, "the service to stop reading")
-        wait_until(lambda: writer.backpressure_waits > 0, "the appending thread to wait for the sender")
+
+        def waited(counter: Callable[[], int]) -> Callable[[], bool]:
+            def check() -> bool:
+                assert not done.is_set(), f"the appends ended before any backpressure: {errors}"
+                return counter() > 0
+
+            return check
+
+        wait_until(waited(lambda: metrics.backpressure_waits), "the service to stop reading")
+        wait_until(waited(lambda: writer.backpressure_waits), "the appending thread to wait for the sender")
         assert not done.is_set()  # it cannot finish while the upload is held
 
+        stop.set()
         plan.release()
         assert done.wait(WAIT_S) and not errors, errors
         handle = writer.persist_durably(0).result(WAIT_S)
-        assert list(storage.read(handle)) == [(i % 16, change(i)) for i in range(total)]
+        assert list(storage.read(handle)) == [(i % 16, change(i)) for i in range(appended)]
 
 
 def change(i: int) -> bytes:
