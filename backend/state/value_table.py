@@ -6,10 +6,15 @@ only logs the changes and moves them into ``cleans``, so its cost does not depen
 LMDB tables are (a B-tree write of many random keys touches more pages the more keys there are);
 ``cleans`` is written to LMDB, sorted, when the caches outgrow the backend's limit, on the
 operator's next write. Per-key-group dicts let a checkpoint log one SET_BATCH record per key
-group built with C-level joins, instead of grouping every changed key in Python. With the log
-on, ``clean_stored[kg]`` keeps the bytes each clean entry was logged as (None: deleted), beside
-``cleans[kg]``: a spill writes them without serializing again, and the read path finds plain
-values (no per-entry tuples, which would also be objects for the garbage collector to walk).
+group built with C-level joins, instead of grouping every changed key in Python.
+
+With the log on, ``clean_stored[kg]`` keeps the bytes each clean entry was logged as (None:
+deleted), beside ``cleans[kg]``: a spill writes them without serializing again, and the read path
+finds plain values (no per-entry tuples, which would also be objects for the garbage collector to
+walk). Only where serializing again costs more than keeping them: a serializer that packs many
+values in one C call (``serialize_many``, no TTL) serializes the cleans again at the spill, as
+with the log off, since filling ``clean_stored`` costs a dict insert per logged change at every
+checkpoint, more than that call.
 
 ``ValueState`` reads these dicts directly on its no-TTL hot path (``backend.state.primitives``).
 """
@@ -48,8 +53,11 @@ class ValueTable(StateTable):
         super().__init__(host, descriptor)
         self.caches: list[dict[bytes, Any]] = [{} for _ in range(host.max_parallelism)] + [_NoKey()]
         self.cleans: list[dict[bytes, Any]] = [{} for _ in range(host.max_parallelism)]
+        self.logged = host.log_enabled
+        bulk = not self.ttl_ms and hasattr(self.ser, "serialize_many")
+        #: the bytes the clean entries were logged as, kept for the spill (module doc); None: none kept
         self.clean_stored: list[dict[bytes, bytes | None]] | None = (
-            [{} for _ in range(host.max_parallelism)] if host.log_enabled else None
+            [{} for _ in range(host.max_parallelism)] if self.logged and not bulk else None
         )
         self.lookup = host.tables.getter(descriptor.name)
 
@@ -116,7 +124,7 @@ class ValueTable(StateTable):
         Two phases, as ``prepare_flush``: serialize now; log and move in the returned step."""
         changed = [(kg, cache) for kg, cache in enumerate(self.caches) if cache]
         serialized = []
-        if self.clean_stored is not None:  # the log is on
+        if self.logged:
             serialized = [(kg, list(cache), self._serialize_entries(list(cache.values()))) for kg, cache in changed]
 
         def log(append: Append | None, append_many: AppendMany | None) -> int:
@@ -165,7 +173,7 @@ class ValueTable(StateTable):
     def prepare_flush(self) -> FlushStep:
         log = self.prepare_log()
         pending: list[tuple[list[bytes], list[bytes | None]]] = []
-        if self.clean_stored is None:  # log off: serialize the clean and the changed entries now
+        if self.clean_stored is None:  # no logged bytes kept: serialize the clean and the changed entries now
             for kg, clean in enumerate(self.cleans):
                 merged = {**clean, **self.caches[kg]} if self.caches[kg] else clean
                 if merged:

@@ -9,8 +9,10 @@ import pytest
 
 from backend.core.descriptors import ValueStateDescriptor
 from backend.core.errors import SerializationError
-from backend.core.serializers import PickleSerializer
+from backend.core.serializers import Int64Serializer, PickleSerializer, StrSerializer
+from backend.core.serializers.base import Serializer
 from backend.state.timers import EVENT_TIME
+from backend.state.value_table import ValueTable
 from tests.backend.state.support import LIST, MAP, VALUE, WAIT_S, B, Env
 
 # -- small caches: spills in the middle of a checkpoint ----------------------------------------
@@ -157,3 +159,42 @@ def test_values_whose_equality_is_not_a_bool_spill_and_checkpoint(env: Env) -> N
             assert s.value().n == k
         b.set_current_key(0)
         assert s.value() is None
+
+
+@pytest.mark.parametrize(
+    ("serializer", "values", "keeps_logged_bytes"),
+    [(Int64Serializer(), lambda r, k: r * 100 + k, False), (StrSerializer(), lambda r, k: f"{r}:{k}", True)],
+    ids=["serialized-again", "logged-bytes-kept"],
+)
+def test_a_spill_with_the_log_on_writes_the_last_logged_value_of_each_key(
+    env: Env, serializer: Serializer[Any], values: Any, keeps_logged_bytes: bool
+) -> None:
+    """With the log on, a spill writes the bytes a checkpoint logged (string values) or serializes
+    the clean values again (int64: one C call for many): either way the tables then hold each key's
+    last value, cleared keys are gone, and a restore from the checkpoints agrees."""
+    descriptor = ValueStateDescriptor("spilled", serializer)
+    b = env.backend(cache_limit=10)
+    state = b.get_state(descriptor)
+    table = b._states[descriptor.name]
+    assert isinstance(table, ValueTable) and (table.clean_stored is not None) == keeps_logged_bytes
+    keys = range(40)
+    for round_ in range(3):  # a key logged in several checkpoints before the spill: the last one counts
+        for k in keys:
+            b.set_current_key(k)
+            if round_ == 2 and k % 5 == 0:
+                state.clear()
+            else:
+                state.update(values(round_, k))
+        (handle,) = env.checkpoint(b)
+    b.flush()
+    assert table.cache_size() == 0  # everything is in LMDB now
+
+    def expected(k: int) -> Any:
+        return None if k % 5 == 0 else values(2, k)
+
+    (restored,) = env.restore([handle], 1, cache_limit=10)
+    for backend in (b, restored):
+        read = backend.get_state(descriptor)
+        for k in keys:
+            backend.set_current_key(k)
+            assert read.value() == expected(k)
