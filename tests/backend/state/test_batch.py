@@ -138,3 +138,19 @@ def test_key_groups_computed_elsewhere_address_the_same_state(backend: Changelog
     with backend.batch([("k",)], key_groups=[5]):
         backend.set_current_key_in_group(("k",), 5)
         assert backend.get_state(VALUE).value() == 42
+
+
+def test_a_key_of_another_subtask_among_ints_fails_the_batch_as_it_fails_set_current_key(tmp_path: Path) -> None:
+    storage = StateChangelogStorage(ChangelogConfig.local(tmp_path / "dfs", persist_delay_ms=0))
+    b = ChangelogKeyedStateBackend("op", KeyGroupRange(0, 63), tmp_path / "local", storage=storage)
+    try:
+        mine = [k for k in range(1000) if assign_key_group(serialize_key(k), MAX_P) < 64][:50]
+        foreign = next(k for k in range(1000) if assign_key_group(serialize_key(k), MAX_P) >= 64)
+        with pytest.raises(ValueError) as outside:
+            b.set_current_key(foreign)
+        with pytest.raises(ValueError) as inside, b.batch([*mine, foreign]):
+            pass
+        assert str(inside.value) == str(outside.value)
+    finally:
+        b.close()
+        storage.close()
