@@ -85,20 +85,28 @@ def put_rest(user_key: bytes, value: bytes) -> bytes:
     return _U16.pack(len(user_key)) + user_key + value
 
 
-def encode_set_batch(sid: int, entries: list[bytes]) -> bytes:
-    """One record for the SETs of many keys of one key group: ``[ckey, stored, ckey, stored, ...]``.
+def encode_set_batch(sid: int, ckeys: list[bytes], stored: list[bytes], value_size: int | None = None) -> bytes:
+    """One record for the SETs of many keys of one key group: ``ckeys[i]`` is set to ``stored[i]``.
 
     Layout: ``op | state_id | count:u32 | length:u32[2 * count] | (ckey | stored)*count``, the
     lengths of every ckey and stored value in order. A checkpoint of a value state logs one such
     record per key group instead of one per key, and both encoding and decoding are C-level
-    passes (array of lengths, join; split with ``BytesIO.read``) rather than a Python step per key.
+    passes (arrays of lengths, join; split with ``BytesIO.read``) rather than a Python step per key.
+    ``value_size``: every stored value is that long (a serializer of fixed width said so), so
+    their lengths are not measured one by one.
     """
-    # From a list, not the map: array's constructor extends from an iterator item by item, and
-    # joining the body on its own saves unpacking every entry into one more tuple.
-    lengths = array("I", list(map(len, entries)))
+    count = len(ckeys)
+    if len(stored) != count:
+        raise ValueError(f"SET_BATCH of {count} keys and {len(stored)} values")
+    entries: list[bytes] = [b""] * (2 * count)
+    entries[0::2] = ckeys
+    entries[1::2] = stored
+    # Arrays from lists, not maps: array's constructor extends from an iterator item by item.
+    lengths = array("I", bytes(8 * count))
+    lengths[0::2] = array("I", list(map(len, ckeys)))
+    lengths[1::2] = array("I", [value_size]) * count if value_size is not None else array("I", list(map(len, stored)))
     if sys.byteorder == "big":  # pragma: no cover
         lengths.byteswap()
-    count = len(entries) // 2
     return b"".join((_HEAD.pack(Op.SET_BATCH, sid), _U32.pack(count), lengths.tobytes(), b"".join(entries)))
 
 

@@ -55,6 +55,8 @@ class ValueTable(StateTable):
         self.cleans: list[dict[bytes, Any]] = [{} for _ in range(host.max_parallelism)]
         self.logged = host.log_enabled
         bulk = not self.ttl_ms and hasattr(self.ser, "serialize_many")
+        #: every stored value's length, where the serializer is of fixed width and there is no TTL
+        self.value_size: int | None = None if self.ttl_ms else getattr(self.ser, "serialized_size", None)
         #: the bytes the clean entries were logged as, kept for the spill (module doc); None: none kept
         self.clean_stored: list[dict[bytes, bytes | None]] | None = (
             [{} for _ in range(host.max_parallelism)] if self.logged and not bulk else None
@@ -159,15 +161,11 @@ class ValueTable(StateTable):
                     if data is None:
                         pairs.append(kg)
                         pairs.append(clear_head + ck)
-                live = [(ck, data) for ck, data in zip(cks, stored, strict=True) if data is not None]
-                entries: list[Any] = [x for pair in live for x in pair]
-            else:
-                entries = [None] * (2 * len(cks))
-                entries[0::2] = cks
-                entries[1::2] = stored
-            if entries:
+                live = [i for i, data in enumerate(stored) if data is not None]
+                cks, stored = [cks[i] for i in live], [stored[i] for i in live]
+            if cks:
                 pairs.append(kg)
-                pairs.append(rec.encode_set_batch(sid, entries))
+                pairs.append(rec.encode_set_batch(sid, cks, stored, self.value_size))  # type: ignore[arg-type]
         return pairs
 
     def prepare_flush(self) -> FlushStep:

@@ -37,10 +37,15 @@ def check_serializer_id(serializer: Serializer[Any], recorded_id: str, what: str
 
 
 class SerializerBase:
-    """Equality, hashing and repr by ``id``: two serializers with the same id read the same bytes."""
+    """Equality, hashing and repr by ``id``: two serializers with the same id read the same bytes.
+
+    ``serialized_size`` (optional, a class attribute): every value ``serialize`` returns has
+    exactly this many bytes. A checkpoint's log record then does not measure each value; a
+    subclass that changes the width must set it to None."""
 
     __slots__ = ()
     id: str
+    serialized_size: int | None = None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, SerializerBase) and other.id == self.id

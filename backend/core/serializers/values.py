@@ -39,6 +39,8 @@ class Int64Serializer(SerializerBase):
 
     __slots__ = ()
     id = "int64/1"
+    #: every serialized value is this long (a checkpoint's log record need not measure each)
+    serialized_size = _I64.size
 
     def serialize(self, value: int) -> bytes:
         try:
@@ -67,6 +69,8 @@ class Float64Serializer(SerializerBase):
 
     __slots__ = ()
     id = "float64/1"
+    #: every serialized value is this long (a checkpoint's log record need not measure each)
+    serialized_size = _F64.size
 
     def serialize(self, value: float) -> bytes:
         try:
