@@ -12,7 +12,8 @@ Flink users fell into closed):
   checkpoint fails, nothing older is subsumed, and its id is **fenced** by ``chk-<n>/_aborted``
   (written before the ``_metadata`` is deleted), which recovery honours whatever lands later. The
   fence stays until a checkpoint with a higher id of this run has committed (a late ``_metadata``
-  is then never the newest candidate), across restarts included. A fence that could not be
+  is then never the newest candidate), across restarts included; a recovery removes a fence below
+  the checkpoint it resumes from (left by a deletion that failed). A fence that could not be
   written is retried before the next commit and on shutdown; if it never gets written and the
   late ``_metadata`` lands, recovery finds a newest checkpoint naming released files and refuses
   the restart, naming them, rather than resuming older state in silence.

@@ -97,10 +97,11 @@ class CompletedCheckpointStore:
     def recover(self, protect: Protect | None = None) -> SnapshotMetadata | None:
         """Validate every ``chk-*/_metadata``, keep the newest ``num_retained`` intact ones, rebuild
         the registry from them and delete every unreferenced file under the job directory (except
-        fences, the highest reservation of ids, ``_metadata`` files that do not parse and what
-        ``protect`` names); returns the latest kept checkpoint (None for a new job). Raises
-        ``CheckpointError``, deleting nothing, when a ``_metadata`` names another checkpoint than its
-        directory, or when the newest unfenced one is damaged or names a missing file."""
+        fences above the latest kept checkpoint, the highest reservation of ids, ``_metadata``
+        files that do not parse and what ``protect`` names); returns the latest kept checkpoint
+        (None for a new job). Raises ``CheckpointError``, deleting nothing, when a ``_metadata``
+        names another checkpoint than its directory, or when the newest unfenced one is damaged or
+        names a missing file."""
         all_files = self.storage.list_all("")
         candidates: dict[int, str] = {}
         fenced: set[int] = set()
@@ -125,10 +126,13 @@ class CompletedCheckpointStore:
         self.completed = intact[: self.num_retained][::-1]
         for meta in self.completed:
             self.registry.register(meta.checkpoint_id, meta.referenced_files())
-        self.fences = fenced
         latest = self.latest()
+        # A fence below the latest checkpoint is moot, as in ``add``: a checkpoint with a higher id
+        # committed, so its _metadata, landing late, is never the newest. One is left when its
+        # deletion after that commit failed; it goes here, after its _metadata (the order below).
+        self.fences = {c for c in fenced if latest is None or c > latest.checkpoint_id}
         keep = self.registry.files() | {metadata_path(m.checkpoint_id) for m in self.completed} | unreadable
-        keep |= {aborted_path(c) for c in fenced}
+        keep |= {aborted_path(c) for c in self.fences}
         if reservations:
             keep.add(max(reservations, key=reservations.__getitem__))
         if protect is not None:

@@ -155,6 +155,36 @@ def test_a_fence_outlives_the_recovery_until_a_later_checkpoint_commits(tmp_path
     job.close()
 
 
+def test_a_fence_left_behind_by_a_failed_delete_goes_at_the_next_recovery(tmp_path: Path, plan: FaultPlan) -> None:
+    """Found by the random-fault test: checkpoint 3 committed above the fence of 2, the fence's
+    DELETE failed, and every later recovery kept the fence for good (a leak: nothing ever removed
+    it). A fence below the checkpoint a recovery resumes from is moot and goes; one above stays."""
+    root = faulty_base_path(tmp_path / "dfs", plan)
+    job_dir = tmp_path / "dfs" / "job"
+    work = Workload()
+    job = make_job(root, tmp_path / "local")
+    work.run(job, 200)
+    job.checkpoint()
+    plan.add(Fault(op="put", path="job/chk-2/_metadata", action="fail"))
+    with pytest.raises(CheckpointError, match="fenced"):
+        job.checkpoint()
+    plan.clear()
+    plan.add(Fault(op="delete", path="job/chk-2/_aborted", action="fail"))
+    work.run(job, 100)
+    assert job.checkpoint().checkpoint_id == 3
+    expected = snapshot_of(work)
+    job.storage.flush()
+    assert (job_dir / aborted_path(2)).exists()  # its deletion failed
+    plan.clear()
+    job.close()
+
+    job = make_job(root, tmp_path / "local")
+    assert [m.checkpoint_id for m in job.coordinator.completed] == [3]
+    assert read_state(job) == expected
+    assert not (job_dir / "chk-2").exists()
+    job.close()
+
+
 def test_a_newest_checkpoint_naming_a_missing_file_refuses_the_restart(tmp_path: Path) -> None:
     """Finding 5: the newest unfenced checkpoint naming a missing file was deleted and the job
     resumed from an older one in silence."""
