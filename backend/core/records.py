@@ -25,6 +25,7 @@ import zlib
 from array import array
 from collections.abc import Iterator
 from enum import IntEnum
+from itertools import repeat
 
 from backend.core.errors import SerializationError
 from backend.core.tablekeys import CKEY_HEAD, CKEY_HEAD_BYTES
@@ -35,10 +36,12 @@ __all__ = [
     "decode_list",
     "encode_list",
     "encode_set_batch",
+    "encode_set_column",
     "parse_record",
     "put_rest",
     "record",
     "record_prefix",
+    "split_batch",
     "split_expiry",
     "split_put",
     "split_set_batch",
@@ -49,6 +52,7 @@ __all__ = [
 _U16 = struct.Struct(">H")
 _HEAD = struct.Struct(">BI")
 _U32 = struct.Struct(">I")
+_U32_PAIR = struct.Struct(">II")
 _EXPIRY = struct.Struct(">Q")
 
 
@@ -63,6 +67,7 @@ class Op(IntEnum):
     TIMER_ADD = 6
     TIMER_DELETE = 7
     SET_BATCH = 8  # many SETs of one state and key group in one record (see encode_set_batch)
+    SET_COLUMN = 9  # the same, the stored values all of one width (see encode_set_column)
 
 
 def state_id(name: str) -> int:
@@ -130,12 +135,56 @@ def split_set_batch(rest: bytes) -> list[tuple[bytes, bytes]]:
     return list(zip(parts, parts, strict=True))
 
 
+def encode_set_column(sid: int, ckeys: list[bytes], column: bytes, value_size: int) -> bytes:
+    """One record for the SETs of many keys of one key group whose stored values all have
+    ``value_size`` bytes: ``column`` is the values back to back, in the keys' order.
+
+    Layout: ``op | state_id | count:u32 | value_size:u32 | key_length:u32[count] | ckey*count |
+    column``. A serializer of fixed width packs a key group's values into the column in one C-level
+    pass (``serialize_column``: no bytes object per value), where ``SET_BATCH`` interleaves a
+    key's stored value with its key.
+    """
+    count = len(ckeys)
+    if len(column) != count * value_size:
+        raise ValueError(f"SET_COLUMN of {count} keys: {len(column)} bytes of values are not {count} x {value_size}")
+    lengths = array("I", list(map(len, ckeys)))
+    if sys.byteorder == "big":  # pragma: no cover
+        lengths.byteswap()
+    head = _HEAD.pack(Op.SET_COLUMN, sid) + _U32_PAIR.pack(count, value_size)
+    return b"".join((head, lengths.tobytes(), b"".join(ckeys), column))
+
+
+def split_set_column(rest: bytes) -> list[tuple[bytes, bytes]]:
+    """The (ckey, stored) pairs of a SET_COLUMN record's body (what follows op and state id)."""
+    try:
+        count, size = _U32_PAIR.unpack_from(rest)
+        lengths = array("I")
+        lengths.frombytes(rest[8 : 8 + 4 * count])
+        if sys.byteorder == "big":  # pragma: no cover
+            lengths.byteswap()
+        keys_start = 8 + 4 * count
+        if len(lengths) != count or keys_start + sum(lengths) + count * size != len(rest):
+            raise ValueError("lengths do not add up to the record")
+        if count and min(lengths) < CKEY_HEAD_BYTES:
+            raise ValueError("key shorter than its key-group and length prefix")
+    except (struct.error, ValueError) as exc:
+        raise SerializationError("change-record", f"malformed SET_COLUMN: {exc}") from None
+    read = io.BytesIO(rest[keys_start:]).read
+    keys = list(map(read, lengths))
+    return list(zip(keys, map(read, repeat(size, count)), strict=True))
+
+
+def split_batch(op: Op, rest: bytes) -> list[tuple[bytes, bytes]]:
+    """The (ckey, stored) pairs of a SET_BATCH or SET_COLUMN record's body."""
+    return split_set_batch(rest) if op is Op.SET_BATCH else split_set_column(rest)
+
+
 def parse_record(data: bytes) -> tuple[Op, int, bytes, bytes]:
     """(op, state id, ckey, rest) of a change record; malformed records raise SerializationError."""
     try:
         op, sid = _HEAD.unpack_from(data)
-        if op == Op.SET_BATCH:
-            return Op.SET_BATCH, sid, b"", data[_HEAD.size :]
+        if op == Op.SET_BATCH or op == Op.SET_COLUMN:  # many keys: no ckey of its own
+            return Op(op), sid, b"", data[_HEAD.size :]
         _, key_len = CKEY_HEAD.unpack_from(data, _HEAD.size)
         end = _HEAD.size + CKEY_HEAD_BYTES + key_len
         if end > len(data):

@@ -209,8 +209,8 @@ def apply_record(txn: Any, db: Any, kind: str, op: Op, ck: bytes, rest: bytes) -
     """Apply one change record to ``db`` in ``txn``; returns the number of key changes it held.
 
     A malformed record raises ``SerializationError``; ``replay_log`` reports it against the log."""
-    if op is Op.SET_BATCH:
-        pairs = rec.split_set_batch(rest)
+    if op is Op.SET_BATCH or op is Op.SET_COLUMN:
+        pairs = rec.split_batch(op, rest)
         txn.cursor(db=db).putmulti(pairs)
         return len(pairs)
     if op is Op.SET:

@@ -6,7 +6,9 @@ only logs the changes and moves them into ``cleans``, so its cost does not depen
 LMDB tables are (a B-tree write of many random keys touches more pages the more keys there are);
 ``cleans`` is written to LMDB, sorted, when the caches outgrow the backend's limit, on the
 operator's next write. Per-key-group dicts let a checkpoint log one SET_BATCH record per key
-group built with C-level joins, instead of grouping every changed key in Python.
+group built with C-level joins, instead of grouping every changed key in Python; a serializer of
+fixed width (int64) packs the key group's values into one column (SET_COLUMN) with no bytes object
+per value.
 
 With the log on, ``clean_stored[kg]`` keeps the bytes each clean entry was logged as (None:
 deleted), beside ``cleans[kg]``: a spill writes them without serializing again, and the read path
@@ -57,6 +59,8 @@ class ValueTable(StateTable):
         bulk = not self.ttl_ms and hasattr(self.ser, "serialize_many")
         #: every stored value's length, where the serializer is of fixed width and there is no TTL
         self.value_size: int | None = None if self.ttl_ms else getattr(self.ser, "serialized_size", None)
+        #: a key group's changed values are logged as one column (SET_COLUMN) where they can be
+        self._columns = bulk and self.value_size is not None and hasattr(self.ser, "serialize_column")
         #: the bytes the clean entries were logged as, kept for the spill (module doc); None: none kept
         self.clean_stored: list[dict[bytes, bytes | None]] | None = (
             [{} for _ in range(host.max_parallelism)] if self.logged and not bulk else None
@@ -121,13 +125,21 @@ class ValueTable(StateTable):
         serialize = self.ser.serialize
         return [None if e is TOMBSTONE else serialize(e) for e in entries]
 
+    def _serialize_changes(self, values: list[Any]) -> list[bytes | None] | bytes:
+        """A key group's changed entries as the log takes them: one column of values (``bytes``)
+        where the serializer packs them so and none is cleared, else their stored bytes."""
+        if self._columns and not any(map(operator.is_, values, repeat(TOMBSTONE))):
+            column: bytes = self.ser.serialize_column(values)  # type: ignore[attr-defined]
+            return column
+        return self._serialize_entries(values)
+
     def prepare_log(self) -> LogStep:
-        """Checkpoint: log the changes (one SET_BATCH per key group), then they count as clean.
+        """Checkpoint: log the changes (one record per key group), then they count as clean.
         Two phases, as ``prepare_flush``: serialize now; log and move in the returned step."""
         changed = [(kg, cache) for kg, cache in enumerate(self.caches) if cache]
         serialized = []
         if self.logged:
-            serialized = [(kg, list(cache), self._serialize_entries(list(cache.values()))) for kg, cache in changed]
+            serialized = [(kg, list(cache), self._serialize_changes(list(cache.values()))) for kg, cache in changed]
 
         def log(append: Append | None, append_many: AppendMany | None) -> int:
             pairs = self._log_records(serialized)
@@ -138,8 +150,9 @@ class ValueTable(StateTable):
                     assert append is not None
                     for i in range(0, len(pairs), 2):
                         append(pairs[i], pairs[i + 1])
-            if self.clean_stored is not None:
+            if self.clean_stored is not None:  # never with columns (they need serialize_many)
                 for kg, cks, stored in serialized:
+                    assert not isinstance(stored, bytes)
                     self.clean_stored[kg].update(zip(cks, stored, strict=True))
             count = 0
             for kg, cache in changed:
@@ -150,12 +163,18 @@ class ValueTable(StateTable):
 
         return log
 
-    def _log_records(self, serialized: list[tuple[int, list[bytes], list[bytes | None]]]) -> list[Any]:
-        """``[kg, record, kg, record, ...]``: a SET_BATCH per key group, a CLEAR per cleared key."""
+    def _log_records(self, serialized: list[tuple[int, list[bytes], list[bytes | None] | bytes]]) -> list[Any]:
+        """``[kg, record, kg, record, ...]``: a SET_COLUMN or SET_BATCH per key group, a CLEAR per
+        cleared key."""
         sid = self.sid
         clear_head = rec.record_prefix(Op.CLEAR, sid)
         pairs: list[Any] = []
         for kg, cks, stored in serialized:
+            if isinstance(stored, bytes):  # a column: no key was cleared
+                assert self.value_size is not None
+                pairs.append(kg)
+                pairs.append(rec.encode_set_column(sid, cks, stored, self.value_size))
+                continue
             if None in stored:  # cleared keys: a CLEAR record each, the rest in the batch
                 for ck, data in zip(cks, stored, strict=True):
                     if data is None:

@@ -50,3 +50,36 @@ def test_a_truncated_set_batch_is_a_named_error(cut: int) -> None:
     _, _, _, rest = rec.parse_record(record)
     with pytest.raises(SerializationError, match="SET_BATCH"):
         rec.split_set_batch(rest[:-cut])
+
+
+@given(st.lists(st.tuples(st.integers(0, 127), st.binary(max_size=12), st.integers(-(2**63), 2**63 - 1))))
+def test_set_column_records_split_back_into_their_entries(entries: list[tuple[int, bytes, int]]) -> None:
+    keys = [ckey(kg, key) for kg, key, _ in entries]
+    values = [v.to_bytes(8, "big", signed=True) for _, _, v in entries]
+    op, sid, ck, rest = rec.parse_record(rec.encode_set_column(7, keys, b"".join(values), 8))
+    assert (op, sid, ck) == (rec.Op.SET_COLUMN, 7, b"")
+    assert rec.split_batch(op, rest) == list(zip(keys, values, strict=True))
+
+
+def test_a_column_of_the_wrong_length_is_refused() -> None:
+    with pytest.raises(ValueError, match="7 bytes of values are not 1 x 8"):
+        rec.encode_set_column(7, [ckey(3, b"a")], b"1234567", 8)
+
+
+@pytest.mark.parametrize(
+    ("damage", "why"),
+    [
+        (lambda rest: rest[:-1], "do not add up"),
+        (lambda rest: rest + b"x", "do not add up"),
+        (lambda rest: rest[:6], "requires a buffer of at least 8 bytes"),
+        (lambda rest: b"\xff\xff\xff\xff" + rest[4:], "do not add up"),  # a count far too large
+        # the same total, cut elsewhere: a first key of 1 byte
+        (lambda rest: rest[:8] + b"\x01\x00\x00\x00\x0f\x00\x00\x00" + rest[16:], "shorter than its key-group"),
+    ],
+    ids=["truncated", "trailing byte", "cut in the head", "count", "key length"],
+)
+def test_a_damaged_set_column_is_a_named_error(damage: object, why: str) -> None:
+    keys = [ckey(3, b"key"), ckey(3, b"other")]
+    _, _, _, rest = rec.parse_record(rec.encode_set_column(7, keys, b"12345678abcdefgh", 8))
+    with pytest.raises(SerializationError, match=f"malformed SET_COLUMN: .*{why}"):
+        rec.split_batch(rec.Op.SET_COLUMN, damage(rest))  # type: ignore[operator]

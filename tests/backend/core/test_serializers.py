@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 import struct
 from collections import namedtuple
 from typing import Any, NamedTuple
@@ -187,6 +188,18 @@ def test_key_serializer_is_a_serializer() -> None:
 @given(INT64)
 def test_int64_round_trip(value: int) -> None:
     assert Int64Serializer().deserialize(Int64Serializer().serialize(value)) == value
+
+
+@given(st.lists(st.one_of(INT64, st.booleans()), max_size=40))
+def test_an_int64_column_is_the_values_serializations_back_to_back(values: list[int]) -> None:
+    ser = Int64Serializer()
+    assert ser.serialize_column(values) == b"".join(map(ser.serialize, values))
+
+
+@pytest.mark.parametrize("bad", [2**63, -(2**63) - 1, 1.5, "1", None])
+def test_an_int64_column_names_a_value_it_cannot_hold(bad: object) -> None:
+    with pytest.raises(SerializationError, match=re.escape(repr(bad))):
+        Int64Serializer().serialize_column([1, bad, 2])  # type: ignore[list-item]
 
 
 @given(st.lists(st.integers(0, 2**63 - 1), max_size=20))
