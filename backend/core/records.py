@@ -9,8 +9,10 @@ are the key's length.)
 
 ``rest`` depends on the op: SET carries the stored value, ADD carries encoded list elements to
 append, PUT carries ``user_key_len:u16be | user_key | value``, REMOVE carries the user key, CLEAR
-and the timer ops carry nothing (a timer's domain and timestamp are its "user key"). The stored
-value of a state with TTL starts with its expiry time (``expiry_ms:u64be``; 0 = never).
+and the timer ops carry nothing (a timer's domain and timestamp are its "user key"). SET_BATCH
+and SET_COLUMN set many keys of one key group and have no ckey of their own: ``op | state_id |
+body`` (``encode_set_batch``, ``encode_set_column``). The stored value of a state with TTL starts
+with its expiry time (``expiry_ms:u64be``; 0 = never).
 
 State ids are ``crc32(state name)``: the same name gets the same id in every subtask, so records
 of any old subtask can be replayed into any new one without an id mapping.
