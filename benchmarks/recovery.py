@@ -78,7 +78,7 @@ def _log_changes(storage: StateChangelogStorage, handle: KeyedStateHandle) -> tu
         for _, data in storage.read(entry.log, entry.key_groups):
             op, _sid, _ck, rest = rec.parse_record(data)
             records += 1
-            changes += len(rec.split_batch(op, rest)) if op in (rec.Op.SET_BATCH, rec.Op.SET_COLUMN) else 1
+            changes += len(rec.split_batch(op, rest)) if op in rec.BATCH_OPS else 1
     return records, changes
 
 

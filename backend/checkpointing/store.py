@@ -26,9 +26,10 @@ safe when the registry says no retained checkpoint names it:
   and every other file under the job directory deleted (fenced ``_metadata`` first; pending
   checkpoints' uploads, subsumed leftovers, tmp files, reservations of checkpoint ids below the
   highest) before a new checkpoint starts (Flink's changelog backend leaked these: FLINK-25511).
-- **Fences are tombstones.** Recovery keeps every fence, and ``add`` deletes a fence only once a
-  checkpoint with a higher id of this run has committed: until then a late ``_metadata`` of the
-  fenced id could be the newest candidate. Ids are never reused across runs
+- **Fences are tombstones.** A fence goes only once a checkpoint with a higher id has committed:
+  until then a late ``_metadata`` of the fenced id could be the newest candidate. ``add`` deletes
+  the fences below the checkpoint it adds; recovery keeps every fence above the latest kept
+  checkpoint and deletes those below it (left by a deletion that failed). Ids are never reused across runs
   (``backend.checkpointing.ids``), so no late write of an old run can land on a new checkpoint.
 """
 

@@ -33,6 +33,7 @@ from backend.core.errors import SerializationError
 from backend.core.tablekeys import CKEY_HEAD, CKEY_HEAD_BYTES
 
 __all__ = [
+    "BATCH_OPS",
     "Op",
     "concat_lists",
     "decode_list",
@@ -92,15 +93,33 @@ def put_rest(user_key: bytes, value: bytes) -> bytes:
     return _U16.pack(len(user_key)) + user_key + value
 
 
-def encode_set_batch(sid: int, ckeys: list[bytes], stored: list[bytes], value_size: int | None = None) -> bytes:
+def _u32le(values: list[int]) -> bytes:
+    """``values`` as little-endian u32s (array's constructor from a list, not an iterator: it
+    extends from an iterator item by item)."""
+    lengths = array("I", values)
+    if sys.byteorder == "big":  # pragma: no cover
+        lengths.byteswap()
+    return lengths.tobytes()
+
+
+def _read_u32le(rest: bytes, start: int, n: int) -> array[int]:
+    """``n`` little-endian u32s of ``rest`` from ``start`` (ValueError if it is shorter)."""
+    lengths = array("I")
+    lengths.frombytes(rest[start : start + 4 * n])
+    if len(lengths) != n:
+        raise ValueError("lengths do not add up to the record")
+    if sys.byteorder == "big":  # pragma: no cover
+        lengths.byteswap()
+    return lengths
+
+
+def encode_set_batch(sid: int, ckeys: list[bytes], stored: list[bytes]) -> bytes:
     """One record for the SETs of many keys of one key group: ``ckeys[i]`` is set to ``stored[i]``.
 
-    Layout: ``op | state_id | count:u32 | length:u32[2 * count] | (ckey | stored)*count``, the
-    lengths of every ckey and stored value in order. A checkpoint of a value state logs one such
-    record per key group instead of one per key, and both encoding and decoding are C-level
+    Layout: ``op | state_id | count:u32be | length:u32le[2 * count] | (ckey | stored)*count``,
+    the lengths of every ckey and stored value in order. A checkpoint of a value state logs one
+    such record per key group instead of one per key, and both encoding and decoding are C-level
     passes (arrays of lengths, join; split with ``BytesIO.read``) rather than a Python step per key.
-    ``value_size``: every stored value is that long (a serializer of fixed width said so), so
-    their lengths are not measured one by one.
     """
     count = len(ckeys)
     if len(stored) != count:
@@ -108,10 +127,9 @@ def encode_set_batch(sid: int, ckeys: list[bytes], stored: list[bytes], value_si
     entries: list[bytes] = [b""] * (2 * count)
     entries[0::2] = ckeys
     entries[1::2] = stored
-    # Arrays from lists, not maps: array's constructor extends from an iterator item by item.
     lengths = array("I", bytes(8 * count))
-    lengths[0::2] = array("I", list(map(len, ckeys)))
-    lengths[1::2] = array("I", [value_size]) * count if value_size is not None else array("I", list(map(len, stored)))
+    lengths[0::2] = array("I", list(map(len, ckeys)))  # from lists: see _u32le
+    lengths[1::2] = array("I", list(map(len, stored)))
     if sys.byteorder == "big":  # pragma: no cover
         lengths.byteswap()
     return b"".join((_HEAD.pack(Op.SET_BATCH, sid), _U32.pack(count), lengths.tobytes(), b"".join(entries)))
@@ -121,12 +139,9 @@ def split_set_batch(rest: bytes) -> list[tuple[bytes, bytes]]:
     """The (ckey, stored) pairs of a SET_BATCH record's body (what follows op and state id)."""
     try:
         (count,) = _U32.unpack_from(rest)
-        lengths = array("I")
-        lengths.frombytes(rest[4 : 4 + 8 * count])
-        if sys.byteorder == "big":  # pragma: no cover
-            lengths.byteswap()
+        lengths = _read_u32le(rest, 4, 2 * count)
         body_start = 4 + 8 * count
-        if len(lengths) != 2 * count or body_start + sum(lengths) != len(rest):
+        if body_start + sum(lengths) != len(rest):
             raise ValueError("lengths do not add up to the record")
         if count and min(lengths[0::2]) < CKEY_HEAD_BYTES:
             raise ValueError("key shorter than its key-group and length prefix")
@@ -141,31 +156,25 @@ def encode_set_column(sid: int, ckeys: list[bytes], column: bytes, value_size: i
     """One record for the SETs of many keys of one key group whose stored values all have
     ``value_size`` bytes: ``column`` is the values back to back, in the keys' order.
 
-    Layout: ``op | state_id | count:u32 | value_size:u32 | key_length:u32[count] | ckey*count |
-    column``. A serializer of fixed width packs a key group's values into the column in one C-level
-    pass (``serialize_column``: no bytes object per value), where ``SET_BATCH`` interleaves a
-    key's stored value with its key.
+    Layout: ``op | state_id | count:u32be | value_size:u32be | key_length:u32le[count] |
+    ckey*count | column``. A serializer of fixed width packs a key group's values into the column
+    in one C-level pass (``serialize_column``: no bytes object per value), where ``SET_BATCH``
+    interleaves a key's stored value with its key.
     """
     count = len(ckeys)
     if len(column) != count * value_size:
         raise ValueError(f"SET_COLUMN of {count} keys: {len(column)} bytes of values are not {count} x {value_size}")
-    lengths = array("I", list(map(len, ckeys)))
-    if sys.byteorder == "big":  # pragma: no cover
-        lengths.byteswap()
     head = _HEAD.pack(Op.SET_COLUMN, sid) + _U32_PAIR.pack(count, value_size)
-    return b"".join((head, lengths.tobytes(), b"".join(ckeys), column))
+    return b"".join((head, _u32le(list(map(len, ckeys))), b"".join(ckeys), column))
 
 
 def split_set_column(rest: bytes) -> list[tuple[bytes, bytes]]:
     """The (ckey, stored) pairs of a SET_COLUMN record's body (what follows op and state id)."""
     try:
         count, size = _U32_PAIR.unpack_from(rest)
-        lengths = array("I")
-        lengths.frombytes(rest[8 : 8 + 4 * count])
-        if sys.byteorder == "big":  # pragma: no cover
-            lengths.byteswap()
+        lengths = _read_u32le(rest, 8, count)
         keys_start = 8 + 4 * count
-        if len(lengths) != count or keys_start + sum(lengths) + count * size != len(rest):
+        if keys_start + sum(lengths) + count * size != len(rest):
             raise ValueError("lengths do not add up to the record")
         if count and min(lengths) < CKEY_HEAD_BYTES:
             raise ValueError("key shorter than its key-group and length prefix")
@@ -176,16 +185,24 @@ def split_set_column(rest: bytes) -> list[tuple[bytes, bytes]]:
     return list(zip(keys, map(read, repeat(size, count)), strict=True))
 
 
+#: the ops that set many keys of one key group and have no ckey of their own
+BATCH_OPS = frozenset({Op.SET_BATCH, Op.SET_COLUMN})
+
+
 def split_batch(op: Op, rest: bytes) -> list[tuple[bytes, bytes]]:
     """The (ckey, stored) pairs of a SET_BATCH or SET_COLUMN record's body."""
-    return split_set_batch(rest) if op is Op.SET_BATCH else split_set_column(rest)
+    if op is Op.SET_BATCH:
+        return split_set_batch(rest)
+    if op is Op.SET_COLUMN:
+        return split_set_column(rest)
+    raise ValueError(f"{op!r} is not an op of many keys")
 
 
 def parse_record(data: bytes) -> tuple[Op, int, bytes, bytes]:
     """(op, state id, ckey, rest) of a change record; malformed records raise SerializationError."""
     try:
         op, sid = _HEAD.unpack_from(data)
-        if op == Op.SET_BATCH or op == Op.SET_COLUMN:  # many keys: no ckey of its own
+        if op in BATCH_OPS:  # many keys: no ckey of their own
             return Op(op), sid, b"", data[_HEAD.size :]
         _, key_len = CKEY_HEAD.unpack_from(data, _HEAD.size)
         end = _HEAD.size + CKEY_HEAD_BYTES + key_len

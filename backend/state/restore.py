@@ -209,7 +209,7 @@ def apply_record(txn: Any, db: Any, kind: str, op: Op, ck: bytes, rest: bytes) -
     """Apply one change record to ``db`` in ``txn``; returns the number of key changes it held.
 
     A malformed record raises ``SerializationError``; ``replay_log`` reports it against the log."""
-    if op is Op.SET_BATCH or op is Op.SET_COLUMN:
+    if op in rec.BATCH_OPS:
         pairs = rec.split_batch(op, rest)
         txn.cursor(db=db).putmulti(pairs)
         return len(pairs)

@@ -37,6 +37,13 @@ from backend.state.state_table import MISS, TOMBSTONE, Append, AppendMany, Flush
 __all__ = ["ValueTable"]
 
 
+def _defined_together(cls: type, *names: str) -> bool:
+    """Whether ``cls`` has every attribute of ``names`` and takes them all from one class of its
+    MRO: a subclass that overrides one of them alone has changed what the others assume."""
+    owners = {next((k for k in cls.__mro__ if name in vars(k)), None) for name in names}
+    return len(owners) == 1 and None not in owners
+
+
 class _NoKey(dict[bytes, Any]):
     """Stands at index -1 of the per-key-group caches, the current key group before any key is
     set: the hot path indexes the caches by the current key group without checking it."""
@@ -56,14 +63,19 @@ class ValueTable(StateTable):
         self.caches: list[dict[bytes, Any]] = [{} for _ in range(host.max_parallelism)] + [_NoKey()]
         self.cleans: list[dict[bytes, Any]] = [{} for _ in range(host.max_parallelism)]
         self.logged = host.log_enabled
-        bulk = not self.ttl_ms and hasattr(self.ser, "serialize_many")
-        #: every stored value's length, where the serializer is of fixed width and there is no TTL
-        self.value_size: int | None = None if self.ttl_ms else getattr(self.ser, "serialized_size", None)
-        #: a key group's changed values are logged as one column (SET_COLUMN) where they can be
-        self._columns = bulk and self.value_size is not None and hasattr(self.ser, "serialize_column")
+        cls = type(self.ser)
+        #: the serializer packs many values in one C call (a subclass that overrides ``serialize``
+        #: alone does not: its own ``serialize`` is called value by value)
+        self._bulk = not self.ttl_ms and _defined_together(cls, "serialize", "serialize_many")
+        #: every stored value's length where the serializer packs a column of that width
+        self.value_size: int | None = (
+            getattr(cls, "serialized_size", None)
+            if self._bulk and _defined_together(cls, "serialize", "serialize_column", "serialized_size")
+            else None
+        )
         #: the bytes the clean entries were logged as, kept for the spill (module doc); None: none kept
         self.clean_stored: list[dict[bytes, bytes | None]] | None = (
-            [{} for _ in range(host.max_parallelism)] if self.logged and not bulk else None
+            [{} for _ in range(host.max_parallelism)] if self.logged and not self._bulk else None
         )
         self.lookup = host.tables.getter(descriptor.name)
 
@@ -120,29 +132,31 @@ class ValueTable(StateTable):
             return [None if e is TOMBSTONE else encode(e) for e in entries]
         # Without TTL an entry's stored bytes are its serialization (``encode``), taken directly.
         # Identity, not ``TOMBSTONE in entries``: == on a user value may not give a bool (numpy).
-        if hasattr(self.ser, "serialize_many") and not any(map(operator.is_, entries, repeat(TOMBSTONE))):
-            return self.ser.serialize_many(entries)  # type: ignore[no-any-return]
+        if self._bulk and not any(map(operator.is_, entries, repeat(TOMBSTONE))):
+            return self.ser.serialize_many(entries)  # type: ignore[attr-defined,no-any-return]
         serialize = self.ser.serialize
         return [None if e is TOMBSTONE else serialize(e) for e in entries]
 
     def _serialize_changes(self, values: list[Any]) -> list[bytes | None] | bytes:
         """A key group's changed entries as the log takes them: one column of values (``bytes``)
         where the serializer packs them so and none is cleared, else their stored bytes."""
-        if self._columns and not any(map(operator.is_, values, repeat(TOMBSTONE))):
+        if self.value_size is not None and not any(map(operator.is_, values, repeat(TOMBSTONE))):
             column: bytes = self.ser.serialize_column(values)  # type: ignore[attr-defined]
-            return column
+            if len(column) == len(values) * self.value_size:  # else a serializer broke its width
+                return column
         return self._serialize_entries(values)
 
     def prepare_log(self) -> LogStep:
         """Checkpoint: log the changes (one record per key group), then they count as clean.
-        Two phases, as ``prepare_flush``: serialize now; log and move in the returned step."""
+        Two phases, as ``prepare_flush``: serialize and encode now (what can fail); log and move in
+        the returned step."""
         changed = [(kg, cache) for kg, cache in enumerate(self.caches) if cache]
         serialized = []
         if self.logged:
             serialized = [(kg, list(cache), self._serialize_changes(list(cache.values()))) for kg, cache in changed]
+        pairs = self._log_records(serialized)
 
         def log(append: Append | None, append_many: AppendMany | None) -> int:
-            pairs = self._log_records(serialized)
             if pairs:
                 if append_many is not None:
                     append_many(pairs)
@@ -184,7 +198,7 @@ class ValueTable(StateTable):
                 cks, stored = [cks[i] for i in live], [stored[i] for i in live]
             if cks:
                 pairs.append(kg)
-                pairs.append(rec.encode_set_batch(sid, cks, stored, self.value_size))  # type: ignore[arg-type]
+                pairs.append(rec.encode_set_batch(sid, cks, stored))  # type: ignore[arg-type]
         return pairs
 
     def prepare_flush(self) -> FlushStep:

@@ -40,8 +40,9 @@ class SerializerBase:
     """Equality, hashing and repr by ``id``: two serializers with the same id read the same bytes.
 
     ``serialized_size`` (optional, a class attribute): every value ``serialize`` returns has
-    exactly this many bytes. A checkpoint's log record then does not measure each value; a
-    subclass that changes the width must set it to None."""
+    exactly this many bytes; with ``serialize_column`` (the values' serializations back to back)
+    a checkpoint logs a key group's values as one column. Trusted only where one class defines
+    ``serialize`` and these together (a subclass overriding ``serialize`` alone is not)."""
 
     __slots__ = ()
     id: str

@@ -41,13 +41,13 @@ class Int64Serializer(SerializerBase):
 
     __slots__ = ()
     id = "int64/1"
-    #: every serialized value is this long (a checkpoint's log record need not measure each)
+    #: every serialized value is this long (``serialize_column`` packs them back to back)
     serialized_size = _I64.size
 
     def serialize(self, value: int) -> bytes:
         try:
             return _I64.pack(value)
-        except struct.error as exc:
+        except (struct.error, OverflowError) as exc:  # OverflowError: an __index__ past 64 bits
             raise SerializationError(self.id, f"cannot serialize {value!r}: {exc}") from None
 
     def serialize_many(self, values: list[int]) -> list[bytes]:
@@ -55,7 +55,7 @@ class Int64Serializer(SerializerBase):
         changed value of a state at once (see ``backend.state.value_table``)."""
         try:
             return list(map(_I64.pack, values))
-        except struct.error:
+        except (struct.error, OverflowError):
             return [self.serialize(v) for v in values]  # names the bad value
 
     def serialize_column(self, values: list[int]) -> bytes:
@@ -83,8 +83,6 @@ class Float64Serializer(SerializerBase):
 
     __slots__ = ()
     id = "float64/1"
-    #: every serialized value is this long (a checkpoint's log record need not measure each)
-    serialized_size = _F64.size
 
     def serialize(self, value: float) -> bytes:
         try:

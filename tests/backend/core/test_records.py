@@ -29,16 +29,6 @@ def test_set_batch_records_split_back_into_their_entries(entries: list[tuple[int
     assert rec.split_set_batch(rest) == pairs
 
 
-@given(st.lists(st.tuples(st.integers(0, 127), st.binary(max_size=12), st.binary(min_size=8, max_size=8))))
-def test_set_batch_records_of_fixed_width_values_split_back_into_their_entries(
-    entries: list[tuple[int, bytes, bytes]],
-) -> None:
-    pairs = [(ckey(kg, key), stored) for kg, key, stored in entries]
-    record = rec.encode_set_batch(7, [k for k, _ in pairs], [v for _, v in pairs], value_size=8)
-    assert record == rec.encode_set_batch(7, [k for k, _ in pairs], [v for _, v in pairs])
-    assert rec.split_set_batch(rec.parse_record(record)[3]) == pairs
-
-
 def test_a_set_batch_of_more_keys_than_values_is_refused() -> None:
     with pytest.raises(ValueError, match="2 keys and 1 values"):
         rec.encode_set_batch(7, [ckey(3, b"a"), ckey(3, b"b")], [b"x"])

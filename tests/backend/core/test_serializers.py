@@ -196,10 +196,27 @@ def test_an_int64_column_is_the_values_serializations_back_to_back(values: list[
     assert ser.serialize_column(values) == b"".join(map(ser.serialize, values))
 
 
-@pytest.mark.parametrize("bad", [2**63, -(2**63) - 1, 1.5, "1", None])
-def test_an_int64_column_names_a_value_it_cannot_hold(bad: object) -> None:
+class HugeIndex:
+    """Like numpy's uint64(2**63): an integer by ``__index__``, past 64 signed bits."""
+
+    def __index__(self) -> int:
+        return 2**64
+
+    def __repr__(self) -> str:
+        return "HugeIndex()"
+
+
+@pytest.mark.parametrize("bad", [2**63, -(2**63) - 1, 1.5, "1", None, HugeIndex()])
+@pytest.mark.parametrize("how", ["serialize", "serialize_many", "serialize_column"])
+def test_int64_names_a_value_it_cannot_hold(bad: object, how: str) -> None:
+    ser = Int64Serializer()
+    call = {
+        "serialize": lambda: ser.serialize(bad),  # type: ignore[arg-type]
+        "serialize_many": lambda: ser.serialize_many([1, bad, 2]),  # type: ignore[list-item]
+        "serialize_column": lambda: ser.serialize_column([1, bad, 2]),  # type: ignore[list-item]
+    }[how]
     with pytest.raises(SerializationError, match=re.escape(repr(bad))):
-        Int64Serializer().serialize_column([1, bad, 2])  # type: ignore[list-item]
+        call()
 
 
 @given(st.lists(st.integers(0, 2**63 - 1), max_size=20))

@@ -173,7 +173,7 @@ def test_a_spill_with_the_log_on_writes_the_last_logged_value_of_each_key(
     the clean values again (int64: one C call for many): either way the tables then hold each key's
     last value, cleared keys are gone, and a restore from the checkpoints agrees."""
     descriptor = ValueStateDescriptor("spilled", serializer)
-    b = env.backend(cache_limit=10)
+    b = env.backend(cache_limit=1_000)  # no spill before the one below
     state = b.get_state(descriptor)
     table = b._states[descriptor.name]
     assert isinstance(table, ValueTable) and (table.clean_stored is not None) == keeps_logged_bytes
@@ -186,15 +186,47 @@ def test_a_spill_with_the_log_on_writes_the_last_logged_value_of_each_key(
             else:
                 state.update(values(round_, k))
         (handle,) = env.checkpoint(b)
+    assert sum(map(len, table.cleans)) == len(keys)  # logged three times each, none in LMDB yet
     b.flush()
     assert table.cache_size() == 0  # everything is in LMDB now
 
     def expected(k: int) -> Any:
         return None if k % 5 == 0 else values(2, k)
 
-    (restored,) = env.restore([handle], 1, cache_limit=10)
+    (restored,) = env.restore([handle], 1)
     for backend in (b, restored):
         read = backend.get_state(descriptor)
         for k in keys:
             backend.set_current_key(k)
             assert read.value() == expected(k)
+
+
+class NarrowInt(Int64Serializer):
+    """A subclass that overrides ``serialize`` alone (4 bytes): the bulk and column paths of its
+    base class must not be used for it."""
+
+    __slots__ = ()
+    id = "narrow-int/1"
+
+    def serialize(self, value: int) -> bytes:
+        return value.to_bytes(4, "big", signed=True)
+
+    def deserialize(self, data: bytes) -> int:
+        return int.from_bytes(data, "big", signed=True)
+
+
+def test_a_serializer_overriding_serialize_alone_is_used_value_by_value(env: Env) -> None:
+    descriptor = ValueStateDescriptor("narrow", NarrowInt())
+    b = env.backend(cache_limit=1_000)
+    state = b.get_state(descriptor)
+    for k in range(40):
+        b.set_current_key(k)
+        state.update(k * 7)
+    (handle,) = env.checkpoint(b)
+    b.flush()
+    assert b.tables.get(b.tables.database("narrow"), b.current_ckey) == (39 * 7).to_bytes(4, "big")
+    (restored,) = env.restore([handle], 1)
+    read = restored.get_state(descriptor)
+    for k in range(40):
+        restored.set_current_key(k)
+        assert read.value() == k * 7

@@ -169,15 +169,19 @@ def test_a_backpressured_service_answers_another_writers_call_late_but_answers(
 
         flooder = threading.Thread(target=flood, daemon=True)
         flooder.start()
-        assert plan.wait_stalled(1, WAIT_S)
-        assert service.storage is not None
-        metrics = service.storage.metrics
+        try:
+            assert plan.wait_stalled(1, WAIT_S)
+            assert service.storage is not None
+            metrics = service.storage.metrics
 
-        def backpressured() -> bool:
-            assert flooder.is_alive() and not errors, f"the flood ended before any backpressure: {errors}"
-            return metrics.backpressure_waits > 0 and flooding.backpressure_waits > 0
+            def backpressured() -> bool:
+                assert flooder.is_alive() and not errors, f"the flood ended before any backpressure: {errors}"
+                return metrics.backpressure_waits > 0 and flooding.backpressure_waits > 0
 
-        wait_until(backpressured, "backpressure")
+            wait_until(backpressured, "backpressure")
+        except BaseException:
+            stop.set()  # no flood up to the cap after a failed assertion
+            raise
 
         calling.append(16, b"behind the flood")
         outcome: list[Any] = []

@@ -308,12 +308,6 @@ def test_backpressure_blocks_the_appending_thread_and_loses_nothing(tmp_path: Pa
             finally:
                 done.set()
 
-        thread = threading.Thread(target=operator, name="operator", daemon=True)
-        thread.start()
-        assert plan.wait_stalled(1, WAIT_S)
-        assert service.storage is not None
-        metrics = service.storage.metrics
-
         def waited(counter: Callable[[], int]) -> Callable[[], bool]:
             def check() -> bool:
                 assert not done.is_set(), f"the appends ended before any backpressure: {errors}"
@@ -321,11 +315,16 @@ def test_backpressure_blocks_the_appending_thread_and_loses_nothing(tmp_path: Pa
 
             return check
 
-        wait_until(waited(lambda: metrics.backpressure_waits), "the service to stop reading")
-        wait_until(waited(lambda: writer.backpressure_waits), "the appending thread to wait for the sender")
-        assert not done.is_set()  # it cannot finish while the upload is held
-
-        stop.set()
+        thread = threading.Thread(target=operator, name="operator", daemon=True)
+        thread.start()
+        try:
+            assert plan.wait_stalled(1, WAIT_S)
+            assert service.storage is not None
+            metrics = service.storage.metrics
+            wait_until(waited(lambda: metrics.backpressure_waits), "the service to stop reading")
+            wait_until(waited(lambda: writer.backpressure_waits), "the appending thread to wait for the sender")
+        finally:
+            stop.set()  # also when an assertion failed: no flood up to the cap
         plan.release()
         assert done.wait(WAIT_S) and not errors, errors
         handle = writer.persist_durably(0).result(WAIT_S)
