@@ -191,7 +191,10 @@ def replay_log(
                 entry = kinds.get(sid)
                 if entry is None:
                     raise StateRestoreError(f"log {log.log_id} has a change of an unknown state id {sid:#x}")
-                applied = apply_record(txn, dbs[sid], entry[1], op, ck, rest)
+                try:
+                    applied = apply_record(txn, dbs[sid], entry[1], op, ck, rest)
+                except lmdb.BadValsizeError as exc:  # a key longer than LMDB takes, or an empty one
+                    raise SerializationError("change-record", f"a key or value LMDB refuses ({exc})") from None
                 if progress is not None and (count + applied) // _PROGRESS_EVERY > count // _PROGRESS_EVERY:
                     progress(done_before + count + applied)
                 count += applied

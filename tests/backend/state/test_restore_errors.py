@@ -62,8 +62,18 @@ def test_restore_of_a_corrupted_log_file_names_the_file(env: Env, handle: KeyedS
         b"\x01",
         rec.record_prefix(Op.PUT, rec.state_id(MAP.name)) + b"\x00\x05\xff\xff",
         rec.record(Op.PUT, rec.state_id(MAP.name), ckey(0, b"k"), b"\x00\x09"),
+        rec.record(Op.SET, rec.state_id(VALUE.name), ckey(0, b"k" * 600), b"\x00" * 8),
+        rec.encode_set_column(rec.state_id(VALUE.name), [ckey(0, b"k" * 600)], b"\x00" * 8, 8),
+        rec.encode_set_column(rec.state_id(VALUE.name), [ckey(0, b"k")], b"\x00" * 8, 8)[:-1],
     ],
-    ids=["truncated-head", "key-longer-than-record", "map-entry-user-key-longer-than-record"],
+    ids=[
+        "truncated-head",
+        "key-longer-than-record",
+        "map-entry-user-key-longer-than-record",
+        "key-longer-than-lmdb-takes",
+        "column-key-longer-than-lmdb-takes",
+        "truncated-column",
+    ],
 )
 def test_restore_of_a_malformed_change_record_names_the_log_file(env: Env, record: bytes) -> None:
     """A record the writer framed and checksummed but that does not parse: the segment is intact,
