@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -124,20 +124,28 @@ def test_ids_stay_consecutive_across_clean_restarts_and_skip_a_failed_reservatio
     job.close()
 
 
-def test_a_fence_outlives_the_recovery_until_a_later_checkpoint_commits(tmp_path: Path, plan: FaultPlan) -> None:
-    """Finding 4: recovery deleted fences; a _metadata landing after that was accepted whenever the
-    files it names exist (here: nothing changed since checkpoint 1, so it names only its files)."""
+def _second_checkpoint_fenced(
+    tmp_path: Path, plan: FaultPlan, action: Literal["fail", "late"]
+) -> tuple[str, Path, Workload, Any]:
+    """A job (on ``plan``'s faulty DFS) that completed checkpoint 1 and failed checkpoint 2, whose
+    ``_metadata`` PUT met ``action`` ("fail", or "late": it lands when the plan says): 2 is fenced."""
     root = faulty_base_path(tmp_path / "dfs", plan)
-    job_dir = tmp_path / "dfs" / "job"
     work = Workload()
     job = make_job(root, tmp_path / "local")
     work.run(job, 200)
     job.checkpoint()
-    expected = snapshot_of(work)
-    plan.add(Fault(op="put", path="job/chk-2/_metadata", action="late"))
+    plan.add(Fault(op="put", path="job/chk-2/_metadata", action=action))
     with pytest.raises(CheckpointError, match="fenced"):
         job.checkpoint()
     plan.clear()
+    return root, tmp_path / "dfs" / "job", work, job
+
+
+def test_a_fence_outlives_the_recovery_until_a_later_checkpoint_commits(tmp_path: Path, plan: FaultPlan) -> None:
+    """Finding 4: recovery deleted fences; a _metadata landing after that was accepted whenever the
+    files it names exist (here: nothing changed since checkpoint 1, so it names only its files)."""
+    root, job_dir, work, job = _second_checkpoint_fenced(tmp_path, plan, "late")
+    expected = snapshot_of(work)
     job.close()
 
     job = make_job(root, tmp_path / "local")  # a run that commits nothing
@@ -159,16 +167,7 @@ def test_a_fence_left_behind_by_a_failed_delete_goes_at_the_next_recovery(tmp_pa
     """Found by the random-fault test: checkpoint 3 committed above the fence of 2, the fence's
     DELETE failed, and every later recovery kept the fence for good (a leak: nothing ever removed
     it). A fence below the checkpoint a recovery resumes from is moot and goes; one above stays."""
-    root = faulty_base_path(tmp_path / "dfs", plan)
-    job_dir = tmp_path / "dfs" / "job"
-    work = Workload()
-    job = make_job(root, tmp_path / "local")
-    work.run(job, 200)
-    job.checkpoint()
-    plan.add(Fault(op="put", path="job/chk-2/_metadata", action="fail"))
-    with pytest.raises(CheckpointError, match="fenced"):
-        job.checkpoint()
-    plan.clear()
+    root, job_dir, work, job = _second_checkpoint_fenced(tmp_path, plan, "fail")
     plan.add(Fault(op="delete", path="job/chk-2/_aborted", action="fail"))
     work.run(job, 100)
     assert job.checkpoint().checkpoint_id == 3
