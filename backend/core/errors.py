@@ -70,12 +70,35 @@ class BackendClosedError(ChangelogError, RuntimeError):
     uploading in the background): that reader stops instead of reading closed tables."""
 
 
+class LocalStateError(ChangelogError):
+    """A write of the local state tables failed: their directory is full (its file system, a
+    quota, the process' file size limit, or the tables' map size) or its disk failed.
+
+    The transaction was not applied and the operation that needed it (a spill of the write-back
+    caches, a checkpoint, a state's deletion, a restore) fails; a backend's changes stay in memory,
+    so reads, the changelog and later checkpoints agree. ``full``: the write failed for want of
+    room (not for another disk error).
+    """
+
+    def __init__(self, operation: str, directory: str, cause: str, *, full: bool) -> None:
+        what = "is full" if full else "could not be written"
+        super().__init__(
+            f"{operation} failed: the local state directory {directory} {what} ({cause}); nothing of the "
+            "transaction was written: make room there, or give the backend another local directory, and retry"
+        )
+        self.operation = operation
+        self.directory = directory
+        self.cause = cause
+        self.full = full
+
+
 __all__ = [
     "BackendClosedError",
     "ChangelogError",
     "CheckpointError",
     "ConfigurationError",
     "CorruptDataError",
+    "LocalStateError",
     "NoCurrentKeyError",
     "NoneElementError",
     "SerializationError",

@@ -35,7 +35,7 @@ from backend.core.tablekeys import key_group_of, split_table_key
 from backend.state import restore as restoring
 from backend.state.context import KeyContext
 from backend.state.cut import MaterializationPoint
-from backend.state.lmdb_tables import LmdbTables
+from backend.state.lmdb_tables import DEFAULT_MAP_SIZE, LmdbTables
 from backend.state.primitives import create_state
 from backend.state.restore import ChunkLoader
 from backend.state.state_table import StateTable
@@ -61,6 +61,8 @@ class ChangelogKeyedStateBackend(KeyContext):
     clock by default. ``cache_limit``: cached changes past which the write-back caches spill to
     LMDB. ``num_retained``: completed checkpoints whose log must stay restorable. ``reuse_local``:
     keep the tables ``local_dir`` holds, for ``adopt_local``; else whatever is there is removed.
+    ``local_map_size``: the most bytes the local tables may take (LMDB's map size); a write past
+    it fails as on a full disk (``LocalStateError``).
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class ChangelogKeyedStateBackend(KeyContext):
         log_enabled: bool = True,
         num_retained: int = 1,
         reuse_local: bool = False,
+        local_map_size: int = DEFAULT_MAP_SIZE,
     ) -> None:
         super().__init__(key_group_range, max_parallelism, key_serializer)
         if log_enabled and storage is None:
@@ -88,7 +91,7 @@ class ChangelogKeyedStateBackend(KeyContext):
         #: value state); -1 forces the next write to flush
         self.flush_threshold = cache_limit
         self.kg_flush_threshold = max(1, cache_limit // len(key_group_range))
-        self.tables = LmdbTables(local_dir, keep=reuse_local)
+        self.tables = LmdbTables(local_dir, local_map_size, keep=reuse_local)
         self.storage = storage
         self.writer = storage.create_writer(operator_id, key_group_range) if log_enabled and storage else None
         self.log_enabled = self.writer is not None
