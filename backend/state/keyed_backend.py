@@ -38,7 +38,7 @@ from backend.state.cut import MaterializationPoint
 from backend.state.lmdb_tables import DEFAULT_MAP_SIZE, LmdbTables
 from backend.state.primitives import create_state
 from backend.state.restore import ChunkLoader
-from backend.state.state_table import StateTable
+from backend.state.state_table import FlushStep, StateTable
 from backend.state.timers import EVENT_TIME, PROCESSING_TIME, TIMERS_DB, TimeDomain, TimerService
 from backend.state.truncation import SnapshotLineage
 from backend.state.value_table import ValueTable
@@ -175,13 +175,14 @@ class ChangelogKeyedStateBackend(KeyContext):
         db = self.tables.database(name)
         keys = [key for key, _ in self.tables.scan_prefix(db, b"")]
         sid = rec.state_id(name)
-        with self.tables.write() as txn:
+        with self.tables.write(f"the deletion of state {name!r}") as txn:
             for key in keys:
                 txn.delete(key, db=db)
-                if self._append is not None:
-                    # REMOVE of the exact table key replays the same whatever the state's kind.
-                    ck, user_key = split_table_key(key)
-                    self._append(key_group_of(ck), rec.record(Op.REMOVE, sid, ck, user_key))
+        if self._append is not None:  # logged once the deletion committed
+            for key in keys:
+                # REMOVE of the exact table key replays the same whatever the state's kind.
+                ck, user_key = split_table_key(key)
+                self._append(key_group_of(ck), rec.record(Op.REMOVE, sid, ck, user_key))
         meta = self.state_metadata()[name]
         self._states.pop(name, None)
         self._wrappers.pop(name, None)
@@ -250,36 +251,45 @@ class ChangelogKeyedStateBackend(KeyContext):
     # -- flush, snapshot, checkpoint notifications ----------------------------------------
 
     def flush(self) -> int:
-        """Write every cache to LMDB (sorted), appending one net change per key and state to the log."""
+        """Write every cache to LMDB (sorted), appending one net change per key and state to the log.
+
+        Only once the LMDB transaction committed are the changes logged and dropped from the
+        caches: a write that fails (``LocalStateError``: the local directory is full) changes
+        nothing, the caches keep every change, and the next flush writes them again."""
         with self._lock:
-            changed = 0
             # Serialize everything first: a value its serializer rejects changes nothing.
             steps = [table.prepare_flush() for table in self._states.values() if table.cache_size()]
-            with self.tables.write() as txn:
-                for step in steps:
-                    changed += step(txn, self._append)
-                changed += self.timers.flush(txn, self._append)
+            steps.append(self.timers.prepare_flush())
+            changed = self._write_steps(steps, "a flush of the write-back caches")
             self.flush_threshold = self.cache_limit
             self.kg_flush_threshold = max(1, self.cache_limit // len(self.key_group_range))
             return changed
+
+    def _write_steps(self, steps: list[FlushStep], operation: str) -> int:
+        """Write ``steps`` in one LMDB transaction of ``operation``; once it committed, log their
+        changes and drop them from memory (``FlushStep``). Returns the changes' count."""
+        with self.tables.write(operation) as txn:
+            for step in steps:
+                step.write(txn)
+        return sum(step.committed(self._append, self._append_many) for step in steps)
 
     def _log_changes(self) -> int:
         """Checkpoint part of a flush: log every change; write to LMDB only what must go there now.
 
         Value states only log (their changes stay cached until the cache outgrows its limit);
-        list, map and timer changes are written through.
+        list, map and timer changes are written through, and logged once that write committed
+        (a failed write, ``LocalStateError``, leaves them cached and unlogged, as ``flush``).
         """
         changed = 0
         # Serialize everything first: a value its serializer rejects changes nothing.
         logs = [t.prepare_log() for t in self._states.values() if isinstance(t, ValueTable)]
         write_through = [t.prepare_flush() for t in self._states.values() if not isinstance(t, ValueTable) and t.cache]
+        if self.timers.has_changes():
+            write_through.append(self.timers.prepare_flush())
         for log in logs:
             changed += log(self._append, self._append_many)
-        if write_through or self.timers.has_changes():
-            with self.tables.write() as txn:
-                for step in write_through:
-                    changed += step(txn, self._append)
-                changed += self.timers.flush(txn, self._append)
+        if write_through:
+            changed += self._write_steps(write_through, "a checkpoint's write of list, map and timer changes")
         if sum(t.cache_size() for t in self._states.values()) > self.cache_limit:
             self.flush_threshold = self.kg_flush_threshold = -1  # the next write spills to LMDB
         return changed

@@ -17,7 +17,7 @@ from backend.core.errors import NoneElementError
 from backend.core.records import Op
 from backend.core.tablekeys import key_group_of
 from backend.state.context import require_key
-from backend.state.state_table import Append, FlushStep, StateTable
+from backend.state.state_table import Append, AppendMany, FlushStep, StateTable, append_records
 
 __all__ = ["ListEntry", "ListTable"]
 
@@ -101,9 +101,15 @@ class ListTable(StateTable):
                 continue
             elements = [encode(e) for e in entry.base] + added
             ops.append((ck, Op.SET, rec.encode_list(elements)) if elements else (ck, Op.CLEAR, b""))
+        records: list[Any] = []  # [key_group, record, ...]
+        if self.host.log_enabled:
+            sid = self.sid
+            for ck, op, blob in ops:
+                record = rec.record(Op.CLEAR, sid, ck) if op is Op.CLEAR else rec.record(op, sid, ck, blob)
+                records += (key_group_of(ck), record)
 
-        def flush(txn: Any, append: Append | None) -> int:
-            sid, db = self.sid, self.db
+        def write(txn: Any) -> None:
+            db = self.db
             for ck, op, blob in ops:
                 if op is Op.ADD:
                     txn.put(ck, rec.concat_lists(txn.get(ck, db=db), blob), db=db)
@@ -111,11 +117,11 @@ class ListTable(StateTable):
                     txn.put(ck, blob, db=db)
                 else:
                     txn.delete(ck, db=db)
-                if append is not None:
-                    record = rec.record(Op.CLEAR, sid, ck) if op is Op.CLEAR else rec.record(op, sid, ck, blob)
-                    append(key_group_of(ck), record)
+
+        def committed(append: Append | None, append_many: AppendMany | None) -> int:
+            append_records(records, append, append_many)
             count = len(self.cache)
             self.cache.clear()
             return count
 
-        return flush
+        return FlushStep(write, committed)

@@ -19,11 +19,21 @@ state (the gets of sorted keys walk the B-tree's pages in order, which pays wher
 in memory), and its reads become dict lookups. What was loaded holds the entries as of the read
 view, so every write transaction (a flush, a restore) drops it: it never serves bytes older than
 the tables. A key that was loaded and is absent reads as absent without touching LMDB.
+
+A write that fails (``write``): the local directory is full (the file system, a quota, the
+process' file size limit, or the map size: ``MDB_MAP_FULL``), or its disk fails. LMDB then aborts
+the transaction, so the tables stay as they were; ``write`` raises ``LocalStateError`` naming the
+operation, the directory and the cause (a full directory says so: LMDB reports a write the file
+system cut short as an I/O error, so the free space and the file size limit are checked too).
+Callers drop nothing from memory before the transaction committed (``state_table``, flush), so
+the failed write loses nothing and reads still see every change.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,9 +41,18 @@ from typing import Any
 
 import lmdb
 
+from backend.core.errors import LocalStateError
+
 DEFAULT_MAP_SIZE = 1 << 36  # 64 GiB of address space; LMDB only uses what it writes
 #: the files of an LMDB environment (``subdir=True``)
 _LMDB_FILES = ("data.mdb", "lock.mdb")
+
+
+#: errors of a write that say there is no room (no space, quota, file size limit)
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+#: free bytes below which a file system counts as full when a write came back short: LMDB writes
+#: pages in runs, and a run the file system cut short has taken what was left
+_FULL_BELOW = 1 << 20
 
 
 #: "not loaded" in the loaded entries (None there means "loaded, and absent")
@@ -223,17 +242,47 @@ class LmdbTables:
         return deleted
 
     @contextmanager
-    def write(self) -> Iterator[Any]:
-        """A write transaction; the read view is renewed after it commits, and what was read
-        ahead is dropped (it may be older than what this transaction writes)."""
+    def write(self, operation: str) -> Iterator[Any]:
+        """A write transaction of ``operation`` (named in its error); the read view is renewed
+        after it commits, and what was read ahead is dropped (it may be older than what this
+        transaction writes). A write LMDB refuses for want of room or a failing disk raises
+        ``LocalStateError`` and leaves the tables as they were (module doc)."""
         self._loaded.clear()
         self._loaded_prefixes.clear()
         self._end_reads()
         try:
             with self.env.begin(write=True) as txn:
                 yield txn
+        except lmdb.BadValsizeError:  # a key or value LMDB never takes: the caller's to report
+            raise
+        except lmdb.Error as exc:
+            raise self._write_failed(operation, exc) from exc
         finally:
             self._begin_reads()
+
+    def _write_failed(self, operation: str, exc: lmdb.Error) -> LocalStateError:
+        """The error of a failed write: whether the directory is full, and why (module doc)."""
+        cause = str(exc)
+        if isinstance(exc, lmdb.MapFullError):
+            size = self.env.info()["map_size"]
+            cause = f"its tables reached their map size (local_map_size) of {size} bytes"
+            return LocalStateError(operation, str(self.path), cause, full=True)
+        full = isinstance(exc, lmdb.DiskError) or getattr(exc, "code", None) in _NO_ROOM
+        data = self.path / _LMDB_FILES[0]
+        limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+        try:
+            size = data.stat().st_size
+            fs = os.statvfs(self.path)
+        except OSError:
+            return LocalStateError(operation, str(self.path), cause, full=full)
+        free = fs.f_bavail * fs.f_frsize
+        if limit != resource.RLIM_INFINITY and size >= limit:
+            cause += f"; {data.name} reached the process' file size limit of {limit} bytes (RLIMIT_FSIZE)"
+            full = True
+        else:
+            cause += f"; {free} bytes free on its file system"
+            full = full or free < _FULL_BELOW
+        return LocalStateError(operation, str(self.path), cause, full=full)
 
     def entry_count(self) -> int:
         """Entries of every database in the environment, opened by this backend or not."""

@@ -16,7 +16,7 @@ from backend.core.descriptors import MapStateDescriptor
 from backend.core.records import Op
 from backend.core.tablekeys import key_group_of
 from backend.state.context import StateHost, require_key
-from backend.state.state_table import MISS, TOMBSTONE, Append, FlushStep, StateTable
+from backend.state.state_table import MISS, TOMBSTONE, Append, AppendMany, FlushStep, StateTable, append_records
 
 __all__ = ["MapEntry", "MapTable"]
 
@@ -121,26 +121,34 @@ class MapTable(StateTable):
                 for ukey in sorted(entry.changes)
             ]
             ops.append((ck, entry.cleared, changes))
-
-        def flush(txn: Any, append: Append | None) -> int:
-            sid, db = self.sid, self.db
+        records: list[Any] = []  # [key_group, record, ...]
+        if self.host.log_enabled:
+            sid = self.sid
             for ck, cleared, changes in ops:
                 kg = key_group_of(ck)
                 if cleared:
+                    records += (kg, rec.record(Op.CLEAR, sid, ck))
+                for ukey, stored in changes:
+                    if stored is None:
+                        records += (kg, rec.record(Op.REMOVE, sid, ck, ukey))
+                    else:
+                        records += (kg, rec.record(Op.PUT, sid, ck, rec.put_rest(ukey, stored)))
+
+        def write(txn: Any) -> None:
+            db = self.db
+            for ck, cleared, changes in ops:
+                if cleared:
                     self.host.tables.delete_prefix(txn, db, ck)
-                    if append is not None:
-                        append(kg, rec.record(Op.CLEAR, sid, ck))
                 for ukey, stored in changes:
                     if stored is None:
                         txn.delete(ck + ukey, db=db)
-                        if append is not None:
-                            append(kg, rec.record(Op.REMOVE, sid, ck, ukey))
                     else:
                         txn.put(ck + ukey, stored, db=db)
-                        if append is not None:
-                            append(kg, rec.record(Op.PUT, sid, ck, rec.put_rest(ukey, stored)))
+
+        def committed(append: Append | None, append_many: AppendMany | None) -> int:
+            append_records(records, append, append_many)
             count = len(self.cache)
             self.cache.clear()
             return count
 
-        return flush
+        return FlushStep(write, committed)

@@ -113,14 +113,16 @@ def load_materialized(
         except ValueError as exc:  # a path outside the storage's base path
             raise StateRestoreError(f"materialized chunk path refused: {exc}") from None
         by_state = load_chunk(chunk["path"], data, chunk, rng)
-        with tables.write() as txn:
+        with tables.write(f"the restore of chunk {chunk['path']}") as txn:
             for name, entries in by_state.items():
                 if name != TIMERS_DB and name not in states:
                     raise StateRestoreError(f"chunk {chunk['path']} holds state {name!r} missing from the handle")
                 cursor = txn.cursor(db=tables.database_in(txn, name))
                 try:
-                    cursor.putmulti(entries, append=True)  # sorted appends: the fast bulk load
-                except lmdb.Error:  # not after what the table holds: plain puts
+                    _, added = cursor.putmulti(entries, append=True)  # sorted appends: the fast bulk load
+                except lmdb.KeyExistsError:
+                    added = -1
+                if added != len(entries):  # some were not after what the table holds: plain puts
                     cursor.putmulti(entries)
                 loaded += len(entries)
         if CHUNK_HASH not in chunk:
@@ -184,7 +186,7 @@ def replay_log(
     kinds[TIMERS_SID] = (TIMERS_DB, "timers")
     dbs = {sid: tables.database(name) for sid, (name, _) in kinds.items()}
     count = 0
-    with tables.write() as txn:
+    with tables.write(f"the replay of log {log.log_id}") as txn:
         try:
             for _, data in storage.read(log, owned):
                 op, sid, ck, rest = rec.parse_record(data)

@@ -19,22 +19,45 @@ is never returned, and reading it schedules its removal at the next flush.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from backend.core import records as rec
 from backend.core.descriptors import StateDescriptor
 from backend.state.context import StateHost
 
-__all__ = ["MISS", "TOMBSTONE", "Append", "AppendMany", "FlushStep", "LogStep", "StateTable"]
+__all__ = ["MISS", "TOMBSTONE", "Append", "AppendMany", "FlushStep", "LogStep", "StateTable", "append_records"]
 
 #: appends one change record of a key group to the log
 Append = Callable[[int, bytes], None]
 #: appends ``[key_group, record, key_group, record, ...]`` to the log in one call
 AppendMany = Callable[[list[Any]], None]
-#: writes a table's prepared changes into an LMDB write transaction (and the log); returns their count
-FlushStep = Callable[[Any, Append | None], int]
 #: logs a value table's prepared changes; returns their count
 LogStep = Callable[[Append | None, AppendMany | None], int]
+
+
+class FlushStep(NamedTuple):
+    """A table's prepared flush, in the order the backend calls its parts.
+
+    ``write(txn)`` puts the changes into an LMDB write transaction. Only once that transaction
+    has committed, ``committed(append, append_many)`` logs them and drops them from memory, and
+    returns their count: a transaction that fails (a full local directory, ``LocalStateError``)
+    leaves the table as it was, its changes readable in memory and not logged, so reads, the log
+    and later checkpoints agree, and the next flush writes them again."""
+
+    write: Callable[[Any], None]
+    committed: LogStep
+
+
+def append_records(pairs: list[Any], append: Append | None, append_many: AppendMany | None) -> None:
+    """Log ``pairs`` (``[key_group, record, ...]``), in one call where the log takes many at once."""
+    if not pairs:
+        return
+    if append_many is not None:
+        append_many(pairs)
+    else:
+        assert append is not None
+        for i in range(0, len(pairs), 2):
+            append(pairs[i], pairs[i + 1])
 
 
 class _Tombstone:
@@ -115,12 +138,13 @@ class StateTable:
     # -- flush --------------------------------------------------------------------------------
 
     def prepare_flush(self) -> FlushStep:
-        """Serialize every cached change, changing nothing yet, and return the step that writes
-        them to the transaction and the log and empties the cache.
+        """Serialize every cached change, changing nothing yet, and return the steps that write
+        them to a transaction and, once it committed, log them and empty the cache (``FlushStep``).
 
-        Why two phases: a value its serializer rejects fails here, before any table, log record
-        or cache has changed, so the caller can fix the value and flush again without losing or
-        duplicating a change (a list append logged twice would replay twice)."""
+        Why phases: a value its serializer rejects fails here, and a write of the local tables
+        fails before its commit, both before any log record or cache has changed, so the caller
+        can fix the cause and flush again without losing or duplicating a change (a list append
+        logged twice would replay twice)."""
         raise NotImplementedError
 
     def cache_size(self) -> int:

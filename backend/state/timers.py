@@ -19,6 +19,7 @@ from backend.core import records as rec
 from backend.core.records import Op
 from backend.core.tablekeys import key_group_of, parse_timer_user_key, split_table_key, timer_user_key
 from backend.state.context import StateHost, require_key
+from backend.state.state_table import Append, AppendMany, FlushStep, append_records
 from dstl import ConfigurationError
 
 __all__ = ["EVENT_TIME", "PROCESSING_TIME", "TIMERS_DB", "TIMERS_SID", "TimeDomain", "TimerService"]
@@ -117,21 +118,31 @@ class TimerService:
     def has_changes(self) -> bool:
         return bool(self._pending)
 
-    def flush(self, txn: Any, append: Callable[[int, bytes], None] | None) -> int:
-        """Write the registered and deleted timers to ``txn`` and log them; returns their count."""
-        for table_key in sorted(self._pending):
-            ck, ukey = split_table_key(table_key)
-            if self._pending[table_key]:
-                txn.put(table_key, b"", db=self.db)
-                op = Op.TIMER_ADD
-            else:
-                txn.delete(table_key, db=self.db)
-                op = Op.TIMER_DELETE
-            if append is not None:
-                append(key_group_of(ck), rec.record(op, TIMERS_SID, ck, ukey))
-        count = len(self._pending)
-        self._pending.clear()
-        return count
+    def prepare_flush(self) -> FlushStep:
+        """The registered and deleted timers as a table's flush (``state_table.FlushStep``): they
+        are written to a transaction, then, once it committed, logged and dropped from
+        ``_pending``."""
+        pending = sorted(self._pending.items())
+        records: list[Any] = []  # [key_group, record, ...]
+        if self._host.log_enabled:
+            for table_key, registered in pending:
+                ck, ukey = split_table_key(table_key)
+                op = Op.TIMER_ADD if registered else Op.TIMER_DELETE
+                records += (key_group_of(ck), rec.record(op, TIMERS_SID, ck, ukey))
+
+        def write(txn: Any) -> None:
+            for table_key, registered in pending:
+                if registered:
+                    txn.put(table_key, b"", db=self.db)
+                else:
+                    txn.delete(table_key, db=self.db)
+
+        def committed(append: Append | None, append_many: AppendMany | None) -> int:
+            append_records(records, append, append_many)
+            self._pending.clear()
+            return len(pending)
+
+        return FlushStep(write, committed)
 
     def load(self) -> int:
         """Rebuild the in-memory index from the table (after a restore)."""

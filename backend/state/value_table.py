@@ -18,6 +18,10 @@ values in one C call (``serialize_many``, no TTL) serializes the cleans again at
 with the log off, since filling ``clean_stored`` costs a dict insert per logged change at every
 checkpoint, more than that call.
 
+A spill empties the caches and the cleans only once its LMDB transaction committed
+(``state_table.FlushStep``): the cleans are the only copy of what the last checkpoint logged, so a
+spill that fails (a full local directory) keeps them, and reads keep seeing what the log holds.
+
 ``ValueState`` reads these dicts directly on its no-TTL hot path (``backend.state.primitives``).
 """
 
@@ -32,7 +36,16 @@ from backend.core.descriptors import StateDescriptor
 from backend.core.errors import NoCurrentKeyError
 from backend.core.records import Op
 from backend.state.context import StateHost, require_key
-from backend.state.state_table import MISS, TOMBSTONE, Append, AppendMany, FlushStep, LogStep, StateTable
+from backend.state.state_table import (
+    MISS,
+    TOMBSTONE,
+    Append,
+    AppendMany,
+    FlushStep,
+    LogStep,
+    StateTable,
+    append_records,
+)
 
 __all__ = ["ValueTable"]
 
@@ -146,24 +159,23 @@ class ValueTable(StateTable):
                 return column
         return self._serialize_entries(values)
 
-    def prepare_log(self) -> LogStep:
-        """Checkpoint: log the changes (one record per key group), then they count as clean.
-        Two phases, as ``prepare_flush``: serialize and encode now (what can fail); log and move in
-        the returned step."""
+    def _prepare_changes(self) -> tuple[list[tuple[int, dict[bytes, Any]]], list[Any], list[Any]]:
+        """The changed caches (key group, cache), their entries serialized as the log takes them
+        (none when nothing is logged), and their log records (``_log_records``)."""
         changed = [(kg, cache) for kg, cache in enumerate(self.caches) if cache]
         serialized = []
         if self.logged:
             serialized = [(kg, list(cache), self._serialize_changes(list(cache.values()))) for kg, cache in changed]
-        pairs = self._log_records(serialized)
+        return changed, serialized, self._log_records(serialized)
+
+    def prepare_log(self) -> LogStep:
+        """Checkpoint: log the changes (one record per key group), then they count as clean.
+        Two phases, as ``prepare_flush``: serialize and encode now (what can fail); log and move in
+        the returned step."""
+        changed, serialized, pairs = self._prepare_changes()
 
         def log(append: Append | None, append_many: AppendMany | None) -> int:
-            if pairs:
-                if append_many is not None:
-                    append_many(pairs)
-                else:
-                    assert append is not None
-                    for i in range(0, len(pairs), 2):
-                        append(pairs[i], pairs[i + 1])
+            append_records(pairs, append, append_many)
             if self.clean_stored is not None:  # never with columns (they need serialize_many)
                 for kg, cks, stored in serialized:
                     assert not isinstance(stored, bytes)
@@ -202,7 +214,10 @@ class ValueTable(StateTable):
         return pairs
 
     def prepare_flush(self) -> FlushStep:
-        log = self.prepare_log()
+        """Spill: the clean and the changed entries go to LMDB, sorted per key group; only once
+        that transaction committed are the changes logged and the caches and cleans emptied (a
+        failed write leaves them all in memory, ``FlushStep``)."""
+        changed, serialized, pairs = self._prepare_changes()
         pending: list[tuple[list[bytes], list[bytes | None]]] = []
         if self.clean_stored is None:  # no logged bytes kept: serialize the clean and the changed entries now
             for kg, clean in enumerate(self.cleans):
@@ -210,15 +225,25 @@ class ValueTable(StateTable):
                 if merged:
                     cks = sorted(merged)
                     pending.append((cks, self._serialize_entries(list(map(merged.__getitem__, cks)))))
+        else:  # the bytes the log got, and the changes' bytes, in key-group then key order
+            changes = {kg: (cks, stored) for kg, cks, stored in serialized}
+            for kg, stored_of in enumerate(self.clean_stored):
+                change = changes.get(kg)
+                if change is not None:
+                    cks, stored = change
+                    assert not isinstance(stored, bytes)  # never with columns (they need serialize_many)
+                    stored_of = stored_of.copy()  # not in place: the spill may fail, the changes stay unlogged
+                    stored_of.update(zip(cks, stored, strict=True))
+                if stored_of:
+                    cks = sorted(stored_of)  # sorting the keys alone is faster than the items
+                    pending.append((cks, list(map(stored_of.__getitem__, cks))))
 
-        def flush(txn: Any, append: Append | None) -> int:
-            count = log(append, None)
-            if self.clean_stored is not None:  # the bytes the log got, in key-group then key order
-                for stored_of in self.clean_stored:
-                    if stored_of:
-                        cks = sorted(stored_of)  # sorting the keys alone is faster than the items
-                        pending.append((cks, list(map(stored_of.__getitem__, cks))))
-            self._write(txn, pending)
+        def committed(append: Append | None, append_many: AppendMany | None) -> int:
+            append_records(pairs, append, append_many)
+            count = 0
+            for _, cache in changed:
+                count += len(cache)
+                cache.clear()
             for clean in self.cleans:
                 clean.clear()
             if self.clean_stored is not None:
@@ -226,7 +251,7 @@ class ValueTable(StateTable):
                     stored_of.clear()
             return count
 
-        return flush
+        return FlushStep(lambda txn: self._write(txn, pending), committed)
 
     def _write(self, txn: Any, batches: list[tuple[list[bytes], list[bytes | None]]]) -> None:
         """Sorted batch writes; ``putmulti`` reads pairs straight from ``zip`` (which reuses one
