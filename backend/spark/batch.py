@@ -98,7 +98,7 @@ class Partition:
             self._group_rows(data, row_types)
 
     def _add(self, key: tuple[Any, ...], key_group: Any) -> Group:
-        bkey = backend_key(key)
+        bkey = backend_key(key, self.key_columns)
         group = self.groups.get(bkey)
         if group is None:
             group = self.groups[bkey] = Group(key, None if key_group is None else int(key_group))

@@ -39,6 +39,7 @@ from backend.spark.handle import (
     SparkStateHandle,
     normalize_time_mode,
 )
+from backend.spark.keys import timer_key
 
 if TYPE_CHECKING:
     from backend.state.keyed_backend import ChangelogKeyedStateBackend
@@ -160,7 +161,7 @@ def run_transform_with_state(
             threshold = batch_timestamp_ms if mode == "processingtime" else watermark_ms
             for bkey, key_group, timestamp in handle.collect_expired_timers(threshold):
                 handle.set_implicit_key(bkey, key_group)
-                key_row = make_row(key_columns, bkey)
+                key_row = make_row(key_columns, timer_key(bkey))
                 result = processor.handleExpiredTimer(key_row, timer_values, expired_cls(timestamp))
                 yield from outputs(result, use_pandas, "handleExpiredTimer")
                 handle.set_implicit_key(bkey, key_group)
