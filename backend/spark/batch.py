@@ -14,6 +14,15 @@ session time zone, timestamp_ntz naive, maps lists of (key, value) pairs, struct
 needs the input's Spark schema (``RowTypes``): a pandas frame cannot tell a timestamp from a
 timestamp_ntz, nor a map from a struct.
 
+Why a partition measures its rows' Arrow size: with ``spark.sql.execution.arrow.maxBytesPerBatch``
+set, Spark's Python worker for ``transformWithStateInPandas`` also ends a key's DataFrame at the
+row that makes ``rows * average Arrow row size >= maxBytesPerBatch``, the average taken over the
+buffers of the Arrow batches it has read. ``arrow_size`` estimates those buffers for the rows as
+Spark sends them (a validity bitmap per column, fixed-width values, 32-bit offsets and the bytes
+of strings and binary), and ``rows_per_chunk`` turns both limits into one row count. The average
+is over the partition's rows (Spark's: over the batches read so far), so the chunks are Spark's
+where rows are of similar size.
+
 Why the runner owns the clock during the run: Spark's TTL and timeouts count from the batch's
 processing timestamp, not the wall clock, so a re-run batch (a retried task, a restarted query)
 expires exactly the same state. The backend's ``now_ms`` returns the batch timestamp while the
@@ -26,6 +35,7 @@ import contextlib
 import datetime
 import itertools
 import keyword
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -38,18 +48,22 @@ if TYPE_CHECKING:
     from backend.state.keyed_backend import ChangelogKeyedStateBackend
 
 __all__ = [
+    "SPARK_MAX_BYTES_PER_BATCH",
     "SPARK_MAX_RECORDS_PER_BATCH",
     "BatchClock",
     "Group",
     "Partition",
     "RowTypes",
+    "arrow_size",
     "coalesced",
     "key_order",
     "outputs",
     "read_ahead",
+    "rows_per_chunk",
 ]
 
 SPARK_MAX_RECORDS_PER_BATCH = 10_000  # spark.sql.execution.arrow.maxRecordsPerBatch
+SPARK_MAX_BYTES_PER_BATCH = 2**31 - 1  # spark.sql.execution.arrow.maxBytesPerBatch: no limit
 
 
 @dataclass
@@ -79,11 +93,13 @@ class Partition:
         numpy_keys: bool = False,
         row_types: RowTypes | None = None,
         input_schema: Any = None,
+        measure_arrow: bool = False,
     ) -> None:
         """``numpy_keys``: applyInPandasWithState's conventions (keys of numpy scalars, Arrow's
         dtypes per key), else transformWithStateInPandas's. ``row_types``: how the Row API converts
         the input's columns (None: as pyarrow infers them from the frame). ``input_schema``
-        (pyspark ``StructType``): tells applyInPandasWithState's int columns from float ones."""
+        (pyspark ``StructType``): tells applyInPandasWithState's int columns from float ones.
+        ``measure_arrow``: estimate the rows' Arrow size (``arrow_bytes``, pandas only)."""
         self.key_columns = tuple(key_columns)
         self.kg_column = key_group_column
         self.groups: dict[tuple[Any, ...], Group] = {}
@@ -92,6 +108,9 @@ class Partition:
         #: per-key dtypes of columns whose dtype depends on nulls: (position, dtype when the key's
         #: rows hold no null, conversion when they do or None); Spark converts each key's rows apart
         self.chunk_dtypes: list[tuple[int, Any, Callable[[Any], Any] | None]] = []
+        #: the rows' estimated size as Spark's Arrow batches, and how many rows were measured
+        self.arrow_bytes, self.arrow_rows = 0, 0
+        self.measure_arrow = measure_arrow
         if use_pandas:
             self._group_frames(data, numpy_keys, input_schema)
         else:
@@ -116,6 +135,10 @@ class Partition:
         frames = [f for f in frames if len(f)]
         if not frames:
             return
+        if self.measure_arrow:
+            for f in frames:
+                self.arrow_bytes += arrow_size(f, exclude=self.kg_column)
+                self.arrow_rows += len(f)
         frame = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
         key_groups: list[Any] = [None] * len(frame)
         if self.kg_column is not None and self.kg_column in frame.columns:
@@ -175,6 +198,45 @@ class Partition:
                 elif with_nulls is not None:
                     chunk.isetitem(i, with_nulls(column))
             yield chunk
+
+
+def arrow_size(frame: Any, exclude: str | None = None) -> int:
+    """The buffer bytes of ``frame`` as one Arrow batch from Spark's JVM: Spark's worker sums the
+    buffers of each batch it reads; Java's writer sends a validity bitmap also for a column
+    without nulls, where pyarrow leaves it out (counted here). A column pyarrow cannot convert
+    counts nothing."""
+    import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
+
+    rows = len(frame)
+    bitmap = (rows + 7) // 8
+    total = 0
+    for i, name in enumerate(frame.columns):
+        if name == exclude:
+            continue
+        try:
+            array = pa.Array.from_pandas(frame.iloc[:, i])
+        except (pa.ArrowException, TypeError, ValueError):
+            continue
+        total += sum(bitmap if buffer is None else buffer.size for buffer in array.buffers())
+    return total
+
+
+def rows_per_chunk(max_records: int, max_bytes: int, *partitions: Partition | None) -> int:
+    """The rows of a DataFrame handed to a pandas handler under both limits: Spark's worker ends
+    a chunk at the row where ``rows >= max_records`` or ``rows * average row size >= max_bytes``
+    (floats, as pyspark compares them); the average over the measured ``partitions``."""
+    measured = [p for p in partitions if p is not None and p.arrow_rows]
+    if max_bytes >= SPARK_MAX_BYTES_PER_BATCH or not measured:
+        return max_records
+    average = sum(p.arrow_bytes for p in measured) / sum(p.arrow_rows for p in measured)
+    if average <= 0:
+        return max_records
+    rows = max(1, min(max_records, math.ceil(max_bytes / average)))
+    while rows > 1 and (rows - 1) * average >= max_bytes:
+        rows -= 1
+    while rows < max_records and rows * average < max_bytes:
+        rows += 1
+    return rows
 
 
 def _to_pandas(item: Any) -> Any:

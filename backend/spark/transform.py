@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from backend.spark.batch import (
+    SPARK_MAX_BYTES_PER_BATCH,
     SPARK_MAX_RECORDS_PER_BATCH,
     BatchClock,
     Partition,
@@ -29,6 +30,7 @@ from backend.spark.batch import (
     key_order,
     outputs,
     read_ahead,
+    rows_per_chunk,
 )
 from backend.spark.codecs import make_row
 from backend.spark.handle import (
@@ -93,6 +95,7 @@ def run_transform_with_state(
     use_pandas: bool = True,
     key_group_column: str | None = None,
     max_records_per_batch: int = SPARK_MAX_RECORDS_PER_BATCH,
+    max_bytes_per_batch: int = SPARK_MAX_BYTES_PER_BATCH,
     strict_types: bool = False,
     input_schema: Any = None,
     initial_state_schema: Any = None,
@@ -105,7 +108,9 @@ def run_transform_with_state(
     or Rows with ``use_pandas=False``. ``watermark_ms``: the eviction watermark (Spark reports 0
     when the query has none). ``initial_state`` is read only in batch 0, as in Spark.
     ``max_records_per_batch``: rows per DataFrame
-    (spark.sql.execution.arrow.maxRecordsPerBatch). The grouping key given to
+    (spark.sql.execution.arrow.maxRecordsPerBatch); ``max_bytes_per_batch``
+    (spark.sql.execution.arrow.maxBytesPerBatch) ends a DataFrame earlier, as Spark's worker does
+    (``batch.rows_per_chunk``). The grouping key given to
     handleInputRows/handleInitialState is a tuple of the key columns' values; handleExpiredTimer
     gets a ``Row`` of them (as in Spark). ``key_group_column``: a column holding each row's key
     group as the plumbing computed it (else the backend computes key groups from the key's bytes);
@@ -126,11 +131,16 @@ def run_transform_with_state(
         init_types = None if initial_state_schema is None else RowTypes.of(initial_state_schema, session_timezone)
     key_columns = tuple(key_columns)
     with BatchClock(backend, batch_timestamp_ms), contextlib.ExitStack() as reading:
-        data_part = Partition(data, key_columns, use_pandas, key_group_column, row_types=row_types)
+        measure = use_pandas and max_bytes_per_batch < SPARK_MAX_BYTES_PER_BATCH
+        data_part = Partition(data, key_columns, use_pandas, key_group_column, row_types=row_types,
+                              measure_arrow=measure)  # fmt: skip
         init_part = None
         if initial_state is not None and batch_id == 0:
             init_columns = initial_state_key_columns or key_columns
-            init_part = Partition(initial_state, init_columns, use_pandas, key_group_column, row_types=init_types)
+            init_part = Partition(initial_state, init_columns, use_pandas, key_group_column, row_types=init_types,
+                                  measure_arrow=measure)  # fmt: skip
+        if measure:  # the pandas worker's chunks under both limits
+            max_records_per_batch = rows_per_chunk(max_records_per_batch, max_bytes_per_batch, data_part, init_part)
         processor.init(handle)
         handle.phase = INITIALIZED
         reading.enter_context(read_ahead(backend, data_part, init_part))  # the states init registered

@@ -24,7 +24,7 @@ pd = pytest.importorskip("pandas")
 NESTED = (
     "a array<struct<x:bigint,y:string>>, m map<string,struct<x:bigint,t:timestamp>>, aa array<array<bigint>>, "
     "s struct<x:struct<y:bigint>>, sa struct<a:array<struct<z:bigint,b:binary>>>, am array<map<string,bigint>>, "
-    "ma map<string,array<struct<d:date,dec:decimal(10,2)>>>, mk map<struct<k:int>,double>"
+    "ma map<string,array<struct<d:date,dec:decimal(10,2)>>>"
 )
 D = datetime.datetime
 VALUE = (
@@ -35,9 +35,8 @@ VALUE = (
     ([(5, b"\x00z"), None],),
     [{"a": 1}, None],
     {"z": [(datetime.date(2024, 1, 2), "1.5"), None]},  # a str in a decimal field: Spark stores null
-    {(1,): 1.5},
 )
-EMPTY = ([], {}, [], (None,), (None,), [], {}, {})
+EMPTY = ([], {}, [], (None,), (None,), [], {})
 
 
 def processors() -> tuple[type, type]:
@@ -54,7 +53,7 @@ def processors() -> tuple[type, type]:
                 self.states[f"{tag}map"] = handle.getMapState(f"{tag}m", "k string", NESTED, ttl)
 
         def items(self, key: Any) -> list[tuple[str, str]]:
-            out = []
+            out = [("calls", "1")]  # never an empty frame (Spark's worker fails converting one)
             for name, state in self.states.items():
                 if not state.exists():
                     if name.endswith("value"):
@@ -129,7 +128,13 @@ def test_nested_values_round_trip_through_the_stored_bytes() -> None:
     assert back.s.x.y == 4
     assert back.sa.a[0].b == b"\x00z" and back.sa.a[1] is None
     assert back.ma["z"][0].d == datetime.date(2024, 1, 2)
-    assert back.mk == {(1,): 1.5}
+
+
+def test_a_map_keyed_by_a_struct_reads_back_with_row_keys() -> None:
+    """Spark 4.3 fails the query for such a state schema; the drop-in stores it."""
+    codec = struct_codec("mk map<struct<k:int>,double>", "s")
+    stored = codec.serializer.deserialize(codec.serializer.serialize(codec.to_store(({(1,): 1.5},))))
+    assert codec.from_store(stored).mk == {(1,): 1.5}
 
 
 def test_a_nan_inside_a_nested_struct_in_an_array_is_refused_in_the_call() -> None:
