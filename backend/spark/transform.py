@@ -27,10 +27,10 @@ from backend.spark.batch import (
     BatchClock,
     Partition,
     RowTypes,
+    byte_chunks,
     key_order,
     outputs,
     read_ahead,
-    rows_per_chunk,
 )
 from backend.spark.codecs import make_row
 from backend.spark.handle import (
@@ -110,7 +110,7 @@ def run_transform_with_state(
     ``max_records_per_batch``: rows per DataFrame
     (spark.sql.execution.arrow.maxRecordsPerBatch); ``max_bytes_per_batch``
     (spark.sql.execution.arrow.maxBytesPerBatch) ends a DataFrame earlier, as Spark's worker does
-    (``batch.rows_per_chunk``). The grouping key given to
+    (``batch.byte_chunks``). The grouping key given to
     handleInputRows/handleInitialState is a tuple of the key columns' values; handleExpiredTimer
     gets a ``Row`` of them (as in Spark). ``key_group_column``: a column holding each row's key
     group as the plumbing computed it (else the backend computes key groups from the key's bytes);
@@ -140,7 +140,7 @@ def run_transform_with_state(
             init_part = Partition(initial_state, init_columns, use_pandas, key_group_column, row_types=init_types,
                                   measure_arrow=measure)  # fmt: skip
         if measure:  # the pandas worker's chunks under both limits
-            max_records_per_batch = rows_per_chunk(max_records_per_batch, max_bytes_per_batch, data_part, init_part)
+            byte_chunks(max_records_per_batch, max_bytes_per_batch, init_part, data_part)
         processor.init(handle)
         handle.phase = INITIALIZED
         reading.enter_context(read_ahead(backend, data_part, init_part))  # the states init registered

@@ -34,7 +34,7 @@ pytest.importorskip("pyspark")
 from pyspark.sql.streaming import StatefulProcessor  # noqa: E402
 
 from backend.spark.apply_in_pandas import run_apply_in_pandas_with_state  # noqa: E402
-from backend.spark.batch import Partition, arrow_size, rows_per_chunk  # noqa: E402
+from backend.spark.batch import Partition, byte_chunks  # noqa: E402
 from backend.spark.group_state import GroupState, GroupStateTimeout  # noqa: E402
 from backend.spark.transform import run_transform_with_state  # noqa: E402
 from backend.state.keyed_backend import ChangelogKeyedStateBackend  # noqa: E402
@@ -189,21 +189,29 @@ def test_pandas_chunks_end_where_their_arrow_size_reaches_max_bytes_per_batch(
     assert processor.sizes == {"a": chunks, "b": [1]}
 
 
-def test_the_arrow_size_counts_what_sparks_batches_carry() -> None:
-    frame = pd.DataFrame({"n": [1, 2, 3], "s": ["ab", None, "c"]})
-    # n: a validity bitmap (Java sends one without nulls too) and 3 longs; s: bitmap, 4 offsets, 3 bytes
-    assert arrow_size(frame) == (1 + 24) + (1 + 16 + 3)
-    assert arrow_size(frame, exclude="s") == 25
+def test_byte_chunks_replay_sparks_batches_and_running_average() -> None:
+    """Rows of "a" of 29 bytes (a 1-byte string, a long, a 12-byte string, with their offsets)
+    and 7 of "b" of 18: with 200 bytes Spark's JVM ends a batch at 7 rows of "a" (3 bitmaps, 2
+    more offsets: 214 bytes), so the worker's average is 30.6 and "a" comes in 7, 7, 6 (what
+    Spark 4.3 hands over; an average over the whole partition, 26.1, would give 8, 8, 4)."""
+    frame = pd.DataFrame({"s": ["a"] * 20 + ["b"] * 7, "n": range(27), "t": ["x" * 12] * 20 + ["y"] * 7})
+    part = Partition([frame], ["s"], True, None, measure_arrow=True)
+    assert part.row_bytes.tolist() == [29.0] * 20 + [18.0] * 7
+    assert (part.bitmaps, part.variable) == (3, 2)
+    byte_chunks(10_000, 200, part)
+    assert part.groups[("a",)].chunks == [7, 7, 6]
+    assert part.groups[("b",)].chunks == [7]
+    byte_chunks(5, 200, part)
+    assert part.groups[("a",)].chunks == [5, 5, 5, 5]
 
 
-def test_rows_per_chunk_takes_the_first_row_count_reaching_either_limit() -> None:
-    part = Partition([pd.DataFrame({"k": ["a"] * 4, "v": [1, 2, 3, 4]})], ["k"], True, None, measure_arrow=True)
-    average = part.arrow_bytes / part.arrow_rows
-    assert rows_per_chunk(100, int(average * 3), part) == 3  # 3 * average >= the limit, 2 * average is not
-    assert rows_per_chunk(100, int(average * 3) + 1, part) == 4
-    assert rows_per_chunk(2, int(average * 3), part) == 2
-    assert rows_per_chunk(100, 1, part) == 1
-    assert rows_per_chunk(100, 2**31 - 1, part) == 100
+def test_a_key_in_both_inputs_shares_chunks_under_the_byte_limit() -> None:
+    """The last initial-state key and the first input key are one run of rows in Spark's worker."""
+    init = Partition([pd.DataFrame({"s": ["a"] * 5, "n": range(5)})], ["s"], True, None, measure_arrow=True)
+    data = Partition([pd.DataFrame({"s": ["a"] * 6, "n": range(6)})], ["s"], True, None, measure_arrow=True)
+    byte_chunks(4, 2**31 - 2, init, data)
+    assert init.groups[("a",)].chunks == [4, 1]
+    assert data.groups[("a",)].chunks == [3, 3]
 
 
 def sizes_processor() -> type:

@@ -11,16 +11,16 @@ and, in batch 1, the state the key stored in batch 0.
 
 from __future__ import annotations
 
+import datetime
+import decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from backend.spark.keys import backend_key
+from backend.spark.keys import backend_key, timer_key
 from tests.backend.spark.test_types_parity import OUT, assert_same, both_sides, describe
 from tests.backend.spark.test_types_parity import session_conf as session_conf  # the fixture
-
-pytestmark = pytest.mark.spark
 
 pd = pytest.importorskip("pandas")
 pytest.importorskip("pyspark")
@@ -97,6 +97,7 @@ def probe_group(key: Any, frames: Any, state: Any) -> Any:
     yield pd.DataFrame({"what": [w for w, _ in out], "item": [i for _, i in out]})
 
 
+@pytest.mark.spark
 def test_every_key_type_is_handed_out_and_finds_its_state_as_in_spark(session_conf: Any, tmp_path: Path) -> None:
     from pyspark.sql.streaming.state import GroupStateTimeout
 
@@ -133,3 +134,18 @@ def test_a_key_of_a_type_that_cannot_be_a_grouping_key_is_refused_naming_its_col
         backend_key(["a", {"x": 1}], ["s", "st"])
     with pytest.raises(TypeError, match=r"grouping column 'gap': a value of type Timedelta"):
         backend_key([pd.Timedelta(1)], ["gap"])
+
+
+def test_time_and_decimal_keys_are_backend_keys_and_come_back_as_sparks_timer_keys() -> None:
+    """A pandas Timestamp key (a wall time) and a Row API aware datetime key (an instant) are
+    backend keys; a timer hands back what pyspark's toInternal/fromInternal round trip gives."""
+    la = datetime.timezone(datetime.timedelta(hours=-8))
+    wall = pd.Timestamp("2024-01-02 03:04:05.000006")
+    instant = datetime.datetime(2024, 1, 2, 3, 4, 5, 6, tzinfo=la)
+    bkey = backend_key(["a", wall, instant, datetime.date(2024, 1, 2), decimal.Decimal("1.50"), pd.NaT])
+    assert bkey == ("a", datetime.datetime(2024, 1, 2, 3, 4, 5, 6), instant, datetime.date(2024, 1, 2),
+                    decimal.Decimal("1.50"), None)  # fmt: skip
+    assert backend_key(bkey) == bkey  # timers set the key again from the backend key
+    micros = int(instant.timestamp()) * 1_000_000 + 6
+    local = datetime.datetime.fromtimestamp(micros // 1_000_000).replace(microsecond=6)  # pyspark's fromInternal
+    assert timer_key(bkey) == (bkey[0], bkey[1], local, *bkey[3:])

@@ -79,6 +79,30 @@ def test_the_order_key_gives_sparks_iteration_order(schema: str) -> None:
     assert [codec.values(s) for s in stored] == [codec.values(codec.to_store(as_key(k))) for k in spark_order]
 
 
+def test_map_state_iterators_follow_sparks_order(tmp_path: Path) -> None:
+    """keys(), values() and iterator() of the drop-in's map state, on its LMDB store."""
+    from backend.spark.handle import SparkStateHandle
+    from backend.state.keyed_backend import ChangelogKeyedStateBackend
+    from dstl import KeyGroupRange
+
+    backend = ChangelogKeyedStateBackend("op", KeyGroupRange(0, 127), tmp_path, storage=None, log_enabled=False)
+    try:
+        handle = SparkStateHandle(backend, "None")
+        maps = {schema: handle.getMapState(f"m{i}", schema, "v long") for i, schema in enumerate(SPARK_ORDERS)}
+        handle.set_implicit_key(("k",))
+        for schema, (inserted, spark_order) in SPARK_ORDERS.items():
+            state = maps[schema]
+            for i, key in enumerate(inserted):
+                state.updateValue(as_key(key), (i,))
+            codec = struct_codec(schema, "m", prefix="key")
+            expected = [codec.values(codec.to_store(as_key(k))) for k in spark_order]
+            assert list(state.keys()) == expected, schema
+            assert [k for k, _ in state.iterator()] == expected, schema
+            assert list(state.values()) == [(inserted.index(k),) for k in spark_order], schema
+    finally:
+        backend.close()
+
+
 def test_a_user_key_with_an_array_keeps_the_drop_ins_order() -> None:
     assert map_key_order(struct_codec("k array<int>", "m").dtype) is None
 
