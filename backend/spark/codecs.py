@@ -206,9 +206,14 @@ class _Float(Codec):
         return _round32(float(value)) if self.single else float(value)
 
     def to_json(self, stored: Any) -> Any:
-        if not math.isfinite(stored):
-            raise ValueError(f"{self.where()}: {stored} cannot be stored inside an array or map (JSON)")
-        return stored
+        """JSON has no NaN or infinity: inside an array or map they are the strings Java writes
+        (a float element is never a string otherwise)."""
+        if math.isfinite(stored):
+            return stored
+        return "NaN" if stored != stored else "Infinity" if stored > 0 else "-Infinity"
+
+    def from_json(self, kept: Any) -> Any:
+        return float(kept) if type(kept) is str else kept
 
 
 def _round32(value: float) -> float:
@@ -376,8 +381,8 @@ class _Decimal(Codec):
 class _Json(Codec):
     """Arrays and maps as JSON, of any element type: a map is stored as a list of [key, value]
     pairs so that any key type survives; each element is its codec's stored value, made JSON by
-    its ``to_json`` where it is not already (a struct a list of its fields, binary base64, a float
-    checked to be finite). Arrays of ints, floats, strings and booleans store exactly what they
+    its ``to_json`` where it is not already (a struct a list of its fields, binary base64, a NaN
+    or infinite float a string). Arrays of ints, floats, strings and booleans store exactly what they
     stored before nested types were supported."""
 
     serializer = JsonSerializer()
