@@ -146,7 +146,12 @@ class Partition:
             key_groups = frame[self.kg_column].tolist()
             frame = frame.drop(columns=[self.kg_column])
         grouped = frame.groupby(list(self.key_columns), sort=False, dropna=False, observed=True)
-        codes = grouped.ngroup().to_numpy()
+        try:
+            codes = grouped.ngroup().to_numpy()
+        except TypeError:  # unhashable keys (a struct's dicts, an array's lists): say which column
+            for values in zip(*(frame[c].tolist() for c in self.key_columns), strict=True):
+                backend_key(values, self.key_columns)
+            raise
         order = np.argsort(codes, kind="stable")
         ends = np.cumsum(np.bincount(codes)).tolist()
         firsts = order[[0, *ends[:-1]]].tolist()  # each group's first row in the input

@@ -29,9 +29,9 @@ RAW = "s string, i long, t string, d string, dec string, x double, h string"
 SELECT = [
     "s", "CAST(i AS INT) i", "CAST(i AS TINYINT) i8", "CAST(i AS SMALLINT) i16", "CAST(t AS TIMESTAMP) ts",
     "CAST(t AS TIMESTAMP_NTZ) tn", "CAST(d AS DATE) d", "CAST(dec AS DECIMAL(12,3)) dec", "CAST(x AS FLOAT) f",
-    "unhex(h) bin", "i > 1 AS bo",
+    "x", "unhex(h) bin", "i > 1 AS bo",
 ]  # fmt: skip
-KEYS = ["s", "i", "i8", "i16", "ts", "tn", "d", "dec", "f", "bin", "bo"]
+KEYS = ["s", "i", "i8", "i16", "ts", "tn", "d", "dec", "f", "x", "bin", "bo"]
 ROWS = [
     {"s": "a", "i": 1, "t": "2024-01-02 03:04:05.000006", "d": "2024-01-02", "dec": "1.5", "x": 0.5, "h": "CAFE"},
     {"s": "a", "i": 1, "t": "2024-01-02 03:04:05.000006", "d": "2024-01-02", "dec": "1.5", "x": 0.5, "h": "CAFE"},
@@ -127,6 +127,15 @@ def test_every_key_type_is_handed_out_and_finds_its_state_as_in_spark(session_co
     assert any("Timestamp('2024-01-02 03:04:05.000006')" in item for item in pandas_items)
     assert any(what == "a stored" for what, _ in outputs["row ours"][1]), "batch 1 finds batch 0's state"
     assert any(what == "timed out" and item == "True" for what, item in outputs["apply ours"][1])
+
+
+@pytest.mark.parametrize("use_pandas", [True, False])
+@pytest.mark.parametrize(("column", "kind"), [([{"x": 1}, {"x": 2}], "dict"), ([[1], [2]], "list")])
+def test_a_struct_or_array_grouping_column_is_refused_naming_it(use_pandas: bool, column: list[Any], kind: str) -> None:
+    from backend.spark.batch import Partition
+
+    with pytest.raises(TypeError, match=rf"grouping column 'st': a value of type {kind}"):
+        Partition([pd.DataFrame({"st": column, "v": [1, 2]})], ["st"], use_pandas, None)
 
 
 def test_a_key_of_a_type_that_cannot_be_a_grouping_key_is_refused_naming_its_column() -> None:
