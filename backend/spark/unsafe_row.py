@@ -107,6 +107,17 @@ def row_bytes(dtype: SparkType) -> Writer | None:
     fixed = [(i, c) for i, (k, c) in enumerate(zip(kinds, converters, strict=True)) if k == _FIXED and c is not None]
     variable = [(i, k, c) for i, (k, c) in enumerate(zip(kinds, converters, strict=True)) if k != _FIXED and c]
 
+    def write_one(values: Sequence[Any]) -> bytes:
+        """One variable-length field, no conversions (a string or binary with fixed fields)."""
+        if None in values:
+            return _with_nulls(values)
+        index, _, convert = variable[0]
+        data: bytes = convert(values[index])
+        size = len(data)
+        args = list(values)
+        args[index] = start << 32 | size
+        return pack(*bitset, *args) + data + _PADDING[-size & 7]
+
     def write(values: Sequence[Any]) -> bytes:
         if None in values:
             return _with_nulls(values)
@@ -157,6 +168,8 @@ def row_bytes(dtype: SparkType) -> Writer | None:
         words_of_bits = [(nulls >> (64 * w)) & 0xFFFF_FFFF_FFFF_FFFF for w in range(words)]
         return pack(*words_of_bits, *args) + b"".join(tail)
 
+    if not fixed and len(variable) == 1 and variable[0][1] == _VARIABLE:
+        return write_one
     return write
 
 
