@@ -90,7 +90,8 @@ def _transform(
                 time_mode=time_mode, batch_id=batch_id, batch_timestamp_ms=now_ms, use_pandas=use_pandas,
                 key_group_column=KEY_GROUP, watermark_ms=watermark or 0, initial_state=initial,
                 initial_state_key_columns=init_keys,
-                strict_types=cfg.strict_state_types, max_records_per_batch=cfg.max_records_per_batch, **row_types,
+                strict_types=cfg.strict_state_types, max_records_per_batch=cfg.max_records_per_batch,
+                max_bytes_per_batch=cfg.max_bytes_per_batch, **row_types,
             )  # fmt: skip
             if use_pandas:
                 return [f for f in out if len(f)]

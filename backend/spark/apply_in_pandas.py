@@ -13,6 +13,7 @@ only when the generator is exhausted.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +65,10 @@ def _numpy_key(bkey: tuple[Any, ...], dtypes: Sequence[Any] | None) -> tuple[Any
             out.append(np.int64(value))
         elif isinstance(value, float):
             out.append(np.float64(value))
+        elif isinstance(value, datetime.datetime):  # a timestamp column: a pandas Timestamp
+            import pandas as pd  # type: ignore[import-untyped, unused-ignore]
+
+            out.append(pd.Timestamp(value))
         else:
             out.append(value)
     return tuple(out)

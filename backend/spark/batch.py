@@ -14,6 +14,17 @@ session time zone, timestamp_ntz naive, maps lists of (key, value) pairs, struct
 needs the input's Spark schema (``RowTypes``): a pandas frame cannot tell a timestamp from a
 timestamp_ntz, nor a map from a struct.
 
+Why a partition measures its rows' Arrow size: with ``spark.sql.execution.arrow.maxBytesPerBatch``
+set, Spark's JVM ends an Arrow batch of ``transformWithStateInPandas``'s input once its buffers
+reach that size (or ``maxRecordsPerBatch`` rows), keys packed one after the other, and the Python
+worker ends a key's DataFrame at the row that makes ``rows * average row size >= maxBytesPerBatch``,
+the average over the buffers of the batches it has read so far. ``byte_chunks`` replays both on
+the partition's rows in Spark's order, each row's size estimated as Spark's Arrow buffers hold it
+(``Partition.row_bytes``: fixed-width values, strings and binary with their 32-bit offset; per
+batch a validity bitmap per column and one more offset per variable-length column), and gives each
+key its chunk sizes. The partitions are the drop-in's (see docs/spark-parity.md), so a batch
+boundary, and with it the average, can fall elsewhere than in Spark's partition.
+
 Why the runner owns the clock during the run: Spark's TTL and timeouts count from the batch's
 processing timestamp, not the wall clock, so a re-run batch (a retried task, a restarted query)
 expires exactly the same state. The backend's ``now_ms`` returns the batch timestamp while the
@@ -38,11 +49,13 @@ if TYPE_CHECKING:
     from backend.state.keyed_backend import ChangelogKeyedStateBackend
 
 __all__ = [
+    "SPARK_MAX_BYTES_PER_BATCH",
     "SPARK_MAX_RECORDS_PER_BATCH",
     "BatchClock",
     "Group",
     "Partition",
     "RowTypes",
+    "byte_chunks",
     "coalesced",
     "key_order",
     "outputs",
@@ -50,6 +63,7 @@ __all__ = [
 ]
 
 SPARK_MAX_RECORDS_PER_BATCH = 10_000  # spark.sql.execution.arrow.maxRecordsPerBatch
+SPARK_MAX_BYTES_PER_BATCH = 2**31 - 1  # spark.sql.execution.arrow.maxBytesPerBatch: no limit
 
 
 @dataclass
@@ -59,6 +73,7 @@ class Group:
     key: tuple[Any, ...]  # as Spark hands it to the user (the first row's values)
     key_group: int | None = None  # from the key group column, if the plumbing computed key groups
     ranges: list[tuple[int, int]] = field(default_factory=list)  # pandas: row ranges of the sorted frame
+    chunks: list[int] | None = None  # pandas: the sizes of its DataFrames, if set by ``byte_chunks
     rows: list[Any] = field(default_factory=list)  # Row API: the Rows
 
     def __len__(self) -> int:
@@ -79,11 +94,13 @@ class Partition:
         numpy_keys: bool = False,
         row_types: RowTypes | None = None,
         input_schema: Any = None,
+        measure_arrow: bool = False,
     ) -> None:
         """``numpy_keys``: applyInPandasWithState's conventions (keys of numpy scalars, Arrow's
         dtypes per key), else transformWithStateInPandas's. ``row_types``: how the Row API converts
         the input's columns (None: as pyarrow infers them from the frame). ``input_schema``
-        (pyspark ``StructType``): tells applyInPandasWithState's int columns from float ones."""
+        (pyspark ``StructType``): tells applyInPandasWithState's int columns from float ones.
+        ``measure_arrow``: estimate each row's Arrow size (``row_bytes``, pandas only)."""
         self.key_columns = tuple(key_columns)
         self.kg_column = key_group_column
         self.groups: dict[tuple[Any, ...], Group] = {}
@@ -92,13 +109,18 @@ class Partition:
         #: per-key dtypes of columns whose dtype depends on nulls: (position, dtype when the key's
         #: rows hold no null, conversion when they do or None); Spark converts each key's rows apart
         self.chunk_dtypes: list[tuple[int, Any, Callable[[Any], Any] | None]] = []
+        #: each row's estimated bytes in Spark's Arrow batches (aligned with ``frame``), and per
+        #: batch the number of bitmaps and of variable-length columns
+        self.row_bytes: Any = None
+        self.bitmaps, self.variable = 0, 0
+        self.measure_arrow = measure_arrow
         if use_pandas:
             self._group_frames(data, numpy_keys, input_schema)
         else:
             self._group_rows(data, row_types)
 
     def _add(self, key: tuple[Any, ...], key_group: Any) -> Group:
-        bkey = backend_key(key)
+        bkey = backend_key(key, self.key_columns)
         group = self.groups.get(bkey)
         if group is None:
             group = self.groups[bkey] = Group(key, None if key_group is None else int(key_group))
@@ -117,12 +139,19 @@ class Partition:
         if not frames:
             return
         frame = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
+        if self.measure_arrow:  # before the dtypes are widened: Spark sends the input's types
+            self.row_bytes, self.bitmaps, self.variable = _row_sizes(frame, self.kg_column)
         key_groups: list[Any] = [None] * len(frame)
         if self.kg_column is not None and self.kg_column in frame.columns:
             key_groups = frame[self.kg_column].tolist()
             frame = frame.drop(columns=[self.kg_column])
         grouped = frame.groupby(list(self.key_columns), sort=False, dropna=False, observed=True)
-        codes = grouped.ngroup().to_numpy()
+        try:
+            codes = grouped.ngroup().to_numpy()
+        except TypeError:  # unhashable keys (a struct's dicts, an array's lists): say which column
+            for values in zip(*(frame[c].tolist() for c in self.key_columns), strict=True):
+                backend_key(values, self.key_columns)
+            raise
         order = np.argsort(codes, kind="stable")
         ends = np.cumsum(np.bincount(codes)).tolist()
         firsts = order[[0, *ends[:-1]]].tolist()  # each group's first row in the input
@@ -135,6 +164,8 @@ class Partition:
                 group.key = tuple(c.iat[first] for c in columns)
             group.ranges.append((start, end))
             start = end
+        if self.row_bytes is not None:
+            self.row_bytes = self.row_bytes[order]
         if numpy_keys:  # applyInPandasWithState: Arrow's dtypes, converted per key
             self.frame = frame.take(order)
             self.chunk_dtypes = _per_key_dtypes(self.frame, _int_columns(input_schema))
@@ -155,26 +186,125 @@ class Partition:
 
     def frames(self, group: Group, max_records: int, first: int | None = None) -> Iterator[Any]:
         """The group's rows as DataFrames of at most ``max_records`` rows (the first of at most
-        ``first``), index 0..n-1 (as Spark)."""
+        ``first``), or of the sizes ``group.chunks``, index 0..n-1 (as Spark)."""
         if len(group.ranges) == 1:
             rows, (offset, end) = self.frame, group.ranges[0]
+            if group.chunks is not None:
+                yield from self._chunks(rows, offset, group.chunks)
+                return
         else:  # keys Python calls equal but pandas grouped apart (rare): one frame of all their rows
             import pandas as pd  # type: ignore[import-untyped, unused-ignore]
 
             rows = pd.concat([self.frame.iloc[s:e] for s, e in group.ranges])
             offset, end = 0, len(rows)
+        if group.chunks is not None:
+            yield from self._chunks(rows, offset, group.chunks)
+            return
         bounds = [offset, *range(offset + (max_records if first is None else first), end, max_records), end]
         for start, stop in itertools.pairwise(bounds):
-            if start >= stop:
-                continue
-            chunk = rows.iloc[start:stop].reset_index(drop=True)
-            for i, complete, with_nulls in self.chunk_dtypes:
-                column = chunk.iloc[:, i]
-                if column.notna().all():
-                    chunk.isetitem(i, column.astype(complete))
-                elif with_nulls is not None:
-                    chunk.isetitem(i, with_nulls(column))
-            yield chunk
+            if start < stop:
+                yield self._chunk(rows, start, stop)
+
+    def _chunks(self, rows: Any, offset: int, sizes: list[int]) -> Iterator[Any]:
+        for size in sizes:
+            yield self._chunk(rows, offset, offset + size)
+            offset += size
+
+    def _chunk(self, rows: Any, start: int, stop: int) -> Any:
+        chunk = rows.iloc[start:stop].reset_index(drop=True)
+        for i, complete, with_nulls in self.chunk_dtypes:
+            column = chunk.iloc[:, i]
+            if column.notna().all():
+                chunk.isetitem(i, column.astype(complete))
+            elif with_nulls is not None:
+                chunk.isetitem(i, with_nulls(column))
+        return chunk
+
+
+def _row_sizes(frame: Any, exclude: str | None) -> tuple[Any, int, int]:
+    """Each row's bytes in Spark's Arrow buffers (float: a nested column counts its average), and
+    the bitmaps (validity per column, boolean values) and variable-length columns of a batch. A
+    column pyarrow cannot convert counts nothing."""
+    import numpy as np
+    import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
+    import pyarrow.compute as pc  # type: ignore[import-untyped, unused-ignore]
+
+    rows = len(frame)
+    sizes = np.zeros(rows, dtype=np.float64)
+    bitmaps = variable = 0
+    for i, name in enumerate(frame.columns):
+        if name == exclude:
+            continue
+        try:
+            array = pa.Array.from_pandas(frame.iloc[:, i])
+        except (pa.ArrowException, TypeError, ValueError):
+            continue
+        bitmaps += 1
+        kind = array.type
+        if pa.types.is_boolean(kind):
+            bitmaps += 1
+        elif pa.types.is_string(kind) or pa.types.is_binary(kind):
+            variable += 1
+            sizes += pc.binary_length(array).fill_null(0).to_numpy(zero_copy_only=False) + 4
+        elif pa.types.is_null(kind):
+            pass
+        elif not pa.types.is_nested(kind) and kind.bit_width % 8 == 0:
+            sizes += kind.bit_width // 8
+        elif rows:
+            sizes += sum(0 if b is None else b.size for b in array.buffers()) / rows
+    return sizes, bitmaps, variable
+
+
+def byte_chunks(max_records: int, max_bytes: int, *partitions: Partition | None) -> None:
+    """Set each group's DataFrame sizes (``Group.chunks``) as Spark cuts them under both limits.
+
+    The rows go in Spark's order: each partition's keys in ``key_order``, the partitions in the
+    order given (initial state first). The JVM ends an Arrow batch at ``max_records`` rows or
+    once its bytes reach ``max_bytes``; the worker's average row size is over the batches read up
+    to the current row's; a key's rows (one run across the partitions if consecutive) end a
+    DataFrame at the row where ``rows >= max_records`` or ``rows * average >= max_bytes``."""
+    import numpy as np
+
+    runs: list[tuple[Partition, Group, tuple[Any, ...]]] = []
+    for part in partitions:
+        if part is not None and part.row_bytes is not None:
+            runs += [(part, part.groups[bkey], bkey) for bkey in key_order(part)]
+    if not runs:
+        return
+    sizes = np.concatenate([p.row_bytes[s:e] for p, g, _ in runs for s, e in g.ranges]).tolist()
+    per_batch: list[tuple[int, int]] = []  # each row's partition layout (bitmaps, variable columns)
+    for part, group, _ in runs:
+        per_batch += [(part.bitmaps, part.variable)] * len(group)
+    average = [0.0] * len(sizes)  # the worker's average when it handles each row
+    total_bytes, total_rows, start = 0.0, 0, 0
+    while start < len(sizes):
+        bitmaps, variable = per_batch[start]
+        stop, body = start, 0.0
+        while stop < len(sizes) and stop - start < max_records:
+            body += sizes[stop]
+            stop += 1
+            if body + bitmaps * ((stop - start + 7) // 8) + 4 * variable >= max_bytes:
+                break
+        total_bytes += body + bitmaps * ((stop - start + 7) // 8) + 4 * variable
+        total_rows += stop - start
+        average[start:stop] = [total_bytes / total_rows] * (stop - start)
+        start = stop
+    position, count, previous = 0, 0, None
+    for _, group, bkey in runs:
+        if bkey != previous:
+            count, previous = 0, bkey
+        chunks: list[int] = []
+        open_rows = 0
+        for _ in range(len(group)):
+            count += 1
+            open_rows += 1
+            if count >= max_records or count * average[position] >= max_bytes:
+                chunks.append(open_rows)
+                open_rows, count = 0, 0
+            position += 1
+        if open_rows:
+            chunks.append(open_rows)
+        group.chunks = chunks
 
 
 def _to_pandas(item: Any) -> Any:

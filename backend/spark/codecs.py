@@ -27,6 +27,7 @@ which does what Spark does, logs a warning once per state and field and, with ``
 
 from __future__ import annotations
 
+import base64
 import calendar
 import datetime
 import decimal
@@ -107,7 +108,8 @@ class Codec:
     ``strict`` raises ``StateValueError`` where Spark would convert a wrongly typed value."""
 
     serializer: Serializer[Any]
-    json_safe = False  # storable inside a JSON array or map (ints, floats, str, bool and nestings)
+    #: ``to_json`` is not the identity: the stored value needs converting inside a JSON array or map
+    jsonifies = False
 
     def __init__(self, dtype: SparkType, field: str = "", state: str = "", strict: bool = False) -> None:
         self.dtype, self.field, self.state, self.strict = dtype, field, state, strict
@@ -123,6 +125,14 @@ class Codec:
 
     def from_store(self, stored: Any) -> Any:
         return stored
+
+    def to_json(self, stored: Any) -> Any:
+        """The stored value (not None) as it is kept inside a JSON array or map."""
+        return stored
+
+    def from_json(self, kept: Any) -> Any:
+        """``to_json``'s inverse."""
+        return kept
 
     def wrong(self, value: Any, stored: Any) -> Any:
         """``value`` has the wrong type and Spark stores ``stored``: warn once, or raise if strict."""
@@ -152,7 +162,6 @@ class Codec:
 
 class _Int(Codec):
     serializer = Int64Serializer()
-    json_safe = True
 
     def __init__(self, dtype: SparkType, field: str = "", state: str = "", strict: bool = False) -> None:
         super().__init__(dtype, field, state, strict)
@@ -179,7 +188,7 @@ class _Int(Codec):
 
 class _Float(Codec):
     serializer = Float64Serializer()
-    json_safe = True
+    jsonifies = True
 
     def __init__(self, dtype: SparkType, field: str = "", state: str = "", strict: bool = False) -> None:
         super().__init__(dtype, field, state, strict)
@@ -196,6 +205,16 @@ class _Float(Codec):
             return self.wrong(value, None)  # the JVM takes only Double: an int is null here
         return _round32(float(value)) if self.single else float(value)
 
+    def to_json(self, stored: Any) -> Any:
+        """JSON has no NaN or infinity: inside an array or map they are the strings Java writes
+        (a float element is never a string otherwise)."""
+        if math.isfinite(stored):
+            return stored
+        return "NaN" if stored != stored else "Infinity" if stored > 0 else "-Infinity"
+
+    def from_json(self, kept: Any) -> Any:
+        return float(kept) if type(kept) is str else kept
+
 
 def _round32(value: float) -> float:
     """A float field reads back what Spark reads back: the value rounded to 32 bits."""
@@ -207,7 +226,6 @@ def _round32(value: float) -> float:
 
 class _Str(Codec):
     serializer = StrSerializer()
-    json_safe = True
 
     def to_store(self, value: Any) -> Any:
         if type(value) is str:
@@ -223,7 +241,6 @@ class _Str(Codec):
 
 class _Bool(Codec):
     serializer = BoolSerializer()
-    json_safe = True
 
     def to_store(self, value: Any) -> Any:
         if type(value) is bool:
@@ -239,6 +256,7 @@ class _Bool(Codec):
 
 class _Binary(Codec):
     serializer = BytesSerializer()
+    jsonifies = True
 
     def to_store(self, value: Any) -> Any:
         if type(value) is bytes:
@@ -254,6 +272,12 @@ class _Binary(Codec):
         if isinstance(value, str):
             return self.wrong(value, value.encode("utf-8", "replace"))  # the JVM: String.getBytes(UTF_8)
         return self.wrong(value, None)
+
+    def to_json(self, stored: Any) -> Any:
+        return base64.b64encode(stored).decode("ascii")
+
+    def from_json(self, kept: Any) -> Any:
+        return base64.b64decode(kept)
 
 
 class _Timestamp(Codec):
@@ -355,25 +379,31 @@ class _Decimal(Codec):
 
 
 class _Json(Codec):
-    """Arrays and maps of ints, floats, strings and booleans (and of such arrays/maps) as JSON;
-    a map is stored as a list of [key, value] pairs so that any key type survives."""
+    """Arrays and maps as JSON, of any element type: a map is stored as a list of [key, value]
+    pairs so that any key type survives; each element is its codec's stored value, made JSON by
+    its ``to_json`` where it is not already (a struct a list of its fields, binary base64, a NaN
+    or infinite float a string). Arrays of ints, floats, strings and booleans store exactly what they
+    stored before nested types were supported."""
 
     serializer = JsonSerializer()
-    json_safe = True
 
     def __init__(self, dtype: SparkType, element: Codec, value: Codec | None, field: str, state: str,
                  strict: bool) -> None:  # fmt: skip
         super().__init__(dtype, field, state, strict)
         self.element, self.value = element, value
-        self.floats = [c for c in (element, value) if isinstance(c, _Float)]
 
-    def _item(self, codec: Codec, item: Any) -> Any:
+    @staticmethod
+    def _item(codec: Codec, item: Any) -> Any:
         if item is None:
             return None
         stored = codec.to_store(item)
-        if codec in self.floats and isinstance(stored, float) and not math.isfinite(stored):
-            raise ValueError(f"{self.where()}: {stored} cannot be stored inside an array or map (JSON)")
-        return stored
+        return codec.to_json(stored) if codec.jsonifies and stored is not None else stored
+
+    @staticmethod
+    def _back(codec: Codec, kept: Any) -> Any:
+        if kept is None:
+            return None
+        return codec.from_store(codec.from_json(kept) if codec.jsonifies else kept)
 
     def to_store(self, value: Any) -> Any:
         if self.value is None:
@@ -421,13 +451,14 @@ class _Json(Codec):
                                         "by Spark's JVM (Spark fails the query here); pass a list"))  # fmt: skip
 
     def from_store(self, stored: Any) -> Any:
+        back, element = self._back, self.element
         if self.value is None:
-            return [None if x is None else self.element.from_store(x) for x in stored]
+            return [back(element, x) for x in stored]
         value_codec = self.value
-        return {self._key(k): None if v is None else value_codec.from_store(v) for k, v in stored}
+        return {self._key(k): back(value_codec, v) for k, v in stored}
 
     def _key(self, stored: Any) -> Any:
-        key = self.element.from_store(stored)
+        key = self._back(self.element, stored)
         return tuple(key) if isinstance(key, list) else key  # a JSON array key: hashable again
 
 
@@ -520,6 +551,15 @@ class StructCodec(Codec):
     def from_store(self, stored: Any) -> Any:
         return make_row(self.names, self.values(stored))
 
+    jsonifies = True
+
+    def to_json(self, stored: Any) -> Any:
+        """Inside an array or map: a list of the fields (JSON has no tuples)."""
+        return [None if v is None else c.to_json(v) if c.jsonifies else v for c, v in zip(self.codecs, stored)]  # noqa: B905
+
+    def from_json(self, kept: Any) -> Any:
+        return tuple(None if v is None else c.from_json(v) if c.jsonifies else v for c, v in zip(self.codecs, kept))  # noqa: B905
+
     def values(self, stored: Any) -> tuple[Any, ...]:
         if not self.converts:
             return tuple(stored)
@@ -544,12 +584,6 @@ def codec_for(dtype: SparkType, field: str, state: str = "", strict: bool = Fals
         else:
             element = codec_for(dtype.element, f"{field} key", state, strict)
             value = codec_for(dtype.value, f"{field} value", state, strict)
-        if not element.json_safe or (value is not None and not value.json_safe):
-            raise UnsupportedSchemaError(
-                f"field {field!r}: {dtype.name} of {dtype.element.name}"
-                + (f" and {dtype.value.name}" if dtype.value else "")
-                + " is not supported (arrays and maps may hold ints, floats, strings, booleans and such arrays/maps)"
-            )
         return _Json(dtype, element, value, field, state, strict)
     if dtype.name not in _SIMPLE:
         raise UnsupportedSchemaError(f"field {field!r}: unsupported Spark type {dtype.name!r}")

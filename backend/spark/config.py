@@ -55,6 +55,9 @@ class OperatorConfig:
     #: rows per pandas DataFrame handed to the user's code (the session's
     #: ``spark.sql.execution.arrow.maxRecordsPerBatch`` when the operator was built)
     max_records_per_batch: int = 10_000
+    #: ``spark.sql.execution.arrow.maxBytesPerBatch`` when the operator was built (2**31 - 1: no
+    #: limit): transformWithStateInPandas's chunks end earlier by their Arrow size
+    max_bytes_per_batch: int = 2**31 - 1
     #: Spark tasks per batch (None: one per subtask); task ``j`` runs the subtasks of
     #: ``subtasks_of_task(j)``, a contiguous run, and persists them together
     tasks: int | None = None

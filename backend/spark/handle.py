@@ -25,6 +25,7 @@ from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, St
 from backend.spark.codecs import StructCodec, plain_value, struct_codec
 from backend.spark.errors import StateOperationError
 from backend.spark.keys import backend_key, set_key
+from backend.spark.unsafe_row import map_key_order
 from backend.state.timers import EVENT_TIME, PROCESSING_TIME
 from dstl import ConfigurationError
 
@@ -151,15 +152,18 @@ class ListState(_Variable):
 
 class MapState(_Variable):
     """Spark's MapState: ``getValue`` returns a ``Row`` with the value schema's names (as Spark
-    does), the iterators plain tuples, in user-key byte order (Spark's order is unspecified too)."""
+    does), the iterators plain tuples, in Spark's order (its RocksDB order of the user keys'
+    ``UnsafeRow`` bytes, ``backend.spark.unsafe_row``), sorted when iterating: the stored
+    format stays the drop-in's own."""
 
-    __slots__ = ("_key_codec",)
+    __slots__ = ("_key_codec", "_order")
 
     def __init__(
         self, handle: SparkStateHandle, name: str, state: Any, key_codec: StructCodec, codec: StructCodec
     ) -> None:
         super().__init__(handle, name, state, codec)
         self._key_codec = key_codec
+        self._order = map_key_order(key_codec.dtype)
 
     def _user_key(self, key: Any) -> Any:
         self._check()
@@ -181,8 +185,11 @@ class MapState(_Variable):
 
     def iterator(self) -> Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]]:
         self._check()
-        keys, values = self._key_codec.values, self._codec.values
-        return iter([(keys(k), values(v)) for k, v in self._state.items()])
+        keys, values, order = self._key_codec.values, self._codec.values, self._order
+        items = self._state.items()
+        if order is not None:
+            items = sorted(items, key=lambda item: order(item[0]))
+        return iter([(keys(k), values(v)) for k, v in items])
 
     def keys(self) -> Iterator[tuple[Any, ...]]:
         return (k for k, _ in self.iterator())

@@ -177,6 +177,7 @@ def build(
         drop_late_rows=drop_late_rows and watermark is not None,
         no_data_batches=no_data_batches if _no_data_batches_enabled(spark) else None,
         strict_state_types=strict_state_types, max_records_per_batch=_max_records_per_batch(spark), tasks=tasks,
+        max_bytes_per_batch=_max_bytes_per_batch(spark),
         changelog_service=changelog_service,
     )  # fmt: skip
     coordinator_for(spark, cfg, num_retained)
@@ -215,6 +216,18 @@ def _max_records_per_batch(spark: Any) -> int:
             f"spark.sql.execution.arrow.maxRecordsPerBatch must be an integer, got {value!r}"
         ) from None
     return records if records > 0 else 2**31 - 1
+
+
+def _max_bytes_per_batch(spark: Any) -> int:
+    """``spark.sql.execution.arrow.maxBytesPerBatch`` as Spark's Python worker reads it (an int;
+    2**31 - 1, the default, is no limit)."""
+    value = spark.conf.get("spark.sql.execution.arrow.maxBytesPerBatch", str(2**31 - 1))
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigurationError(
+            f"spark.sql.execution.arrow.maxBytesPerBatch must be an integer, got {value!r}"
+        ) from None
 
 
 def _no_data_batches_enabled(spark: Any) -> bool:

@@ -22,10 +22,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from backend.spark.batch import (
+    SPARK_MAX_BYTES_PER_BATCH,
     SPARK_MAX_RECORDS_PER_BATCH,
     BatchClock,
     Partition,
     RowTypes,
+    byte_chunks,
     key_order,
     outputs,
     read_ahead,
@@ -39,6 +41,7 @@ from backend.spark.handle import (
     SparkStateHandle,
     normalize_time_mode,
 )
+from backend.spark.keys import timer_key
 
 if TYPE_CHECKING:
     from backend.state.keyed_backend import ChangelogKeyedStateBackend
@@ -92,6 +95,7 @@ def run_transform_with_state(
     use_pandas: bool = True,
     key_group_column: str | None = None,
     max_records_per_batch: int = SPARK_MAX_RECORDS_PER_BATCH,
+    max_bytes_per_batch: int = SPARK_MAX_BYTES_PER_BATCH,
     strict_types: bool = False,
     input_schema: Any = None,
     initial_state_schema: Any = None,
@@ -104,7 +108,9 @@ def run_transform_with_state(
     or Rows with ``use_pandas=False``. ``watermark_ms``: the eviction watermark (Spark reports 0
     when the query has none). ``initial_state`` is read only in batch 0, as in Spark.
     ``max_records_per_batch``: rows per DataFrame
-    (spark.sql.execution.arrow.maxRecordsPerBatch). The grouping key given to
+    (spark.sql.execution.arrow.maxRecordsPerBatch); ``max_bytes_per_batch``
+    (spark.sql.execution.arrow.maxBytesPerBatch) ends a DataFrame earlier, as Spark's worker does
+    (``batch.byte_chunks``). The grouping key given to
     handleInputRows/handleInitialState is a tuple of the key columns' values; handleExpiredTimer
     gets a ``Row`` of them (as in Spark). ``key_group_column``: a column holding each row's key
     group as the plumbing computed it (else the backend computes key groups from the key's bytes);
@@ -125,11 +131,16 @@ def run_transform_with_state(
         init_types = None if initial_state_schema is None else RowTypes.of(initial_state_schema, session_timezone)
     key_columns = tuple(key_columns)
     with BatchClock(backend, batch_timestamp_ms), contextlib.ExitStack() as reading:
-        data_part = Partition(data, key_columns, use_pandas, key_group_column, row_types=row_types)
+        measure = use_pandas and max_bytes_per_batch < SPARK_MAX_BYTES_PER_BATCH
+        data_part = Partition(data, key_columns, use_pandas, key_group_column, row_types=row_types,
+                              measure_arrow=measure)  # fmt: skip
         init_part = None
         if initial_state is not None and batch_id == 0:
             init_columns = initial_state_key_columns or key_columns
-            init_part = Partition(initial_state, init_columns, use_pandas, key_group_column, row_types=init_types)
+            init_part = Partition(initial_state, init_columns, use_pandas, key_group_column, row_types=init_types,
+                                  measure_arrow=measure)  # fmt: skip
+        if measure:  # the pandas worker's chunks under both limits
+            byte_chunks(max_records_per_batch, max_bytes_per_batch, init_part, data_part)
         processor.init(handle)
         handle.phase = INITIALIZED
         reading.enter_context(read_ahead(backend, data_part, init_part))  # the states init registered
@@ -160,7 +171,7 @@ def run_transform_with_state(
             threshold = batch_timestamp_ms if mode == "processingtime" else watermark_ms
             for bkey, key_group, timestamp in handle.collect_expired_timers(threshold):
                 handle.set_implicit_key(bkey, key_group)
-                key_row = make_row(key_columns, bkey)
+                key_row = make_row(key_columns, timer_key(bkey))
                 result = processor.handleExpiredTimer(key_row, timer_values, expired_cls(timestamp))
                 yield from outputs(result, use_pandas, "handleExpiredTimer")
                 handle.set_implicit_key(bkey, key_group)

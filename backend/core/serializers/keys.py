@@ -8,6 +8,8 @@ precompiled ``struct`` call or one concatenation; composite keys take a slower p
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import math
 import operator
 import struct
@@ -32,7 +34,9 @@ _F64 = struct.Struct(">d")
 _U32 = struct.Struct(">I")
 
 #: What ``serialize_key`` accepts (subclasses included; ``__index__`` ints such as numpy's too).
-Key: TypeAlias = "bool | int | float | str | bytes | tuple[Key, ...] | None"
+Key: TypeAlias = (
+    "bool | int | float | str | bytes | datetime.datetime | datetime.date | decimal.Decimal | tuple[Key, ...] | None"
+)
 
 #: Tuples nested deeper than this are refused (a bound on recursion for untrusted bytes).
 MAX_KEY_DEPTH = 32
@@ -43,6 +47,11 @@ _TAGGED_U64 = struct.Struct(">BQ")
 _TAGGED_U32 = struct.Struct(">BI")
 _U64 = struct.Struct(">Q")
 _NONE, _KFALSE, _KTRUE, _INT, _BIGINT, _FLOAT, _STR, _BYTES, _TUPLE = b"NFTiIdsbt"
+_WALL_TIME, _INSTANT, _DATE, _DECIMAL = b"wuDn"  # naive datetime, aware datetime, date, Decimal
+_MICROSECOND = datetime.timedelta(microseconds=1)
+_EPOCH = datetime.datetime(1970, 1, 1)
+_UTC_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+_EPOCH_ORDINAL = _EPOCH.toordinal()
 _CANONICAL_NAN = _F64.pack(math.nan)
 _NEGATIVE_ZERO = _F64.pack(-0.0)
 _pack_int = _TAGGED_U64.pack
@@ -67,6 +76,16 @@ def serialize_key(key: Key) -> bytes:
     numerically as bytes. Tuples are tagged and length-prefixed, recursively; str, bytes and big
     ints are length-prefixed inside tuples and take the rest at top level. Nothing depends on
     ``hash()``, so the bytes (and the key group) are the same in every process.
+
+    Spark's timestamp, date and decimal grouping keys arrive as ``datetime``, ``date`` and
+    ``Decimal``: a naive datetime (a wall time: what pandas hands out) is its microseconds since
+    1970-01-01 as a wall time, an aware one (an instant: what the Row API hands out) its
+    microseconds since the epoch in UTC, so two aware datetimes of one instant in different zones
+    are one key, as Python says; they decode as naive and as UTC datetimes. Finer than a
+    microsecond (a pandas ``Timestamp``'s nanoseconds) is dropped, as Spark's types have none. A
+    date is its days since the epoch. A Decimal is its text: digits and exponent, so ``1.5`` and
+    ``1.50`` are two keys (a Spark decimal type fixes the scale, so one column's keys share it);
+    ``-0`` is ``0``; NaN and infinities (no Spark value) are refused.
     """
     if type(key) is int:
         try:  # cheaper than a chained big-int range check
@@ -113,6 +132,23 @@ def _encode_key(key: object, out: list[bytes], nested: bool, depth: int) -> None
             raise SerializationError(_KEY_ID, f"str key is not valid UTF-8: {exc}") from None
     elif isinstance(key, bytes):
         _append_sized(out, b"b", bytes(key), nested)
+    elif isinstance(key, datetime.datetime):
+        if key != key:  # pandas' NaT
+            raise SerializationError(_KEY_ID, "NaT is not a time key (a missing time is None)")
+        if key.tzinfo is None or key.utcoffset() is None:
+            out.append(_pack_int(_WALL_TIME, (key.replace(tzinfo=None) - _EPOCH) // _MICROSECOND + _OFFSET))
+        else:
+            try:  # an instant before 0001-01-01 or after 9999 in UTC cannot be decoded again
+                key.astimezone(datetime.UTC)
+            except OverflowError:
+                raise SerializationError(_KEY_ID, f"time key {key} is out of range in UTC") from None
+            out.append(_pack_int(_INSTANT, (key - _UTC_EPOCH) // _MICROSECOND + _OFFSET))
+    elif isinstance(key, datetime.date):
+        out.append(_pack_int(_DATE, key.toordinal() - _EPOCH_ORDINAL + _OFFSET))
+    elif isinstance(key, decimal.Decimal):
+        if not key.is_finite():
+            raise SerializationError(_KEY_ID, f"Decimal key {key} is not a number Spark can hold")
+        _append_sized(out, b"n", str(key.copy_abs() if key.is_zero() else key).encode("ascii"), nested)
     elif isinstance(key, tuple):
         if depth >= MAX_KEY_DEPTH:
             raise SerializationError(_KEY_ID, f"key tuples nested deeper than {MAX_KEY_DEPTH}")
@@ -121,7 +157,9 @@ def _encode_key(key: object, out: list[bytes], nested: bool, depth: int) -> None
             _encode_key(item, out, True, depth + 1)
     else:
         raise SerializationError(
-            _KEY_ID, f"unsupported key type {type(key).__name__} (use None, bool, int, float, str, bytes or tuples)"
+            _KEY_ID,
+            f"unsupported key type {type(key).__name__} "
+            "(use None, bool, int, float, str, bytes, datetime, date, Decimal or tuples)",
         )
 
 
@@ -193,6 +231,16 @@ def _decode_key(data: bytes, pos: int, end: int, nested: bool, depth: int) -> tu
         if raw == _NEGATIVE_ZERO or (value != value and raw != _CANONICAL_NAN):
             raise SerializationError(_KEY_ID, f"non-canonical float key {raw!r}")
         return value, pos + 8
+    if tag in (_WALL_TIME, _INSTANT, _DATE):
+        if pos + 8 > end:
+            raise SerializationError(_KEY_ID, "truncated 8-byte time")
+        count = _U64.unpack_from(data, pos)[0] - _OFFSET
+        try:
+            if tag == _DATE:
+                return datetime.date.fromordinal(count + _EPOCH_ORDINAL), pos + 8
+            return (_EPOCH if tag == _WALL_TIME else _UTC_EPOCH) + count * _MICROSECOND, pos + 8
+        except (OverflowError, ValueError):
+            raise SerializationError(_KEY_ID, f"time key out of range ({count})") from None
     if tag == _TUPLE:
         if pos + 4 > end:
             raise SerializationError(_KEY_ID, "truncated tuple length")
@@ -207,7 +255,7 @@ def _decode_key(data: bytes, pos: int, end: int, nested: bool, depth: int) -> tu
             item, pos = _decode_key(data, pos, end, True, depth + 1)
             items.append(item)
         return tuple(items), pos
-    if tag not in (_STR, _BYTES, _BIGINT):
+    if tag not in (_STR, _BYTES, _BIGINT, _DECIMAL):
         raise SerializationError(_KEY_ID, f"unknown type tag {tag:#04x}")
     if nested:
         if pos + 4 > end:
@@ -227,10 +275,22 @@ def _decode_key(data: bytes, pos: int, end: int, nested: bool, depth: int) -> tu
             raise SerializationError(_KEY_ID, f"str key is not valid UTF-8: {exc}") from None
     if tag == _BYTES:
         return bytes(payload), pos
+    if tag == _DECIMAL:
+        return _decimal_key(bytes(payload)), pos
     value = int.from_bytes(payload, "big", signed=True)
     if -_OFFSET <= value < _OFFSET or size != (value.bit_length() + 8) // 8:
         raise SerializationError(_KEY_ID, "non-canonical big int key")
     return value, pos
+
+
+def _decimal_key(text: bytes) -> decimal.Decimal:
+    try:
+        value = decimal.Decimal(text.decode("ascii"))
+    except (UnicodeDecodeError, decimal.InvalidOperation):
+        raise SerializationError(_KEY_ID, f"malformed Decimal key {text[:40]!r}") from None
+    if not value.is_finite() or str(value).encode("ascii") != text or (value.is_zero() and value.is_signed()):
+        raise SerializationError(_KEY_ID, f"non-canonical Decimal key {text[:40]!r}")
+    return value
 
 
 class KeySerializer(SerializerBase):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import enum
 import math
 import re
@@ -49,6 +51,16 @@ KEY_LEAVES = (
     | st.floats()
     | st.text(max_size=12)
     | st.binary(max_size=12)
+    | st.datetimes()
+    | st.datetimes(
+        min_value=datetime.datetime(2, 1, 1),
+        max_value=datetime.datetime(9998, 12, 31),
+        timezones=st.builds(
+            datetime.timezone, st.timedeltas(datetime.timedelta(hours=-23), datetime.timedelta(hours=23))
+        ),
+    )
+    | st.dates()
+    | st.decimals(allow_nan=False, allow_infinity=False)
 )
 KEYS: st.SearchStrategy[Any] = st.recursive(
     KEY_LEAVES, lambda inner: st.lists(inner, max_size=4).map(tuple), max_leaves=10
@@ -61,6 +73,11 @@ def canon(key: Any) -> Any:
         return ("tuple", tuple(canon(k) for k in key))
     if isinstance(key, float):
         return ("float", "nan" if math.isnan(key) else key + 0.0)
+    if isinstance(key, datetime.datetime):  # an instant if aware, a wall time if naive
+        return ("instant", key.astimezone(datetime.UTC)) if key.tzinfo else ("wall time", key)
+    if isinstance(key, decimal.Decimal):  # digits and exponent; -0 is 0
+        sign, digits, exponent = key.as_tuple()
+        return ("Decimal", (0 if key.is_zero() else sign, digits, exponent))
     return (type(key).__name__, key)
 
 
@@ -82,7 +99,9 @@ def test_key_bytes_equal_iff_keys_equal(a: Any, b: Any) -> None:
 
 
 def test_keys_of_different_types_are_different() -> None:
-    keys: list[Key] = [1, True, 1.0, "1", b"1", (1,), ((1,),), None, 0, False, 0.0, "", b"", (), ((),), (None,)]
+    keys: list[Key] = [1, True, 1.0, "1", b"1", (1,), ((1,),), None, 0, False, 0.0, "", b"", (), ((),), (None,),
+                       datetime.datetime(1970, 1, 1), datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC),
+                       datetime.date(1970, 1, 1), decimal.Decimal(0), decimal.Decimal(1)]  # fmt: skip
     encoded = [serialize_key(k) for k in keys]
     assert len(set(encoded)) == len(keys)
 
@@ -131,6 +150,36 @@ def test_key_nesting_is_bounded() -> None:
         deserialize_key(deep)
 
 
+def test_time_and_decimal_keys_are_what_spark_groups_by() -> None:
+    """A timestamp key is one key per instant (aware) or per wall time (naive); a decimal keeps its
+    scale; nanoseconds (pandas) are below a Spark timestamp's resolution."""
+    pd = pytest.importorskip("pandas")
+    utc, plus2 = datetime.UTC, datetime.timezone(datetime.timedelta(hours=2))
+    assert serialize_key(datetime.datetime(2024, 1, 2, 5, tzinfo=plus2)) == serialize_key(
+        datetime.datetime(2024, 1, 2, 3, tzinfo=utc)
+    )
+    assert serialize_key(datetime.datetime(2024, 1, 2, 3)) != serialize_key(
+        datetime.datetime(2024, 1, 2, 3, tzinfo=utc)
+    )
+    stamp = pd.Timestamp("2024-01-02 03:04:05.000006007")
+    assert deserialize_key(serialize_key(stamp)) == datetime.datetime(2024, 1, 2, 3, 4, 5, 6)
+    assert serialize_key(decimal.Decimal("-0.00")) == serialize_key(decimal.Decimal("0.00"))
+    assert deserialize_key(serialize_key(("w", decimal.Decimal("1.50")))) == ("w", decimal.Decimal("1.50"))
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        decimal.Decimal("nan"),
+        decimal.Decimal("-inf"),
+        datetime.datetime(1, 1, 1, tzinfo=datetime.timezone(datetime.timedelta(hours=1))),
+    ],
+)
+def test_keys_no_spark_value_can_be_raise(key: Any) -> None:
+    with pytest.raises(SerializationError, match="key/1"):
+        serialize_key(key)
+
+
 @pytest.mark.parametrize("key", [[1], {1}, {"a": 1}, object(), 1j, "\ud800", (1, [2])])
 def test_unsupported_keys_raise(key: Any) -> None:
     with pytest.raises(SerializationError, match="key/1"):
@@ -153,6 +202,12 @@ def test_unsupported_keys_raise(key: Any) -> None:
         b"d\xff\xf8\x00\x00\x00\x00\x00\x01",  # not the canonical NaN
         b"I\x01",  # a big int that fits in int64
         b"I\x00\x00\x00\x00\x00\x00\x00\x00\x00\x01",  # not minimal
+        b"n1.5x",  # not a decimal
+        b"n1.50E+1",  # not as str() writes it
+        b"n-0",  # -0 is written as 0
+        b"nNaN",
+        b"u\x00\x00\x00\x00\x00\x00\x00\x00",  # before 0001-01-01
+        b"D\x00\x00\x00",  # truncated
     ],
 )
 def test_malformed_key_bytes_raise(data: bytes) -> None:
