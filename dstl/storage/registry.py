@@ -8,6 +8,13 @@ and no confirmed checkpoint owns the file, it is deleted (unless the storage doe
 files). Once a handle is confirmed, its files belong to the checkpoint (the shared-state registry
 deletes them when no retained checkpoint references them).
 
+A handle handed out and neither confirmed nor released when its writer closes is handed over
+(``close_writer``), as if confirmed: it may be in a ``_metadata`` already, and only the
+coordinator knows whether that checkpoint completed. Its files are never deleted from here,
+whatever closes first (the backend, or the storage closing every writer as a process shuts its
+log down); the orphan scan of the next recovery removes them if no completed checkpoint names
+them. A handle released before the close (its checkpoint aborted or subsumed) is not held.
+
 Deletion runs in the background on the loop (``delete_later``, also used for superseded
 materialized chunks): a refused DELETE is retried with the DFS calls' policy (``max_attempts``,
 doubling backoff, a deadline per attempt: ``dstl.storage.calls``), and the storage's ``flush`` and
@@ -91,11 +98,12 @@ class FileRegistry:
         return list(self._writers.values())
 
     def close_writer(self, writer: StateChangelogWriter) -> None:
-        """Drop every hold of the writer's handles and forget it (its entries are truncated)."""
+        """Hand over every handle of the writer still held (see the module doc) and forget it
+        (its entries are truncated)."""
         with self.lock:
             for handle in [h for h in self._holds if h.log_id == writer.log_id]:
                 for _ in range(self._holds[handle]):
-                    self._drop_hold(handle)
+                    self._confirm_locked(handle)
         self._writers.pop(writer.log_id, None)
 
     # -- files of the scheduler's uploads (loop thread) ------------------------------------
@@ -168,10 +176,7 @@ class FileRegistry:
 
     def confirm_handle(self, handle: ChangelogHandle) -> None:
         with self.lock:
-            for path in handle.files:
-                if path in self._files:
-                    self._files[path].confirmed = True
-            self._drop_hold(handle)
+            self._confirm_locked(handle)
 
     def release_handle(self, handle: ChangelogHandle) -> None:
         with self.lock:
@@ -194,6 +199,12 @@ class FileRegistry:
             return {p: (s.refs, s.confirmed) for p, s in self._files.items()}
 
     # -- under self.lock -------------------------------------------------------------------
+
+    def _confirm_locked(self, handle: ChangelogHandle) -> None:
+        for path in handle.files:
+            if path in self._files:
+                self._files[path].confirmed = True
+        self._drop_hold(handle)
 
     def _drop_hold(self, handle: ChangelogHandle) -> None:
         if handle not in self._holds:

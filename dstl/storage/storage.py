@@ -259,6 +259,9 @@ class StateChangelogStorage:
     def close(self, timeout: float | None = 60.0) -> None:
         """Close every writer, finish uploads and deletions, close the uploader, stop the loop.
 
+        The files of handles handed out and not yet confirmed or released stay, as when their
+        writer closes (``dstl.storage.registry``): a checkpoint may name them.
+
         Calls from other threads keep working until the uploads are drained; from then on they
         raise ``StorageClosedError``, and what they had started is waited for (``_wind_down``)."""
         with self._close_lock:
