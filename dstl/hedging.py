@@ -7,7 +7,8 @@ of a hedge can be deleted without touching the winner's object):
    recent primary-attempt latencies, see ``HedgeDelay``; the second one only once enough
    latencies were seen and where it lies beyond the first).
 2. First successful attempt wins: the others are cancelled, and every other object name that was
-   tried is deleted in the background (a cancelled or timed-out request may still have written).
+   tried is deleted in the background once those attempts have ended (a cancelled or timed-out
+   request may still have written).
 3. A hedge timer fires while an attempt runs: if attempts remain and the budget has a token,
    start one more attempt (the running ones keep running; the first to finish wins).
 4. An attempt fails (error, or its per-attempt timeout): when nothing else is running and
@@ -15,6 +16,11 @@ of a hedge can be deleted without touching the winner's object):
    remains, the upload fails at once with ``UploadFailedError`` and every object tried is deleted
    in the background (``drain`` waits for that); a
    timed-out *last* attempt fails the upload too (Flink's FLINK-26396 did not).
+
+Those deletions go to ``discard``: a storage passes its retried, counted background deletion
+(``dstl.storage.registry.FileRegistry.discard``), so a loser whose DELETE is refused is retried,
+and if it never goes, counted and listed with the other files left to the orphan scan. An executor
+used alone (tests, benchmarks) deletes each loser once, best effort.
 
 Hedges count as attempts (``max_attempts`` bounds the load one upload can cause). Time comes from
 the running loop's clock only, so tests drive the whole machine on a virtual-time loop.
@@ -124,8 +130,11 @@ class UploadExecutor:
         config: ChangelogConfig,
         metrics: ChangelogMetrics,
         name_factory: Callable[[], str],
+        discard: Callable[[str], None] | None = None,
     ) -> None:
+        """``discard(path)`` deletes a losing attempt's object in the background (on the loop)."""
         self._uploader = uploader
+        self._discard = discard
         self._config = config
         self._metrics = metrics
         self._new_name = name_factory
@@ -267,8 +276,12 @@ class UploadExecutor:
         task.add_done_callback(self._cleanups.discard)
 
     async def _delete_all(self, paths: list[str]) -> None:
+        if self._discard is not None:
+            for path in paths:
+                self._discard(path)
+            return
         for path in paths:
-            # Best effort: an object we fail to delete is unreferenced and removed by orphan cleanup.
+            # Best effort (an executor used alone): the orphan cleanup removes what remains.
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(max(self._attempt_timeout, 5.0)):
                     await self._uploader.delete(path)

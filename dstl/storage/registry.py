@@ -16,7 +16,8 @@ log down); the orphan scan of the next recovery removes them if no completed che
 them. A handle released before the close (its checkpoint aborted or subsumed) is not held.
 
 Deletion runs in the background on the loop (``delete_later``, also used for superseded
-materialized chunks): a refused DELETE is retried with the DFS calls' policy (``max_attempts``,
+materialized chunks, and ``discard`` for the objects of upload attempts that lost: a failed
+attempt's that may have landed, a hedge's loser): a refused DELETE is retried with the DFS calls' policy (``max_attempts``,
 doubling backoff, a deadline per attempt: ``dstl.storage.calls``), and the storage's ``flush`` and
 ``close`` wait for the retries (close within its timeout). A file whose every attempt failed, or
 whose deletion close had to cancel, is unreferenced: it is counted (``deletions_failed``),
@@ -188,6 +189,11 @@ class FileRegistry:
         ``on_done(deleted)`` runs on the loop once the outcome is known (not if skipped)."""
         self._loop.call_or_drop(self._delete_soon, path, on_done)
 
+    def discard(self, path: str) -> None:
+        """On the loop: delete the object of an upload attempt that lost (``dstl.hedging``), as a
+        released file is deleted; counted in ``deleted_orphans`` once gone."""
+        self._delete_soon(path, orphan=True)
+
     def undeleted(self) -> list[str]:
         """Paths whose deletion failed for good (the newest ``MAX_UNDELETED``), oldest first."""
         with self.lock:
@@ -228,11 +234,11 @@ class FileRegistry:
             if not state.confirmed and self.owns_files:
                 self.delete_later(path)
 
-    def _delete_soon(self, path: str, on_done: Callable[[bool], None] | None = None) -> None:
+    def _delete_soon(self, path: str, on_done: Callable[[bool], None] | None = None, orphan: bool = False) -> None:
         """On the loop: delete ``path`` in the background, retried (``drain`` waits for it)."""
-        self._executor.track(asyncio.ensure_future(self._delete(path, on_done)))
+        self._executor.track(asyncio.ensure_future(self._delete(path, on_done, orphan)))
 
-    async def _delete(self, path: str, on_done: Callable[[bool], None] | None = None) -> None:
+    async def _delete(self, path: str, on_done: Callable[[bool], None] | None = None, orphan: bool = False) -> None:
         deleted = False
         try:
             await call_with_retries(self._policy, "delete", path, lambda: self._uploader.delete(path))
@@ -242,7 +248,10 @@ class FileRegistry:
         except Exception as exc:
             self._record_undeleted(path, str(exc))
         else:
-            self._metrics.files_deleted += 1
+            if orphan:
+                self._metrics.deleted_orphans += 1
+            else:
+                self._metrics.files_deleted += 1
             deleted = True
         finally:
             if on_done is not None:

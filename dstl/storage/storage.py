@@ -61,7 +61,11 @@ class StateChangelogStorage:
         self._close_lock = threading.Lock()
         self._loop = StorageLoop()
         self._executor = UploadExecutor(
-            self._uploader, config, self.metrics, lambda: new_file_name(config.prefix_count)
+            self._uploader,
+            config,
+            self.metrics,
+            lambda: new_file_name(config.prefix_count),
+            discard=lambda path: self._registry.discard(path),  # the registry needs the executor
         )
         self._call_policy = CallPolicy.of(config)
         self._registry = FileRegistry(
