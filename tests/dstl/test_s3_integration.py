@@ -281,8 +281,9 @@ def test_confirmed_handle_survives_close_and_restart(moto_server: S3Server, buck
         unconfirmed = dropped.persist_durably(0).result(WAIT_S)
         assert confirmed.files.isdisjoint(unconfirmed.files)
         kept.confirm(confirmed)
+        dropped.release(unconfirmed)  # its checkpoint aborted
         text = confirmed.dumps()
-    # Closing drops every writer: the unconfirmed handle's file goes, the checkpoint's file stays.
+    # Closing drops every writer: the released handle's file goes, the checkpoint's file stays.
     assert list_keys(endpoint, bucket) == [key(p) for p in confirmed.files]
 
     with StateChangelogStorage(config) as restarted:
