@@ -5,6 +5,14 @@ Retries and timeouts belong to the log (per attempt, with hedging, ``dstl.hedgin
 per call. A cancelled request is simply abandoned: the caller deletes the key that attempt may
 still have written.
 
+The client is created lazily, by the storage's first call, on the storage's loop thread, which also
+applies the in-flight bound to every writer every few milliseconds (``dstl.storage.throttle``).
+Creating it is slow, CPU-bound work (importing aiobotocore, then loading and parsing botocore's S3
+models: hundreds of milliseconds on a busy machine) that would hold that loop meanwhile and let
+operators append without bound. So ``_open`` does that work in a worker thread first (it creates
+and closes a client on a loop of its own, which leaves the session's model caches warm) and then
+creates the real client on the storage's loop, which takes a few milliseconds.
+
 Credentials never reach a log: at DEBUG botocore logs request headers (the session token, the
 Authorization header) and signing inputs. A filter on a logger misses records of its children and
 a filter on handlers misses handlers added later, so the redaction sits in the log record factory,
@@ -50,10 +58,12 @@ class S3Uploader:
         return self._client
 
     async def _open(self) -> Any:
-        from aiobotocore.config import AioConfig
-        from aiobotocore.session import get_session
-
         opts = self._options
+        endpoint_url = opts.endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
+        region = opts.region or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        session = await asyncio.to_thread(_loaded_session, endpoint_url, region)  # off the loop: see module doc
+        from aiobotocore.config import AioConfig
+
         # AioConfig adds a default keepalive_timeout, which aiohttp rejects together with
         # force_close ("keepalive_timeout cannot be set if force_close is True"): clear it.
         connector: dict[str, Any] = {"force_close": True, "keepalive_timeout": None} if opts.force_close else {}
@@ -77,7 +87,6 @@ class S3Uploader:
             user_agent=USER_AGENT,
         )
         install_redaction(opts.access_key_id, opts.secret_access_key, opts.session_token)
-        session = get_session()
         # Credentials the chain resolves (environment, profile): known only once resolved. With
         # explicit keys the client never asks the chain, and neither do we (it may go to the network).
         credentials = await session.get_credentials() if opts.access_key_id is None else None
@@ -87,8 +96,8 @@ class S3Uploader:
         client = await self._stack.enter_async_context(
             session.create_client(
                 "s3",
-                endpoint_url=opts.endpoint_url or os.environ.get("AWS_ENDPOINT_URL"),
-                region_name=opts.region or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+                endpoint_url=endpoint_url,
+                region_name=region,
                 aws_access_key_id=opts.access_key_id,
                 aws_secret_access_key=opts.secret_access_key,
                 aws_session_token=opts.session_token,
@@ -142,6 +151,30 @@ class S3Uploader:
     async def close(self) -> None:
         await self._stack.aclose()
         self._client = None
+
+
+def _loaded_session(endpoint_url: str | None, region: str) -> Any:
+    """In a worker thread: an aiobotocore session whose S3 models are loaded (see module doc).
+
+    The throwaway client gets placeholder credentials, so that it never asks the credential chain
+    (which may go to the network); it sends no request."""
+    from aiobotocore.session import get_session
+
+    session = get_session()
+
+    async def load_models() -> None:
+        placeholder = "model-loading-only"
+        async with session.create_client(
+            "s3",
+            endpoint_url=endpoint_url,
+            region_name=region,
+            aws_access_key_id=placeholder,
+            aws_secret_access_key=placeholder,
+        ):
+            pass
+
+    asyncio.run(load_models())
+    return session
 
 
 def _drop_expect_continue(params: dict[str, Any], **_: Any) -> None:
