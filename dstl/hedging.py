@@ -146,8 +146,17 @@ class UploadExecutor:
         self._cleanups: set[asyncio.Task[None]] = set()
 
     async def _attempt(self, path: str, data: bytes) -> None:
-        async with asyncio.timeout(self._attempt_timeout):
-            await self._uploader.put(path, data)
+        deadline = asyncio.timeout(self._attempt_timeout)
+        start = asyncio.get_running_loop().time()
+        try:
+            async with deadline:
+                await self._uploader.put(path, data)
+        except TimeoutError as exc:
+            if deadline.expired():
+                raise AttemptTimedOut(f"no answer within {self._attempt_timeout * 1000:g} ms") from None
+            raise _raised_after(exc, start) from exc
+        except Exception as exc:
+            raise _raised_after(exc, start) from exc
 
     async def upload(self, data: bytes, name: str | None = None) -> UploadOutcome:
         """Upload ``data`` to a new name per attempt, or, given ``name``, every attempt to that one
@@ -191,7 +200,7 @@ class UploadExecutor:
                     if exc is None:
                         return self._won(task, path, primary, start, tried, running, hedged, hedge_tasks)
                     unpin(exc)
-                    if isinstance(exc, TimeoutError):
+                    if isinstance(exc, AttemptTimedOut):
                         metrics.attempt_timeouts += 1
                     if task is primary and policy.enabled:
                         self.hedge_delay.observe(loop.time() - start)
@@ -321,7 +330,20 @@ def unpin(exc: BaseException) -> None:
         pending += [e for e in (error.__cause__, error.__context__) if e is not None]
 
 
+class AttemptTimedOut(TimeoutError):
+    """An upload attempt got no answer within ``upload_timeout_ms`` (the uploader's own
+    ``TimeoutError``, a socket's or an ``ETIMEDOUT``, is an error it raised: ``AttemptFailed``)."""
+
+
+class AttemptFailed(Exception):
+    """What an upload attempt's uploader raised, and after how long (the message says both)."""
+
+
+def _raised_after(exc: BaseException, start: float) -> AttemptFailed:
+    elapsed_ms = (asyncio.get_running_loop().time() - start) * 1000
+    error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return AttemptFailed(f"{error} (raised after {elapsed_ms:.0f} ms)")
+
+
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return str(exc) if isinstance(exc, (AttemptTimedOut, AttemptFailed)) else f"{type(exc).__name__}: {exc}"
