@@ -68,7 +68,7 @@ async def call_with_retries(policy: CallPolicy, op: str, what: str, call: Callab
             if timed_out:
                 causes.append(f"attempt {attempt}: no answer within {policy.timeout_s * 1000:g} ms")
             else:
-                error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                causes.append(f"attempt {attempt}: {error} (raised after {(loop.time() - start) * 1000:.0f} ms)")
+                raised = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                causes.append(f"attempt {attempt}: {raised} (raised after {(loop.time() - start) * 1000:.0f} ms)")
     error = DeadlineExceededError if timed_out else StorageError
     raise error(f"{op} {what} failed after {policy.attempts} attempt(s): {'; '.join(causes)}")

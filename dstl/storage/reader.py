@@ -6,8 +6,9 @@ only what it owns), fetches the others ``READ_AHEAD`` at a time on the storage's
 them on the caller's thread in SQN order. Anything inconsistent raises ``CorruptChangelogError``
 naming the file: a path leaving the base directory, an SQN outside the handle, a byte range past
 the largest file there can be (``dstl.types.MAX_FILE_BYTES``: refused before it is fetched, as a
-parsed handle refuses it), a missing file, a segment whose key groups lie outside its index. Each fetch has the DFS calls' deadline and retries
-(``dstl.storage.calls``); one that fails for good raises ``StorageError``.
+parsed handle refuses it), a missing file, a segment whose key groups lie outside its index. Each
+fetch has the DFS calls' deadline and retries (``dstl.storage.calls``); one that fails for good
+raises ``StorageError``.
 """
 
 from __future__ import annotations

@@ -17,13 +17,13 @@ them. A handle released before the close (its checkpoint aborted or subsumed) is
 
 Deletion runs in the background on the loop (``delete_later``, also used for superseded
 materialized chunks, and ``discard`` for the objects of upload attempts that lost: a failed
-attempt's that may have landed, a hedge's loser): a refused DELETE is retried with the DFS calls' policy (``max_attempts``,
-doubling backoff, a deadline per attempt: ``dstl.storage.calls``), and the storage's ``flush`` and
-``close`` wait for the retries (close within its timeout). A file whose every attempt failed, or
-whose deletion close had to cancel, is unreferenced: it is counted (``deletions_failed``),
-logged, listed by ``undeleted`` (the most recent ``MAX_UNDELETED``; the log, not memory, keeps the
-rest) and left to the orphan scan of the next recovery, which deletes every file no retained
-checkpoint names.
+attempt's that may have landed, a hedge's loser): a refused DELETE is retried with the DFS calls'
+policy (``max_attempts``, doubling backoff, a deadline per attempt: ``dstl.storage.calls``), and
+the storage's ``flush`` and ``close`` wait for the retries (close within its timeout). A file
+whose every attempt failed, or whose deletion close had to cancel, is unreferenced: it is counted
+(``deletions_failed``), logged, listed by ``undeleted`` (the most recent ``MAX_UNDELETED``; the
+log, not memory, keeps the rest) and left to the orphan scan of the next recovery, which deletes
+every file no retained checkpoint names.
 
 The counts are touched from the loop thread (uploads finishing) and from writer threads
 (truncation, confirmation), always under ``lock``.

@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backend.core.errors import StateRestoreError
-from benchmarks.support.faulty_fs import FaultPlan, faulty_base_path
 from backend.core.handles import KeyedStateHandle
+from benchmarks.support.faulty_fs import FaultPlan, faulty_base_path
 from dstl import ChangelogConfig, ChangelogHandle, CorruptChangelogError, StateChangelogStorage
 from dstl.format import SEGMENT_HEADER, SEGMENT_MAGIC, TRAILER, decode_segment, log_crc, read_footer
 from dstl.types import KeyGroupRange
