@@ -48,13 +48,25 @@ class S3Uploader:
         self._options = options
         self._client: Any = None
         self._stack = AsyncExitStack()
-        self._lock = asyncio.Lock()
+        #: the client being opened; shared by every call waiting for it (see ``_get_client``)
+        self._opening: asyncio.Task[Any] | None = None
 
     async def _get_client(self) -> Any:
+        """The client, opened once. A call whose deadline passes while it waits abandons the wait,
+        not the opening: the next attempt finds it further along (under a short deadline on a busy
+        machine, restarting it on each attempt could never finish). A failed opening is tried
+        again by the next call."""
         if self._client is None:
-            async with self._lock:
-                if self._client is None:
-                    self._client = await self._open()
+            if self._opening is None:
+                self._opening = asyncio.ensure_future(self._open())
+                self._opening.add_done_callback(_retrieve)
+            opening = self._opening
+            try:
+                self._client = await asyncio.shield(opening)
+            except Exception:
+                if self._opening is opening and opening.done():
+                    self._opening = None
+                raise
         return self._client
 
     async def _open(self) -> Any:
@@ -153,6 +165,10 @@ class S3Uploader:
         return sorted(names)
 
     async def close(self) -> None:
+        opening, self._opening = self._opening, None
+        if opening is not None and not opening.done():
+            opening.cancel()
+            await asyncio.wait([opening])
         await self._stack.aclose()
         self._client = None
 
@@ -179,6 +195,12 @@ def _loaded_session(endpoint_url: str | None, region: str) -> Any:
 
     asyncio.run(load_models())
     return session
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Mark an opening's error as seen: every call that waited for it got it already (or gave up)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _drop_expect_continue(params: dict[str, Any], **_: Any) -> None:
