@@ -14,12 +14,17 @@ the public API in one place, as Flink's ``FsStateChangelogStorage`` does:
 
 Writers and readers call in from their own threads; a writer sees the storage through
 ``dstl.api.WriterStorage``.
+
+An uploader with an ``open`` coroutine (S3: creating its client) is opened by the constructor, before
+any writer exists: the loop thread that applies the in-flight bound must not be held by that work
+while operators append. If it fails, it is logged and the uploader's first call opens it again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
@@ -45,6 +50,7 @@ from dstl.writer import ChangelogWriter
 __all__ = ["StateChangelogStorage"]
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 
 
 class StateChangelogStorage:
@@ -90,6 +96,17 @@ class StateChangelogStorage:
             round_bytes=config.persist_size_threshold,
         )
         self._monitor = self._loop.submit(monitor.run())
+        self._open_uploader()
+
+    def _open_uploader(self) -> None:
+        """Open the uploader now, if it opens at all (see the module doc); never raises."""
+        opener = getattr(self._uploader, "open", None)
+        if opener is None:
+            return
+        try:
+            self._loop.run(opener(), self._call_policy.timeout_s)
+        except Exception as exc:  # the first call opens it again and reports what fails then
+            _log.warning("opening the uploader of %s failed (the first call retries): %r", self.config.base_path, exc)
 
     @property
     def owns_files(self) -> bool:

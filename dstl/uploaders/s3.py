@@ -5,13 +5,12 @@ Retries and timeouts belong to the log (per attempt, with hedging, ``dstl.hedgin
 per call. A cancelled request is simply abandoned: the caller deletes the key that attempt may
 still have written.
 
-The client is created lazily, by the storage's first call, on the storage's loop thread, which also
-applies the in-flight bound to every writer every few milliseconds (``dstl.storage.throttle``).
-Creating it is slow, CPU-bound work (importing aiobotocore, then loading and parsing botocore's S3
-models: hundreds of milliseconds on a busy machine) that would hold that loop meanwhile and let
-operators append without bound. So ``_open`` does that work in a worker thread first (it creates
-and closes a client on a loop of its own, which leaves the session's model caches warm) and then
-creates the real client on the storage's loop, which takes a few milliseconds.
+The client is created by ``open``, which the storage awaits when it is created, before it hands
+out any writer: creating it is slow, CPU-bound work on the storage's loop thread (importing
+aiobotocore, loading and parsing botocore's S3 models: hundreds of milliseconds on a busy
+machine), and that thread also applies the in-flight bound to every writer every few milliseconds
+(``dstl.storage.throttle``): a client created by the first upload would hold it while operators
+append without bound. A call finding no client (``open`` failed) creates it then.
 
 Credentials never reach a log: at DEBUG botocore logs request headers (the session token, the
 Authorization header) and signing inputs. A filter on a logger misses records of its children and
@@ -48,34 +47,24 @@ class S3Uploader:
         self._options = options
         self._client: Any = None
         self._stack = AsyncExitStack()
-        #: the client being opened; shared by every call waiting for it (see ``_get_client``)
-        self._opening: asyncio.Task[Any] | None = None
+        self._lock = asyncio.Lock()
+
+    async def open(self) -> None:
+        """Create the client now rather than on the first call (see the module doc)."""
+        await self._get_client()
 
     async def _get_client(self) -> Any:
-        """The client, opened once. A call whose deadline passes while it waits abandons the wait,
-        not the opening: the next attempt finds it further along (under a short deadline on a busy
-        machine, restarting it on each attempt could never finish). A failed opening is tried
-        again by the next call."""
         if self._client is None:
-            if self._opening is None:
-                self._opening = asyncio.ensure_future(self._open())
-                self._opening.add_done_callback(_retrieve)
-            opening = self._opening
-            try:
-                self._client = await asyncio.shield(opening)
-            except Exception:
-                if self._opening is opening and opening.done():
-                    self._opening = None
-                raise
+            async with self._lock:
+                if self._client is None:
+                    self._client = await self._open()
         return self._client
 
     async def _open(self) -> Any:
-        opts = self._options
-        endpoint_url = opts.endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
-        region = opts.region or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        session = await asyncio.to_thread(_loaded_session, endpoint_url, region)  # off the loop: see module doc
         from aiobotocore.config import AioConfig
+        from aiobotocore.session import get_session
 
+        opts = self._options
         # AioConfig adds a default keepalive_timeout, which aiohttp rejects together with
         # force_close ("keepalive_timeout cannot be set if force_close is True"): clear it.
         connector: dict[str, Any] = {"force_close": True, "keepalive_timeout": None} if opts.force_close else {}
@@ -99,6 +88,7 @@ class S3Uploader:
             user_agent=USER_AGENT,
         )
         install_redaction(opts.access_key_id, opts.secret_access_key, opts.session_token)
+        session = get_session()
         # Credentials the chain resolves (environment, profile): known only once resolved. With
         # explicit keys the client never asks the chain, and neither do we (it may go to the network).
         credentials = await session.get_credentials() if opts.access_key_id is None else None
@@ -108,8 +98,8 @@ class S3Uploader:
         client = await self._stack.enter_async_context(
             session.create_client(
                 "s3",
-                endpoint_url=endpoint_url,
-                region_name=region,
+                endpoint_url=opts.endpoint_url or os.environ.get("AWS_ENDPOINT_URL"),
+                region_name=opts.region or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
                 aws_access_key_id=opts.access_key_id,
                 aws_secret_access_key=opts.secret_access_key,
                 aws_session_token=opts.session_token,
@@ -165,42 +155,8 @@ class S3Uploader:
         return sorted(names)
 
     async def close(self) -> None:
-        opening, self._opening = self._opening, None
-        if opening is not None and not opening.done():
-            opening.cancel()
-            await asyncio.wait([opening])
         await self._stack.aclose()
         self._client = None
-
-
-def _loaded_session(endpoint_url: str | None, region: str) -> Any:
-    """In a worker thread: an aiobotocore session whose S3 models are loaded (see module doc).
-
-    The throwaway client gets placeholder credentials, so that it never asks the credential chain
-    (which may go to the network); it sends no request."""
-    from aiobotocore.session import get_session
-
-    session = get_session()
-
-    async def load_models() -> None:
-        placeholder = "model-loading-only"
-        async with session.create_client(
-            "s3",
-            endpoint_url=endpoint_url,
-            region_name=region,
-            aws_access_key_id=placeholder,
-            aws_secret_access_key=placeholder,
-        ):
-            pass
-
-    asyncio.run(load_models())
-    return session
-
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    """Mark an opening's error as seen: every call that waited for it got it already (or gave up)."""
-    if not task.cancelled():
-        task.exception()
 
 
 def _drop_expect_continue(params: dict[str, Any], **_: Any) -> None:

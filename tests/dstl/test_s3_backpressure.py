@@ -1,12 +1,13 @@
-"""The in-flight bound on S3 holds from a writer's first append, also while the S3 client opens.
+"""The in-flight bound on S3 holds from a writer's first append on a fresh storage.
 
 The bound is applied from the storage's loop thread (``dstl.storage.throttle``): it cuts the
 active changesets and gates appends every few milliseconds. Whatever blocks that loop lets an
 operator append without any bound meanwhile, and the S3 client's creation (importing aiobotocore,
-loading botocore's service models) is the slow, CPU-bound part of a storage's first upload. Here
-every PUT stalls behind the fault proxy (``benchmarks.support.fault_proxy``) in front of moto, so
-nothing ever becomes durable: an operator that starts appending on a fresh storage, whose client
-does not exist yet, must be stopped near the bound and not after hundreds of megabytes.
+loading botocore's service models) is slow, CPU-bound work on it: created by a storage's first
+upload, it let an operator that had just started run far past the bound. Here every PUT stalls
+behind the fault proxy (``benchmarks.support.fault_proxy``) in front of moto, so nothing ever
+becomes durable: an operator that starts appending, and persisting, as soon as a storage exists
+must be stopped near the bound and not after hundreds of megabytes.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class Operator:
             self.done.set()
 
 
-def test_appends_stop_at_the_bound_while_the_s3_client_is_still_being_created(moto: S3Server) -> None:
+def test_appends_on_a_fresh_s3_storage_stop_at_the_bound(moto: S3Server) -> None:
     bucket = f"cold-{uuid.uuid4().hex[:20]}"
     create_bucket(moto.endpoint_url, bucket)
     with FaultPlan() as plan, FaultProxy(moto.endpoint_url, plan, base=f"{bucket}/job1") as proxy:
