@@ -7,7 +7,8 @@ of a hedge can be deleted without touching the winner's object):
    recent primary-attempt latencies, see ``HedgeDelay``; the second one only once enough
    latencies were seen and where it lies beyond the first).
 2. First successful attempt wins: the others are cancelled, and every other object name that was
-   tried is deleted in the background (a cancelled or timed-out request may still have written).
+   tried is deleted in the background once those attempts have ended (a cancelled or timed-out
+   request may still have written).
 3. A hedge timer fires while an attempt runs: if attempts remain and the budget has a token,
    start one more attempt (the running ones keep running; the first to finish wins).
 4. An attempt fails (error, or its per-attempt timeout): when nothing else is running and
@@ -15,6 +16,11 @@ of a hedge can be deleted without touching the winner's object):
    remains, the upload fails at once with ``UploadFailedError`` and every object tried is deleted
    in the background (``drain`` waits for that); a
    timed-out *last* attempt fails the upload too (Flink's FLINK-26396 did not).
+
+Those deletions go to ``discard``: a storage passes its retried, counted background deletion
+(``dstl.storage.registry.FileRegistry.discard``), so a loser whose DELETE is refused is retried,
+and if it never goes, counted and listed with the other files left to the orphan scan. An executor
+used alone (tests, benchmarks) deletes each loser once, best effort.
 
 Hedges count as attempts (``max_attempts`` bounds the load one upload can cause). Time comes from
 the running loop's clock only, so tests drive the whole machine on a virtual-time loop.
@@ -124,8 +130,11 @@ class UploadExecutor:
         config: ChangelogConfig,
         metrics: ChangelogMetrics,
         name_factory: Callable[[], str],
+        discard: Callable[[str], None] | None = None,
     ) -> None:
+        """``discard(path)`` deletes a losing attempt's object in the background (on the loop)."""
         self._uploader = uploader
+        self._discard = discard
         self._config = config
         self._metrics = metrics
         self._new_name = name_factory
@@ -137,8 +146,17 @@ class UploadExecutor:
         self._cleanups: set[asyncio.Task[None]] = set()
 
     async def _attempt(self, path: str, data: bytes) -> None:
-        async with asyncio.timeout(self._attempt_timeout):
-            await self._uploader.put(path, data)
+        deadline = asyncio.timeout(self._attempt_timeout)
+        start = asyncio.get_running_loop().time()
+        try:
+            async with deadline:
+                await self._uploader.put(path, data)
+        except TimeoutError as exc:
+            if deadline.expired():
+                raise AttemptTimedOut(f"no answer within {self._attempt_timeout * 1000:g} ms") from None
+            raise _raised_after(exc, start) from exc
+        except Exception as exc:
+            raise _raised_after(exc, start) from exc
 
     async def upload(self, data: bytes, name: str | None = None) -> UploadOutcome:
         """Upload ``data`` to a new name per attempt, or, given ``name``, every attempt to that one
@@ -182,7 +200,7 @@ class UploadExecutor:
                     if exc is None:
                         return self._won(task, path, primary, start, tried, running, hedged, hedge_tasks)
                     unpin(exc)
-                    if isinstance(exc, TimeoutError):
+                    if isinstance(exc, AttemptTimedOut):
                         metrics.attempt_timeouts += 1
                     if task is primary and policy.enabled:
                         self.hedge_delay.observe(loop.time() - start)
@@ -267,8 +285,12 @@ class UploadExecutor:
         task.add_done_callback(self._cleanups.discard)
 
     async def _delete_all(self, paths: list[str]) -> None:
+        if self._discard is not None:
+            for path in paths:
+                self._discard(path)
+            return
         for path in paths:
-            # Best effort: an object we fail to delete is unreferenced and removed by orphan cleanup.
+            # Best effort (an executor used alone): the orphan cleanup removes what remains.
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(max(self._attempt_timeout, 5.0)):
                     await self._uploader.delete(path)
@@ -308,7 +330,20 @@ def unpin(exc: BaseException) -> None:
         pending += [e for e in (error.__cause__, error.__context__) if e is not None]
 
 
+class AttemptTimedOut(TimeoutError):
+    """An upload attempt got no answer within ``upload_timeout_ms`` (the uploader's own
+    ``TimeoutError``, a socket's or an ``ETIMEDOUT``, is an error it raised: ``AttemptFailed``)."""
+
+
+class AttemptFailed(Exception):
+    """What an upload attempt's uploader raised, and after how long (the message says both)."""
+
+
+def _raised_after(exc: BaseException, start: float) -> AttemptFailed:
+    elapsed_ms = (asyncio.get_running_loop().time() - start) * 1000
+    error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return AttemptFailed(f"{error} (raised after {elapsed_ms:.0f} ms)")
+
+
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return str(exc) if isinstance(exc, (AttemptTimedOut, AttemptFailed)) else f"{type(exc).__name__}: {exc}"

@@ -46,8 +46,11 @@ SequenceNumber.INITIAL = SequenceNumber(0)
 MAX_SQN = (1 << 64) - 1
 #: A segment is a 36-byte header plus at most 2**32 - 1 compressed bytes (its length is a u32).
 MAX_SEGMENT_BYTES = 36 + (1 << 32) - 1
-#: Offsets into a file beyond this are damage (what a signed 64-bit seek accepts).
-MAX_OFFSET = (1 << 63) - 1
+#: No changelog file is larger: one is encoded in memory as a single ``bytes`` and uploaded in one
+#: request (S3 takes at most 5 GiB in one PUT). A segment ending past it is damage, refused before
+#: anything is read: the store would refuse the range (or a file system the seek), and that failure
+#: would be retried as the store's.
+MAX_FILE_BYTES = 1 << 40
 #: A changeset holds at most this many records (the count is a u32).
 MAX_RECORDS = (1 << 32) - 1
 
@@ -138,7 +141,7 @@ class SegmentRef:
         except (KeyError, IndexError, TypeError) as exc:
             raise ValueError(f"malformed segment reference {value!r}: {exc}") from None
         if not (
-            0 <= ref.offset <= MAX_OFFSET
+            0 <= ref.offset <= MAX_FILE_BYTES - ref.length
             and 0 < ref.length <= MAX_SEGMENT_BYTES
             and 0 <= ref.sqn <= MAX_SQN
             and 0 <= ref.records <= MAX_RECORDS

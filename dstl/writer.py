@@ -244,7 +244,9 @@ class ChangelogWriter:
         self._storage.release_handle(handle)
 
     def close(self) -> None:
-        """Drop every changeset and hold; files not owned by a confirmed checkpoint are deleted."""
+        """Drop every changeset. Files of handles handed out and not yet confirmed or released
+        are handed over (kept: their checkpoint may have completed, see ``dstl.storage.registry``);
+        other files no confirmed checkpoint owns are deleted."""
         if self.closed:
             return
         self.closed = True

@@ -9,6 +9,11 @@
   the bytes at the entry's offset in a pack; every section decompressed and checked); the
   handle's entry (key groups, SQN, size, entry count, and the hash where the handle records one)
   must match the chunk, as a restore checks it (``materializer.binding.check_binding``).
+- packs: a restore reads only the ranges its entries name, so bytes no entry names would go
+  unseen. A pack is chunks back to back, and keeps chunks no handle names any more (superseded,
+  ``materializer.packs``), so every byte outside the named ranges must belong to a whole chunk
+  (``chunk_info``: its framing and checksummed footer); anything else, such as bytes appended
+  after the last chunk, is reported with the byte range.
 
 Every problem is collected (a missing file, each corrupt file), not just the first one.
 """
@@ -24,7 +29,7 @@ from dstl import CorruptChangelogError, KeyGroupRange, SegmentRef
 from dstl.errors import StorageError
 from dstl.format import decode_segment, read_footer, verify_file
 from materializer.binding import check_binding
-from materializer.chunks import CorruptChunkError, chunk_info, decode_chunk
+from materializer.chunks import CHUNK_TRAILER_MAGIC, CorruptChunkError, chunk_info, decode_chunk
 
 
 @dataclass
@@ -85,7 +90,52 @@ def _check_chunk(path: str, data: bytes, entries: list[dict[str, Any]]) -> list[
         else:
             found = _check_one_chunk(path, data[offset : offset + size], named)
             problems.extend(f"the chunk at offset {offset}: {problem}" for problem in found)
+    if all(isinstance(e.get("offset"), int) and isinstance(e.get("size"), int) for e in entries):
+        problems.extend(_unnamed_bytes(path, data, [(e["offset"], e["offset"] + e["size"]) for e in entries]))
     return sorted(set(problems))
+
+
+def _unnamed_bytes(path: str, data: bytes, named: list[tuple[int, int]]) -> list[str]:
+    """The ranges of a pack that no entry names and that are not whole chunks (module doc)."""
+    size = len(data)
+    problems = []
+    start = 0
+    for begin, end in [*sorted((min(max(b, 0), size), min(max(e, 0), size)) for b, e in named), (size, size)]:
+        stray = _not_chunks(path, data, start, begin) if begin > start else None
+        if stray is not None and begin == size:
+            problems.append(
+                f"the file is {size} bytes, but its chunks end at byte {stray}: "
+                f"bytes [{stray}, {size}) are no chunk (a restore never reads them)"
+            )
+        elif stray is not None:
+            problems.append(f"bytes [{stray}, {begin}) between the file's chunks are no chunk")
+        start = max(start, end)
+    return problems
+
+
+def _not_chunks(path: str, data: bytes, start: int, end: int) -> int | None:
+    """Where whole chunks back to back from ``start`` stop short of ``end`` (None: they reach it).
+    A chunk's end is found by its trailer's magic; its framing and checksummed footer decide."""
+    while start < end:
+        for candidate in _trailer_ends(data, start, end):
+            try:
+                chunk_info(path, data[start:candidate])
+            except CorruptChunkError:
+                continue
+            start = candidate
+            break
+        else:
+            return start
+    return None
+
+
+def _trailer_ends(data: bytes, start: int, end: int) -> list[int]:
+    ends = []
+    at = data.find(CHUNK_TRAILER_MAGIC, start, end)
+    while at != -1:
+        ends.append(at + len(CHUNK_TRAILER_MAGIC))
+        at = data.find(CHUNK_TRAILER_MAGIC, at + 1, end)
+    return ends
 
 
 def _check_one_chunk(path: str, data: bytes, entries: list[dict[str, Any]]) -> list[str]:

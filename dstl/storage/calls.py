@@ -9,7 +9,9 @@ tried. Here each attempt is cut at ``dfs_timeout_ms`` (the uploader abandons it:
 request is dropped, on fsspec the thread finishes in the background and the caller goes on), a
 failed attempt is retried after ``retry_delay_ms * 2**(failures-1)`` up to ``max_attempts``, and
 the final failure is a ``StorageError`` (``DeadlineExceededError`` when the last attempt ran out
-of time) naming the operation, the object and every attempt.
+of time) naming the operation, the object and every attempt: what each one raised and after how
+long, or that it got no answer within the deadline. A ``TimeoutError`` the client raises itself
+(a socket timeout, an ``ETIMEDOUT``) is an error it raised, not the deadline: it is named as such.
 
 Not retried, because retrying cannot change them: a missing object (``FileNotFoundError``, which
 callers test for and which is re-raised as it is) and a path refused by the confinement checks
@@ -50,19 +52,23 @@ async def call_with_retries(policy: CallPolicy, op: str, what: str, call: Callab
     """``await call()`` with a deadline per attempt and retries; ``op`` and ``what`` name it in errors."""
     causes: list[str] = []
     timed_out = False
+    loop = asyncio.get_running_loop()
     for attempt in range(1, policy.attempts + 1):
         if attempt > 1:
             await asyncio.sleep(policy.retry_delay_s * 2 ** (attempt - 2))
+        deadline = asyncio.timeout(policy.timeout_s)
+        start = loop.time()
         try:
-            async with asyncio.timeout(policy.timeout_s):
+            async with deadline:
                 return await call()
         except (FileNotFoundError, ConfigurationError):
             raise
-        except TimeoutError:
-            timed_out = True
-            causes.append(f"attempt {attempt}: no answer within {policy.timeout_s * 1000:g} ms")
         except Exception as exc:  # any client error: retried, then named in the StorageError
-            timed_out = False
-            causes.append(f"attempt {attempt}: {type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            timed_out = deadline.expired()
+            if timed_out:
+                causes.append(f"attempt {attempt}: no answer within {policy.timeout_s * 1000:g} ms")
+            else:
+                raised = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                causes.append(f"attempt {attempt}: {raised} (raised after {(loop.time() - start) * 1000:.0f} ms)")
     error = DeadlineExceededError if timed_out else StorageError
     raise error(f"{op} {what} failed after {policy.attempts} attempt(s): {'; '.join(causes)}")

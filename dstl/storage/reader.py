@@ -4,9 +4,11 @@ The ``StateChangelogHandleReader`` of FLIP-158. A handle lists byte ranges of lo
 reader skips segments whose key-group bounds miss the requested range (a rescaled restore reads
 only what it owns), fetches the others ``READ_AHEAD`` at a time on the storage's loop, and decodes
 them on the caller's thread in SQN order. Anything inconsistent raises ``CorruptChangelogError``
-naming the file: a path leaving the base directory, an SQN outside the handle, a missing file, a
-segment whose key groups lie outside its index. Each fetch has the DFS calls' deadline and retries
-(``dstl.storage.calls``); one that fails for good raises ``StorageError``.
+naming the file: a path leaving the base directory, an SQN outside the handle, a byte range past
+the largest file there can be (``dstl.types.MAX_FILE_BYTES``: refused before it is fetched, as a
+parsed handle refuses it), a missing file, a segment whose key groups lie outside its index. Each
+fetch has the DFS calls' deadline and retries (``dstl.storage.calls``); one that fails for good
+raises ``StorageError``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dstl.format import decode_segment, iter_records
 from dstl.paths import check_relative
 from dstl.storage.calls import CallPolicy, call_with_retries
 from dstl.storage.loop import StorageLoop
-from dstl.types import MAX_KEY_GROUP, ChangelogHandle, KeyGroupRange, SegmentRef
+from dstl.types import MAX_FILE_BYTES, MAX_KEY_GROUP, ChangelogHandle, KeyGroupRange, SegmentRef
 from dstl.uploaders import Uploader
 
 __all__ = ["READ_AHEAD", "HandleReader"]
@@ -84,6 +86,12 @@ def checked_segments(handle: ChangelogHandle) -> list[SegmentRef]:
         if seg.sqn <= previous or seg.sqn > handle.upto:
             raise CorruptChangelogError(
                 seg.path, f"handle of {handle.log_id} lists sqn {seg.sqn} outside ({handle.after}, {handle.upto}]"
+            )
+        if not 0 <= seg.offset <= MAX_FILE_BYTES - seg.length:
+            raise CorruptChangelogError(
+                seg.path,
+                f"handle of {handle.log_id} places sqn {seg.sqn} at bytes [{seg.offset}, {seg.offset + seg.length}), "
+                f"past the largest changelog file ({MAX_FILE_BYTES} bytes)",
             )
         previous = seg.sqn
     return segments

@@ -8,14 +8,22 @@ and no confirmed checkpoint owns the file, it is deleted (unless the storage doe
 files). Once a handle is confirmed, its files belong to the checkpoint (the shared-state registry
 deletes them when no retained checkpoint references them).
 
+A handle handed out and neither confirmed nor released when its writer closes is handed over
+(``close_writer``), as if confirmed: it may be in a ``_metadata`` already, and only the
+coordinator knows whether that checkpoint completed. Its files are never deleted from here,
+whatever closes first (the backend, or the storage closing every writer as a process shuts its
+log down); the orphan scan of the next recovery removes them if no completed checkpoint names
+them. A handle released before the close (its checkpoint aborted or subsumed) is not held.
+
 Deletion runs in the background on the loop (``delete_later``, also used for superseded
-materialized chunks): a refused DELETE is retried with the DFS calls' policy (``max_attempts``,
-doubling backoff, a deadline per attempt: ``dstl.storage.calls``), and the storage's ``flush`` and
-``close`` wait for the retries (close within its timeout). A file whose every attempt failed, or
-whose deletion close had to cancel, is unreferenced: it is counted (``deletions_failed``),
-logged, listed by ``undeleted`` (the most recent ``MAX_UNDELETED``; the log, not memory, keeps the
-rest) and left to the orphan scan of the next recovery, which deletes every file no retained
-checkpoint names.
+materialized chunks, and ``discard`` for the objects of upload attempts that lost: a failed
+attempt's that may have landed, a hedge's loser): a refused DELETE is retried with the DFS calls'
+policy (``max_attempts``, doubling backoff, a deadline per attempt: ``dstl.storage.calls``), and
+the storage's ``flush`` and ``close`` wait for the retries (close within its timeout). A file
+whose every attempt failed, or whose deletion close had to cancel, is unreferenced: it is counted
+(``deletions_failed``), logged, listed by ``undeleted`` (the most recent ``MAX_UNDELETED``; the
+log, not memory, keeps the rest) and left to the orphan scan of the next recovery, which deletes
+every file no retained checkpoint names.
 
 The counts are touched from the loop thread (uploads finishing) and from writer threads
 (truncation, confirmation), always under ``lock``.
@@ -91,11 +99,12 @@ class FileRegistry:
         return list(self._writers.values())
 
     def close_writer(self, writer: StateChangelogWriter) -> None:
-        """Drop every hold of the writer's handles and forget it (its entries are truncated)."""
+        """Hand over every handle of the writer still held (see the module doc) and forget it
+        (its entries are truncated)."""
         with self.lock:
             for handle in [h for h in self._holds if h.log_id == writer.log_id]:
                 for _ in range(self._holds[handle]):
-                    self._drop_hold(handle)
+                    self._confirm_locked(handle)
         self._writers.pop(writer.log_id, None)
 
     # -- files of the scheduler's uploads (loop thread) ------------------------------------
@@ -168,10 +177,7 @@ class FileRegistry:
 
     def confirm_handle(self, handle: ChangelogHandle) -> None:
         with self.lock:
-            for path in handle.files:
-                if path in self._files:
-                    self._files[path].confirmed = True
-            self._drop_hold(handle)
+            self._confirm_locked(handle)
 
     def release_handle(self, handle: ChangelogHandle) -> None:
         with self.lock:
@@ -182,6 +188,11 @@ class FileRegistry:
         storage is closing it is skipped and left to the orphan scan, as a failed deletion is.
         ``on_done(deleted)`` runs on the loop once the outcome is known (not if skipped)."""
         self._loop.call_or_drop(self._delete_soon, path, on_done)
+
+    def discard(self, path: str) -> None:
+        """On the loop: delete the object of an upload attempt that lost (``dstl.hedging``), as a
+        released file is deleted; counted in ``deleted_orphans`` once gone."""
+        self._delete_soon(path, orphan=True)
 
     def undeleted(self) -> list[str]:
         """Paths whose deletion failed for good (the newest ``MAX_UNDELETED``), oldest first."""
@@ -194,6 +205,12 @@ class FileRegistry:
             return {p: (s.refs, s.confirmed) for p, s in self._files.items()}
 
     # -- under self.lock -------------------------------------------------------------------
+
+    def _confirm_locked(self, handle: ChangelogHandle) -> None:
+        for path in handle.files:
+            if path in self._files:
+                self._files[path].confirmed = True
+        self._drop_hold(handle)
 
     def _drop_hold(self, handle: ChangelogHandle) -> None:
         if handle not in self._holds:
@@ -217,11 +234,11 @@ class FileRegistry:
             if not state.confirmed and self.owns_files:
                 self.delete_later(path)
 
-    def _delete_soon(self, path: str, on_done: Callable[[bool], None] | None = None) -> None:
+    def _delete_soon(self, path: str, on_done: Callable[[bool], None] | None = None, orphan: bool = False) -> None:
         """On the loop: delete ``path`` in the background, retried (``drain`` waits for it)."""
-        self._executor.track(asyncio.ensure_future(self._delete(path, on_done)))
+        self._executor.track(asyncio.ensure_future(self._delete(path, on_done, orphan)))
 
-    async def _delete(self, path: str, on_done: Callable[[bool], None] | None = None) -> None:
+    async def _delete(self, path: str, on_done: Callable[[bool], None] | None = None, orphan: bool = False) -> None:
         deleted = False
         try:
             await call_with_retries(self._policy, "delete", path, lambda: self._uploader.delete(path))
@@ -231,7 +248,10 @@ class FileRegistry:
         except Exception as exc:
             self._record_undeleted(path, str(exc))
         else:
-            self._metrics.files_deleted += 1
+            if orphan:
+                self._metrics.deleted_orphans += 1
+            else:
+                self._metrics.files_deleted += 1
             deleted = True
         finally:
             if on_done is not None:

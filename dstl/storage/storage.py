@@ -14,12 +14,17 @@ the public API in one place, as Flink's ``FsStateChangelogStorage`` does:
 
 Writers and readers call in from their own threads; a writer sees the storage through
 ``dstl.api.WriterStorage``.
+
+An uploader with an ``open`` coroutine (S3: creating its client) is opened by the constructor, before
+any writer exists: the loop thread that applies the in-flight bound must not be held by that work
+while operators append. If it fails, it is logged and the uploader's first call opens it again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
@@ -45,6 +50,7 @@ from dstl.writer import ChangelogWriter
 __all__ = ["StateChangelogStorage"]
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 
 
 class StateChangelogStorage:
@@ -61,7 +67,11 @@ class StateChangelogStorage:
         self._close_lock = threading.Lock()
         self._loop = StorageLoop()
         self._executor = UploadExecutor(
-            self._uploader, config, self.metrics, lambda: new_file_name(config.prefix_count)
+            self._uploader,
+            config,
+            self.metrics,
+            lambda: new_file_name(config.prefix_count),
+            discard=lambda path: self._registry.discard(path),  # the registry needs the executor
         )
         self._call_policy = CallPolicy.of(config)
         self._registry = FileRegistry(
@@ -86,6 +96,17 @@ class StateChangelogStorage:
             round_bytes=config.persist_size_threshold,
         )
         self._monitor = self._loop.submit(monitor.run())
+        self._open_uploader()
+
+    def _open_uploader(self) -> None:
+        """Open the uploader now, if it opens at all (see the module doc); never raises."""
+        opener = getattr(self._uploader, "open", None)
+        if opener is None:
+            return
+        try:
+            self._loop.run(opener(), self._call_policy.timeout_s)
+        except Exception as exc:  # the first call opens it again and reports what fails then
+            _log.warning("opening the uploader of %s failed (the first call retries): %r", self.config.base_path, exc)
 
     @property
     def owns_files(self) -> bool:
@@ -258,6 +279,9 @@ class StateChangelogStorage:
 
     def close(self, timeout: float | None = 60.0) -> None:
         """Close every writer, finish uploads and deletions, close the uploader, stop the loop.
+
+        The files of handles handed out and not yet confirmed or released stay, as when their
+        writer closes (``dstl.storage.registry``): a checkpoint may name them.
 
         Calls from other threads keep working until the uploads are drained; from then on they
         raise ``StorageClosedError``, and what they had started is waited for (``_wind_down``)."""

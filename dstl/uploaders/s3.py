@@ -5,6 +5,13 @@ Retries and timeouts belong to the log (per attempt, with hedging, ``dstl.hedgin
 per call. A cancelled request is simply abandoned: the caller deletes the key that attempt may
 still have written.
 
+The client is created by ``open``, which the storage awaits when it is created, before it hands
+out any writer: creating it is slow, CPU-bound work on the storage's loop thread (importing
+aiobotocore, loading and parsing botocore's S3 models: hundreds of milliseconds on a busy
+machine), and that thread also applies the in-flight bound to every writer every few milliseconds
+(``dstl.storage.throttle``): a client created by the first upload would hold it while operators
+append without bound. A call finding no client (``open`` failed) creates it then.
+
 Credentials never reach a log: at DEBUG botocore logs request headers (the session token, the
 Authorization header) and signing inputs. A filter on a logger misses records of its children and
 a filter on handlers misses handlers added later, so the redaction sits in the log record factory,
@@ -41,6 +48,10 @@ class S3Uploader:
         self._client: Any = None
         self._stack = AsyncExitStack()
         self._lock = asyncio.Lock()
+
+    async def open(self) -> None:
+        """Create the client now rather than on the first call (see the module doc)."""
+        await self._get_client()
 
     async def _get_client(self) -> Any:
         if self._client is None:
@@ -118,6 +129,10 @@ class S3Uploader:
             response = await client.get_object(**kwargs)
         except client.exceptions.NoSuchKey:
             raise FileNotFoundError(f"s3://{self.bucket}/{kwargs['Key']}") from None
+        except client.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "InvalidRange":
+                return b""  # a range past the object's end reads nothing, as from a file (a caller checks lengths)
+            raise
         async with response["Body"] as body:
             data: bytes = await body.read()
         return data

@@ -9,6 +9,7 @@ before it.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -209,3 +210,22 @@ def test_writes_through_a_linked_directory_are_refused(linked: tuple[StateChange
     with pytest.raises(ConfigurationError, match="outside the changelog base path"):
         storage.put_file("chk-1/_metadata", b"meta")
     assert not (outside / "_metadata").exists()
+
+
+def test_a_timeout_error_the_client_raises_is_named_as_raised_not_as_the_deadline(
+    tmp_path: Path, plan: FaultPlan
+) -> None:
+    """The store's client gives up by itself (an ``ETIMEDOUT`` well within the deadline): the error
+    says what was raised and when, not that the deadline passed."""
+    storage, _ = faulty_storage(tmp_path, plan, dfs_timeout_ms=60_000)
+    try:
+        plan.add(Fault(op="put", path=PATH, action="late"))  # raises TimeoutError at once
+        with pytest.raises(StorageError) as exc_info:
+            storage.put_file(PATH, b"meta", timeout=WAIT_S)
+        assert not isinstance(exc_info.value, DeadlineExceededError)
+        message = str(exc_info.value)
+        assert "no answer within" not in message
+        assert re.search(r"attempt 1: TimeoutError: .*injected late put .* \(raised after \d+ ms\)", message), message
+        assert re.search(r"attempt 2: TimeoutError: .* \(raised after \d+ ms\)", message), message
+    finally:
+        storage.close()

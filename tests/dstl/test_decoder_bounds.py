@@ -8,9 +8,11 @@ checksums, as a buggy writer or a hand edit would leave them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import zlib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +21,8 @@ from hypothesis import strategies as st
 
 from backend.core.errors import StateRestoreError
 from backend.core.handles import KeyedStateHandle
-from dstl import ChangelogHandle, CorruptChangelogError
+from benchmarks.support.faulty_fs import FaultPlan, faulty_base_path
+from dstl import ChangelogConfig, ChangelogHandle, CorruptChangelogError, StateChangelogStorage
 from dstl.format import SEGMENT_HEADER, SEGMENT_MAGIC, TRAILER, decode_segment, log_crc, read_footer
 from dstl.types import KeyGroupRange
 from materializer.chunks import CHUNK_TRAILER, CorruptChunkError, chunk_info, encode_chunk
@@ -48,6 +51,8 @@ def test_a_valid_handle_parses() -> None:
         {"after": 5, "upto": 2},
         {"after": -1},
         {"segment": {"offset": 2**64}},
+        {"segment": {"offset": 2**62}},  # below a seek's limit, past any file: the store would refuse it
+        {"segment": {"offset": 2**40 - 59}},  # its 60 bytes end past the largest file
         {"segment": {"length": 2**40}},
         {"segment": {"sqn": 2**64}},
         {"segment": {"records": 2**32}},
@@ -68,6 +73,21 @@ def test_any_out_of_range_integer_in_a_log_handle_is_refused(field: str, value: 
     changes: dict[str, Any] = {field: value} if field in ("after", "upto") else {"segment": {field: value}}
     with pytest.raises(CorruptChangelogError):
         ChangelogHandle.from_json(handle_json(**changes))
+
+
+def test_a_segment_past_the_largest_file_is_refused_before_anything_is_read(tmp_path: Path) -> None:
+    """A handle built in memory, not parsed, is checked by the reader the same way."""
+    plan = FaultPlan()
+    config = ChangelogConfig(base_path=faulty_base_path(tmp_path / "dfs", plan), retry_delay_ms=1)
+    with StateChangelogStorage(config) as storage:
+        writer = storage.create_writer("op", KeyGroupRange(0, 3))
+        writer.append(1, b"change")
+        handle = writer.persist_durably(0).result(30)
+        (segment,) = handle.segments
+        forged = dataclasses.replace(handle, segments=(dataclasses.replace(segment, offset=2**62),))
+        with pytest.raises(CorruptChangelogError, match=rf"{segment.path}: .* past the largest changelog file"):
+            list(storage.read(forged))
+        assert plan.calls_of("get") == []
 
 
 def test_deep_nesting_in_handles_is_corruption_not_a_recursion_error() -> None:

@@ -1,10 +1,11 @@
 """Deletions of released log files: retried in the background, drained on close, the rest recorded.
 
 A log file dies when no changeset, handle or checkpoint needs it any more; its DELETE runs in
-the background. A refused DELETE is retried with backoff up to ``max_attempts``; ``flush`` and
-``close`` wait for the retries; a file whose every attempt failed is counted
-(``deletions_failed``) and listed by ``undeleted_files()``, and the orphan scan of the next
-recovery removes it. Faults come from the fault layer's file system, nothing of ours is patched.
+the background, and so does that of an upload attempt's object that lost (a failed attempt whose
+write may have landed, a hedge's loser). A refused DELETE is retried with backoff up to
+``max_attempts``; ``flush`` and ``close`` wait for the retries; a file whose every attempt failed
+is counted (``deletions_failed``) and listed by ``undeleted_files()``, and the orphan scan of the
+next recovery removes it. Faults come from the fault layer's file system, nothing of ours is patched.
 """
 
 from __future__ import annotations
@@ -105,3 +106,43 @@ def test_a_delete_refused_on_every_attempt_is_recorded_for_orphan_cleanup(
     assert storage.metrics.files_deleted == 0
     assert "dstl_deletions_failed_total 1.0" in storage.prometheus()
     assert list(storage.read(kept)) == [(0, b"still needed")]
+
+
+def loser_of(plan: FaultPlan, handle: ChangelogHandle) -> str:
+    """The object name of the upload's attempt that lost (the one not in the handle)."""
+    (loser,) = [path for path in plan.calls_of("put") if path not in handle.files]
+    return loser
+
+
+def test_the_object_of_a_failed_attempt_is_deleted_with_retries(
+    storage: StateChangelogStorage, plan: FaultPlan, dfs: Path
+) -> None:
+    """Attempt 1's client gives up (its write may land: it is deleted all the same); the DELETE
+    is refused twice and retried until it goes through."""
+    plan.add(Fault(op="put", action="late", times=1))
+    plan.add(Fault(op="delete", path="*", action="fail", times=2))
+    handle = persisted(storage.create_writer("op", RANGE), b"the second attempt wins")
+    loser = loser_of(plan, handle)
+    storage.flush(WAIT_S)
+    assert plan.calls_of("delete") == [loser] * 3
+    assert files_on(dfs) == set(handle.files)
+    assert storage.metrics.deleted_orphans == 1
+    assert storage.undeleted_files() == []
+
+
+def test_the_object_of_a_failed_attempt_that_cannot_be_deleted_is_recorded(
+    storage: StateChangelogStorage, plan: FaultPlan, dfs: Path
+) -> None:
+    """Every DELETE refused: the given-up write, landed, stays for the orphan scan, but counted
+    and listed."""
+    plan.add(Fault(op="put", action="late", times=1))
+    plan.add(Fault(op="delete", path="*", action="fail"))
+    handle = persisted(storage.create_writer("op", RANGE), b"the second attempt wins")
+    loser = loser_of(plan, handle)
+    storage.flush(WAIT_S)
+    assert plan.land_late() == 1
+    assert plan.calls_of("delete") == [loser] * storage.config.max_attempts
+    assert files_on(dfs) == set(handle.files) | {loser}
+    assert storage.undeleted_files() == [loser]
+    assert storage.metrics.deletions_failed == 1
+    assert "dstl_deletions_failed_total 1.0" in storage.prometheus()

@@ -2,7 +2,8 @@
 
 A scripted in-memory ``Uploader`` takes the behaviour of each ``put`` from a script:
 ``("ok", latency)`` sleeps then stores, ``("fail", latency)`` sleeps then raises ``OSError``,
-``("hang",)`` never returns. With ``store_first=True`` every put stores its object *before*
+``("timeout", latency)`` sleeps then raises ``TimeoutError`` (the uploader's own, as a socket
+timeout), ``("hang",)`` never returns. With ``store_first=True`` every put stores its object *before*
 sleeping, like a request whose bytes reached the store although the caller gave up on it: a
 cancelled, failed or timed-out attempt then leaves an object that the executor must delete.
 All time is virtual (``tests.virtual_time``): every latency below is exact and nothing sleeps.
@@ -73,7 +74,7 @@ class ScriptedUploader:
             if step[0] == "hang":
                 await asyncio.Event().wait()
             else:
-                assert step[0] in ("ok", "fail"), step
+                assert step[0] in ("ok", "fail", "timeout"), step
                 await asyncio.sleep(step[1])  # type: ignore[misc]
         except asyncio.CancelledError:
             call.end, call.outcome = virtual_now(), "cancelled"
@@ -82,6 +83,9 @@ class ScriptedUploader:
         if step[0] == "fail":
             call.outcome = "failed"
             raise OSError(f"scripted failure of {path}")
+        if step[0] == "timeout":
+            call.outcome = "failed"
+            raise TimeoutError(f"scripted socket timeout of {path}")
         self.objects[path] = data
         call.outcome = "ok"
 
@@ -343,8 +347,8 @@ def test_all_attempts_failing_fails_the_upload(store_first: bool) -> None:
     error, failed_at = run_virtual(scenario())
     message = str(error)
     assert "after 2 attempts" in message
-    assert "attempt 1: OSError: scripted failure of obj-1" in message
-    assert "attempt 2: timed out" in message
+    assert "attempt 1: OSError: scripted failure of obj-1 (raised after 10 ms)" in message
+    assert "attempt 2: no answer within 1000 ms" in message
     assert message.startswith("upload of a changelog file (7 bytes) failed")
     assert message.endswith("objects tried, deleted in the background: obj-1, obj-2")
     # The last attempt timing out fails the upload at its timeout (FLINK-26396 hung instead).
@@ -364,7 +368,7 @@ def test_timed_out_single_attempt_fails_the_upload(store_first: bool) -> None:
     executor, fake, metrics = make([("hang",)], store_first=store_first, max_attempts=1, upload_timeout_ms=2000)
 
     async def scenario() -> float:
-        with pytest.raises(UploadFailedError, match=r"after 1 attempts \(attempt 1: timed out\)"):
+        with pytest.raises(UploadFailedError, match=r"after 1 attempts \(attempt 1: no answer within 2000 ms\)"):
             await executor.upload(b"x")
         failed_at = virtual_now()
         await executor.drain()
@@ -373,6 +377,24 @@ def test_timed_out_single_attempt_fails_the_upload(store_first: bool) -> None:
     assert run_virtual(scenario()) == 2.0
     assert fake.objects == {}
     assert (metrics.upload_failures, metrics.attempt_timeouts, metrics.retries) == (1, 1, 0)
+
+
+def test_a_timeout_error_the_uploader_raises_is_not_the_attempt_deadline() -> None:
+    """The uploader gives up by itself after 50 ms, far within the 1 s deadline: the error says
+    what it raised and when; it is no attempt timeout."""
+    executor, _, metrics = make([("timeout", 0.05), ("timeout", 0.05)], max_attempts=2, upload_timeout_ms=1000)
+
+    async def scenario() -> str:
+        with pytest.raises(UploadFailedError) as info:
+            await executor.upload(b"payload")
+        await executor.drain()
+        return str(info.value)
+
+    message = run_virtual(scenario())
+    assert "attempt 1: TimeoutError: scripted socket timeout of obj-1 (raised after 50 ms)" in message
+    assert "attempt 2: TimeoutError: scripted socket timeout of obj-2 (raised after 50 ms)" in message
+    assert "no answer" not in message
+    assert metrics.attempt_timeouts == 0
 
 
 @store_variants
@@ -398,8 +420,8 @@ def test_hedges_count_as_attempts(store_first: bool) -> None:
     assert failed_at == pytest.approx(1.0)  # when the primary timed out; no retry after that
     assert "after 2 attempts" in message
     # Causes are named by attempt number, not by the order in which they failed.
-    assert "attempt 1: timed out" in message
-    assert "attempt 2: OSError: scripted failure of obj-2" in message
+    assert "attempt 1: no answer within 1000 ms" in message
+    assert "attempt 2: OSError: scripted failure of obj-2 (raised after 50 ms)" in message
     assert (metrics.hedges, metrics.retries, metrics.upload_attempts) == (1, 0, 2)
     assert metrics.upload_failures == 1
     assert fake.objects == {}

@@ -1,6 +1,7 @@
 """Property: whatever writers append, persist, truncate, confirm and release, a handle reads back
 exactly the model's changes with ``after < sqn <= upto``, in append order, restricted to the
-requested key groups; and once the storage is closed, exactly the confirmed files remain.
+requested key groups; and once the storage is closed, exactly the files of the handles still held
+remain: the confirmed ones, and those handed over by a close (their checkpoint may have completed).
 
 The model does not predict SQNs (the storage's loop thread may cut a pre-emptive changeset at any
 time); it records, for every SQN the API returned, how many changes had been appended when it was
@@ -156,8 +157,9 @@ class Run:
         m.closed = True
         with pytest.raises(WriterClosedError):
             m.writer.last_appended_sqn()
-        # unconfirmed handles of a closed writer are released with it
-        self.held = [h for h in self.held if h.model is not m or h.confirmed]
+        # a closed writer's handles neither confirmed nor released are handed over: kept as confirmed
+        for held in self.held:
+            held.confirmed = held.confirmed or held.model is m
 
     def step(self) -> None:
         op = self.draw(st.sampled_from(OPS), "op")
@@ -208,11 +210,10 @@ class Run:
         assert listed == set().union(*(h.handle.files for h in self.held)), "a file leaked or was deleted early"
         for held in self.held:
             assert list(self.storage.read(held.handle)) == held.expected
-        confirmed = set().union(*(h.handle.files for h in self.held if h.confirmed))
         self.storage.close()
         dfs = self.root / "dfs"
         on_disk = {p.relative_to(dfs).as_posix() for p in dfs.rglob("*") if p.is_file()} if dfs.exists() else set()
-        assert on_disk == confirmed, "close must delete every unconfirmed file and keep every confirmed one"
+        assert on_disk == listed, "close must keep the files of every handle held (confirmed or handed over)"
         assert self.storage.tracked_files() == {}
 
 

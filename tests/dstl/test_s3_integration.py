@@ -35,6 +35,7 @@ from dstl import (
     ChangelogConfig,
     ChangelogHandle,
     ChangelogWriter,
+    CorruptChangelogError,
     HedgingPolicy,
     KeyGroupRange,
     S3Options,
@@ -281,12 +282,30 @@ def test_confirmed_handle_survives_close_and_restart(moto_server: S3Server, buck
         unconfirmed = dropped.persist_durably(0).result(WAIT_S)
         assert confirmed.files.isdisjoint(unconfirmed.files)
         kept.confirm(confirmed)
+        dropped.release(unconfirmed)  # its checkpoint aborted
         text = confirmed.dumps()
-    # Closing drops every writer: the unconfirmed handle's file goes, the checkpoint's file stays.
+    # Closing drops every writer: the released handle's file goes, the checkpoint's file stays.
     assert list_keys(endpoint, bucket) == [key(p) for p in confirmed.files]
 
     with StateChangelogStorage(config) as restarted:
         assert list(restarted.read(ChangelogHandle.loads(text))) == records
+
+
+def test_a_segment_placed_past_the_end_of_its_object_is_corrupt_not_a_store_failure(
+    moto_server: S3Server, bucket: str
+) -> None:
+    """S3 answers a range past an object's end with 416 InvalidRange: that is the handle's damage
+    (named by its file, not retried), as a read past a local file's end is."""
+    with StateChangelogStorage(s3_config(moto_server.endpoint_url, bucket)) as storage:
+        writer = storage.create_writer("op", KeyGroupRange(0, 7))
+        append_records(writer, range(8), "r", 10)
+        handle = writer.persist_durably(0).result(WAIT_S)
+        (segment,) = handle.segments
+        forged = ChangelogHandle.loads(
+            dataclasses.replace(handle, segments=(dataclasses.replace(segment, offset=1 << 30),)).dumps()
+        )
+        with pytest.raises(CorruptChangelogError, match=rf"{segment.path}: segment of sqn 1 truncated \(0 bytes\)"):
+            list(storage.read(forged))
 
 
 def test_credentials_and_endpoint_from_environment(

@@ -340,20 +340,26 @@ def test_file_shared_by_two_writers_stays_until_both_truncated(make_storage: Sto
     assert files_on_dfs(storage) == []
 
 
-def test_storage_close_deletes_unconfirmed_files_and_keeps_confirmed(tmp_path: Path) -> None:
+def test_storage_close_deletes_released_files_and_keeps_confirmed_and_handed_out(tmp_path: Path) -> None:
+    """A handle neither confirmed nor released when the storage closes is handed over: its
+    checkpoint may have completed (the coordinator knows, the orphan scan cleans up)."""
     storage = StateChangelogStorage(ChangelogConfig.local(tmp_path / "dfs"))
     a = storage.create_writer("a", RANGE)
     b = storage.create_writer("b", RANGE)
+    c = storage.create_writer("c", RANGE)
     a.append(1, b"confirmed")
     confirmed = persist(a, 0)
     a.confirm(confirmed)
-    b.append(1, b"held only")
-    held = persist(b, 0)
+    b.append(1, b"released")
+    released = persist(b, 0)
+    b.release(released)
+    c.append(1, b"held only")
+    held = persist(c, 0)
     a.append(1, b"never persisted on request")
     a.last_appended_sqn()
-    assert not confirmed.files & held.files
+    assert len(set(confirmed.files) | set(released.files) | set(held.files)) == 3
     storage.close()
-    assert files_on_disk(tmp_path) == set(confirmed.files)
+    assert files_on_disk(tmp_path) == set(confirmed.files) | set(held.files)
     assert storage.tracked_files() == {}
 
 

@@ -384,6 +384,39 @@ def test_verify_checks_each_chunk_of_a_pack_by_its_range(run: Run, job_dir: Path
     assert code == 1 and "the chunk at offset" in out and "key groups" in out
 
 
+def pack_entries(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chunk entries of subtask 0 of ``counts``: one pack file, chunks at offsets."""
+    entries: list[dict[str, Any]] = body["operators"]["counts"]["subtasks"][0]["materialized"]
+    assert len({e["path"] for e in entries}) == 1 and all("offset" in e for e in entries)
+    return entries
+
+
+def test_verify_reports_bytes_after_a_packs_last_chunk(run: Run, job_dir: Path) -> None:
+    """A restore reads a pack by its chunks' ranges and never sees bytes after the last one:
+    verify reads the whole file and reports them."""
+    meta_path = job_dir / "chk-2" / "_metadata"
+    pack = job_dir / pack_entries(json.loads(meta_path.read_bytes()))[0]["path"]
+    size = pack.stat().st_size
+    with pack.open("ab") as f:
+        f.write(b"appended after the last chunk")
+    code, out, _ = run("checkpoints", "verify", job_dir / "chk-2")
+    assert code == 1
+    assert f"BAD {pack}: the file is {size + 29} bytes, but its chunks end at byte {size}" in out
+
+
+def test_verify_accepts_a_pack_whose_last_chunk_no_handle_names_any_more(run: Run, job_dir: Path) -> None:
+    """A pack stays while any of its chunks is referenced (``materializer.packs``): a superseded
+    chunk at its end is a chunk, not stray bytes; anything after it is."""
+    meta_path = job_dir / "chk-2" / "_metadata"
+    rewrite_metadata(meta_path, lambda body: pack_entries(body).pop())
+    assert run("checkpoints", "verify", job_dir / "chk-2")[0] == 0
+    pack = job_dir / pack_entries(json.loads(meta_path.read_bytes()))[0]["path"]
+    with pack.open("ab") as f:
+        f.write(b"stray")
+    code, out, _ = run("checkpoints", "verify", job_dir / "chk-2")
+    assert code == 1 and f"BAD {pack}: the file is " in out
+
+
 # -- savepoint trigger / dispose ---------------------------------------------------------------
 
 
