@@ -19,13 +19,22 @@ safe when the registry says no retained checkpoint names it:
   directory is a human's doing, not ours to clean), and when the newest unfenced candidate does
   not parse or names a missing file (resuming older state silently would lose what the caller
   was told is committed; a late ``_metadata`` of a failed checkpoint whose fence could never be
-  written ends here too, for a human to remove). An older candidate naming a missing file is
-  reported in ``damaged`` and deleted; an older one that does not parse is reported and its
-  ``_metadata`` left in place for a human, but the files it names go with the orphans (they cannot
-  be known). The newest ``num_retained`` intact ones are kept. Only then are the counts rebuilt
+  written ends here too, for a human to remove). The newest ``num_retained`` intact ones are kept.
+  Only then are the counts rebuilt
   and every other file under the job directory deleted (fenced ``_metadata`` first; pending
   checkpoints' uploads, subsumed leftovers, tmp files, reservations of checkpoint ids below the
   highest) before a new checkpoint starts (Flink's changelog backend leaked these: FLINK-25511).
+- **A read does not condemn a checkpoint; only subsumption or a discard deletes one.** A
+  ``_metadata`` body that fails validation is read again (``VALIDATION_READS`` reads in all): a
+  misbehaving store or proxy may answer a GET with part of the object and no error. An older
+  candidate that still fails (it does not parse, or names a file that is not there) is reported
+  in ``damaged`` and not retained, and what becomes of its files depends only on whether it is
+  *subsumed*: ``num_retained`` intact checkpoints are newer than it. A subsumed one goes as
+  retention would have dropped it anyway (its ``_metadata`` deleted if it parsed, left for a human
+  if not; the files only it names go with the orphans). One within the retention window is left
+  in place with every file it names; if it does not parse, what it names cannot be known, so this
+  recovery deletes no unreferenced file outside checkpoint directories at all. A later recovery
+  that reads it whole retains it again; once subsumed, it goes.
 - **Fences are tombstones.** A fence goes only once a checkpoint with a higher id has committed:
   until then a late ``_metadata`` of the fenced id could be the newest candidate. ``add`` deletes
   the fences below the checkpoint it adds; recovery keeps every fence above the latest kept
@@ -55,9 +64,13 @@ from backend.checkpointing.registry import SharedStateRegistry
 from backend.core.errors import CheckpointError
 from dstl import ConfigurationError, StateChangelogStorage
 
-__all__ = ["CompletedCheckpointStore", "Protect", "StepHook"]
+__all__ = ["VALIDATION_READS", "CompletedCheckpointStore", "Protect", "StepHook"]
 
 _log = logging.getLogger(__name__)
+
+#: reads of a ``_metadata`` before recovery takes it for damaged: a body that fails validation may
+#: be a short answer of a misbehaving store or proxy, not what is stored
+VALIDATION_READS = 3
 
 #: A hook the tests of the checkpoint protocol use to stop the process at a named step.
 StepHook = Callable[[str], None]
@@ -68,10 +81,15 @@ Protect = Callable[[int], Iterable[str]]
 
 @dataclass(frozen=True)
 class _Problem:
-    """Why ``recover()`` did not accept a ``_metadata``; ``readable``: it parsed (files are missing)."""
+    """Why ``recover()`` did not accept a ``_metadata``; ``files``: those it names that exist
+    (None: it does not parse, so they cannot be known)."""
 
     reason: str
-    readable: bool
+    files: set[str] | None
+
+    @property
+    def readable(self) -> bool:
+        return self.files is not None
 
 
 class CompletedCheckpointStore:
@@ -123,7 +141,7 @@ class CompletedCheckpointStore:
             elif rest == ABORTED_NAME:
                 fenced.add(checkpoint_id)
         self.damaged = {}
-        intact, unreadable = self._select({c: p for c, p in candidates.items() if c not in fenced}, set(all_files))
+        intact, left = self._select({c: p for c, p in candidates.items() if c not in fenced}, set(all_files))
         self.completed = intact[: self.num_retained][::-1]
         for meta in self.completed:
             self.registry.register(meta.checkpoint_id, meta.referenced_files())
@@ -132,8 +150,14 @@ class CompletedCheckpointStore:
         # committed, so its _metadata, landing late, is never the newest. One is left when its
         # deletion after that commit failed; it goes here, after its _metadata (the order below).
         self.fences = {c for c in fenced if latest is None or c > latest.checkpoint_id}
-        keep = self.registry.files() | {metadata_path(m.checkpoint_id) for m in self.completed} | unreadable
+        keep = self.registry.files() | {metadata_path(m.checkpoint_id) for m in self.completed}
         keep |= {aborted_path(c) for c in self.fences}
+        for path, files in left.items():
+            keep.add(path)
+            if files is None:  # what it names cannot be known: keep every file that is not a checkpoint's own
+                keep |= {p for p in all_files if parse_checkpoint_dir(p.partition("/")[0]) is None}
+            else:
+                keep |= files
         if reservations:
             keep.add(max(reservations, key=reservations.__getitem__))
         if protect is not None:
@@ -147,11 +171,13 @@ class CompletedCheckpointStore:
                 self.storage.remove_empty_directory(head)
         return latest
 
-    def _select(self, candidates: dict[int, str], listed: set[str]) -> tuple[list[SnapshotMetadata], set[str]]:
-        """The intact checkpoints among the unfenced ``candidates``, newest first, and the paths of
-        older ones that do not parse (left in place)."""
+    def _select(
+        self, candidates: dict[int, str], listed: set[str]
+    ) -> tuple[list[SnapshotMetadata], dict[str, set[str] | None]]:
+        """The intact checkpoints among the unfenced ``candidates``, newest first, and the damaged
+        ones left in place with the files to keep for them (None: unknown, it does not parse)."""
         intact: list[SnapshotMetadata] = []
-        unreadable: set[str] = set()
+        left: dict[str, set[str] | None] = {}
         for checkpoint_id in sorted(candidates, reverse=True):
             path = candidates[checkpoint_id]
             meta, problem = self._validate(checkpoint_id, path, listed)
@@ -167,12 +193,16 @@ class CompletedCheckpointStore:
                     f"{problem.reason}; it is the newest checkpoint, so the job does not silently resume "
                     f"from an older one: {remedy} (nothing was deleted)"
                 )
+            elif len(intact) < self.num_retained:  # within retention: nothing of it is deleted
+                left[path] = problem.files
+                kept = "every file it names" if problem.files is not None else "every file outside checkpoints"
+                self._skip(path, problem.reason, f"within retention: left in place with {kept}")
             elif problem.readable:
-                self._skip(path, problem.reason, "deleted")
+                self._skip(path, problem.reason, "subsumed: deleted")
             else:
-                unreadable.add(path)  # left for a human; the files it names cannot be known and go
-                self._skip(path, problem.reason, "left in place; the files it names are deleted as orphans")
-        return intact, unreadable
+                left[path] = set()  # left for a human; the files it names cannot be known and go
+                self._skip(path, problem.reason, "subsumed: left in place; the files it names are deleted as orphans")
+        return intact, left
 
     def _validate(self, checkpoint_id: int, path: str, listed: set[str]) -> tuple[SnapshotMetadata | None, _Problem]:
         """The checkpoint at ``path`` if it is intact, else what is wrong with it: it does not parse
@@ -183,7 +213,7 @@ class CompletedCheckpointStore:
             meta = self.read(path)
             files = meta.referenced_files()
         except CheckpointError as exc:
-            return None, _Problem(str(exc), readable=False)
+            return None, _Problem(str(exc), files=None)
         if meta.checkpoint_id != checkpoint_id:
             raise CheckpointError(
                 f"{path} holds checkpoint {meta.checkpoint_id}, not {checkpoint_id} as its directory "
@@ -194,20 +224,28 @@ class CompletedCheckpointStore:
         if missing:
             shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
             reason = f"checkpoint {checkpoint_id} references {len(missing)} missing file(s): {shown}"
-            return None, _Problem(reason, readable=True)
-        return meta, _Problem("", readable=True)
+            return None, _Problem(reason, files=files - set(missing))
+        return meta, _Problem("", files=files)
 
     def _skip(self, path: str, reason: str, fate: str) -> None:
         _log.warning("skipping checkpoint %s on recovery: %s (%s)", path, reason, fate)
         self.damaged[path] = reason
 
     def read(self, path: str) -> SnapshotMetadata:
-        """The ``_metadata`` at ``path`` (relative to the job directory)."""
-        try:
-            data = self.storage.get_file(path)
-        except FileNotFoundError:
-            raise CheckpointError(f"{path} disappeared while recovering") from None
-        return SnapshotMetadata.loads(data, path)
+        """The ``_metadata`` at ``path`` (relative to the job directory), read again while a body
+        fails validation (``VALIDATION_READS`` reads in all); ``CheckpointError`` if every one does."""
+        problem = CheckpointError(f"{path}: not read")
+        for attempt in range(1, VALIDATION_READS + 1):
+            try:
+                data = self.storage.get_file(path)
+            except FileNotFoundError:
+                raise CheckpointError(f"{path} disappeared while recovering") from None
+            try:
+                return SnapshotMetadata.loads(data, path)
+            except CheckpointError as exc:
+                _log.warning("reading %s (%d of %d reads): %s", path, attempt, VALIDATION_READS, exc)
+                problem = exc
+        raise CheckpointError(f"{problem} (the same on each of {VALIDATION_READS} reads)")
 
     def latest(self) -> SnapshotMetadata | None:
         return self.completed[-1] if self.completed else None
