@@ -35,6 +35,13 @@ safe when the registry says no retained checkpoint names it:
   in place with every file it names; if it does not parse, what it names cannot be known, so this
   recovery deletes no unreferenced file outside checkpoint directories at all. A later recovery
   that reads it whole retains it again; once subsumed, it goes.
+- **A restart voids the ids it did not resume from.** Before deleting anything, ``recover()``
+  writes ``_void/<latest+1>-<highest>`` when ids above the checkpoint it resumes from were seen in
+  use or reserved: a ``_metadata`` of such an id put by a run that crashed or was taken over
+  (``backend.checkpointing.ownership``) and landing after the listing is treated as fenced
+  whenever it lands; without it, it would be the newest candidate, naming files this recovery
+  deleted, and refuse every later restart. New ids start above every void; a void goes once a
+  checkpoint above it is kept.
 - **Fences are tombstones.** A fence goes only once a checkpoint with a higher id has committed:
   until then a late ``_metadata`` of the fenced id could be the newest candidate. ``add`` deletes
   the fences below the checkpoint it adds; recovery keeps every fence above the latest kept
@@ -45,6 +52,7 @@ safe when the registry says no retained checkpoint names it:
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -59,7 +67,10 @@ from backend.checkpointing.metadata import (
     parse_checkpoint_dir,
     parse_id_block_path,
     parse_metadata_path,
+    parse_void_range_path,
+    void_range_path,
 )
+from backend.checkpointing.ownership import is_ownership_file
 from backend.checkpointing.registry import SharedStateRegistry
 from backend.core.errors import CheckpointError
 from dstl import ConfigurationError, StateChangelogStorage
@@ -105,7 +116,7 @@ class CompletedCheckpointStore:
         #: deletions that failed after a commit (left to the next ``recover()``), for logs and metrics
         self.cleanup_errors: list[str] = []
         #: the highest checkpoint id found by ``recover()`` (-1: none): of a ``chk-<n>`` directory,
-        #: fenced or not, or the end of a reservation of ids
+        #: fenced or not, or the end of a reservation of ids or of a void
         self.highest_id = -1
         #: ``_metadata`` paths ``recover()`` skipped (damaged or naming missing files), with the reason
         self.damaged: dict[str, str] = {}
@@ -113,23 +124,32 @@ class CompletedCheckpointStore:
         self.fences: set[int] = set()
         self._step = on_step or (lambda _: None)
 
-    def recover(self, protect: Protect | None = None) -> SnapshotMetadata | None:
+    def recover(
+        self, protect: Protect | None = None, before_delete: Callable[[], None] | None = None
+    ) -> SnapshotMetadata | None:
         """Validate every ``chk-*/_metadata``, keep the newest ``num_retained`` intact ones, rebuild
-        the registry from them and delete every unreferenced file under the job directory (except
-        fences above the latest kept checkpoint, the highest reservation of ids, ``_metadata``
-        files that do not parse and what ``protect`` names); returns the latest kept checkpoint
-        (None for a new job). Raises ``CheckpointError``, deleting nothing, when a ``_metadata``
-        names another checkpoint than its directory, or when the newest unfenced one is damaged or
-        names a missing file."""
+        the registry from them, void the ids above the latest (``_void``), then delete every
+        unreferenced file under the job directory (except fences and voids above the latest kept
+        checkpoint, the highest reservation of ids, damaged checkpoints within retention, the
+        ownership claims and what ``protect`` names); returns the latest kept checkpoint (None for a
+        new job). ``before_delete`` runs before the first write (it may raise: the owner's check).
+        Raises ``CheckpointError``, deleting nothing, when a ``_metadata`` names another checkpoint
+        than its directory, or when the newest unfenced one is damaged or names a missing file."""
         all_files = self.storage.list_all("")
         candidates: dict[int, str] = {}
         fenced: set[int] = set()
         reservations: dict[str, int] = {}
+        voids: dict[str, tuple[int, int]] = {}
         for path in all_files:
             block = parse_id_block_path(path)
             if block is not None:
                 reservations[path] = block[1]
                 self.highest_id = max(self.highest_id, block[1])
+                continue
+            void = parse_void_range_path(path)
+            if void is not None:
+                voids[path] = void
+                self.highest_id = max(self.highest_id, void[1])
                 continue
             head, _, rest = path.partition("/")
             checkpoint_id = parse_checkpoint_dir(head)
@@ -141,7 +161,9 @@ class CompletedCheckpointStore:
             elif rest == ABORTED_NAME:
                 fenced.add(checkpoint_id)
         self.damaged = {}
-        intact, left = self._select({c: p for c, p in candidates.items() if c not in fenced}, set(all_files))
+        voided = {c for c in candidates if any(first <= c <= last for first, last in voids.values())}
+        unfenced = {c: p for c, p in candidates.items() if c not in fenced and c not in voided}
+        intact, left = self._select(unfenced, set(all_files))
         self.completed = intact[: self.num_retained][::-1]
         for meta in self.completed:
             self.registry.register(meta.checkpoint_id, meta.referenced_files())
@@ -160,8 +182,19 @@ class CompletedCheckpointStore:
                 keep |= files
         if reservations:
             keep.add(max(reservations, key=reservations.__getitem__))
+        latest_id = -1 if latest is None else latest.checkpoint_id
         if protect is not None:
-            keep |= set(protect(-1 if latest is None else latest.checkpoint_id))
+            keep |= set(protect(latest_id))
+        keep |= {p for p in all_files if is_ownership_file(p)}
+        keep |= {p for p, (_, last) in voids.items() if last > latest_id}  # moot once a later one is kept
+        if before_delete is not None:
+            before_delete()
+        if self.highest_id > latest_id:  # what a crashed or fenced run may still put of these is void
+            voiding = void_range_path(latest_id + 1, self.highest_id)
+            if voiding not in voids:
+                reason = f"voided by a recovery that resumed from checkpoint {latest_id}"
+                self.storage.put_file(voiding, json.dumps({"reason": reason}).encode())
+            keep.add(voiding)
         # A fenced _metadata goes first (and its fence never here): stopped halfway, this recovery
         # must not leave it unfenced for the next one.
         for path in sorted((p for p in all_files if p not in keep), key=lambda p: (parse_metadata_path(p) is None, p)):

@@ -83,9 +83,7 @@ def test_a_short_read_of_an_older_checkpoint_deletes_none_of_it(tmp_path: Path, 
 
 @pytest.mark.s3
 def test_a_short_body_from_s3_is_read_again(tmp_path: Path, s3: S3Root) -> None:
-    config = s3.job(tmp_path / "probe")  # the proxied S3 settings of the module's other tests
-    changelog = config.options.changelog
-    config.close()
+    changelog = s3.changelog()
     work = Workload()
     job = open_job(s3.root, tmp_path / "local", changelog=changelog)
     at_one = two_retained_checkpoints(job, work)
