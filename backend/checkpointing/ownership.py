@@ -96,7 +96,8 @@ class DirectoryOwnedError(CheckpointError):
 
 
 class OwnershipLostError(CheckpointError):
-    """A newer run took the job directory over: this run may commit, write and delete nothing more."""
+    """This run may commit, write and delete nothing more in the job directory: a newer run took it
+    over, or a commit's check could not be made (``Ownership.relinquish``)."""
 
 
 def is_ownership_file(path: str) -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
-from backend.checkpointing.metadata import metadata_path
+from backend.checkpointing.metadata import VOID_DIR, metadata_path
 from backend.checkpointing.ownership import DirectoryOwnedError, OwnershipLostError
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from tests.backend.checkpointing.test_checkpoint_crash import crash
@@ -134,8 +134,11 @@ def test_a_checkpoint_put_during_the_takeover_is_never_resumed_from(tmp_path: Pa
     assert third.restored_from is not None and third.restored_from.checkpoint_id == 1
     assert read_state(third) == reported
     assert not (tmp_path / "dfs" / "job" / metadata_path(2)).exists()  # void: gone with the orphans
+    assert list((tmp_path / "dfs" / "job" / VOID_DIR).iterdir())
     assert third.checkpoint().checkpoint_id > 2
     third.close()
+    open_job(tmp_path / "dfs", tmp_path / "fourth").close()  # a checkpoint above the void is kept: it goes
+    assert not list((tmp_path / "dfs" / "job" / VOID_DIR).glob("*"))
 
 
 def test_two_jobs_claiming_the_directory_at_once_one_is_refused_naming_the_other(tmp_path: Path) -> None:
