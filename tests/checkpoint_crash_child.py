@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.checkpointing.ownership import is_ownership_file
 from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
 from backend.core.errors import CheckpointError
 from backend.core.serializers import Int64Serializer, StrSerializer
@@ -81,6 +82,7 @@ CRASHES = {
     "materialized": "right after the K-th forced materialization completed (chunks uploaded, none checkpointed)",
     "materialized-checkpoint": "before the _metadata of the checkpoint after the K-th forced materialization",
     "recover-delete": "reopen the existing job; die at the K-th file deletion of its recovery",
+    "claim-put-after": "die right after the K-th write of an ownership claim (a start, before its recovery)",
     # faults after the commit point, then a crash: checkpoint K follows a waited materialization; the
     # fault hits its completion; the child goes on (a runtime retries), materializes again and dies
     "metadata-put-lost": "checkpoint K's _metadata is written but its put raises (a lost response)",
@@ -242,6 +244,8 @@ class CrashingUploader:
     def _kind(path: str) -> str:
         if path.endswith("_metadata"):
             return "metadata"
+        if is_ownership_file(path):
+            return "claim"
         return {"dstl": "dstl", "shared": "chunk"}.get(path.split("/", 1)[0], "other")
 
     def _write_partial(self, path: str, data: bytes) -> None:
@@ -272,7 +276,8 @@ class CrashingUploader:
         return await self.inner.get(path, offset, length)
 
     async def delete(self, path: str) -> None:
-        self.deletes += 1
+        if not is_ownership_file(path):  # counted: the orphans recovery deletes, not older claims
+            self.deletes += 1
         if self.crash == "recover-delete" and self.deletes == self.k:
             die()
         if self.fault == "subsume-delete-error" and self._kind(path) == "metadata":

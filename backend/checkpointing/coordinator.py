@@ -24,6 +24,12 @@ Flink users fell into closed):
   may name a file the registry knows (some retained checkpoint owns it) or a new file; naming a file
   the registry has deleted, or a new file that does not exist, fails the completion with
   ``CheckpointError`` instead of writing a checkpoint that cannot be restored.
+- **Only the directory's owner commits** (``backend.checkpointing.ownership``). ``recover()`` claims
+  the job directory for this run with the next epoch before it reads anything; ``complete()``
+  checks before and after the ``_metadata`` put that no newer run has claimed it since. A run taken
+  over fails the checkpoint with ``OwnershipLostError`` naming the new owner, and from then on
+  writes and deletes nothing (a guarded uploader refuses it), not even on a cancel that would
+  discard its checkpoints.
 - **Nothing escapes the job directory.** Every path in ``_metadata`` and its handles must be
   relative and stay inside; anything else is rejected with ``CheckpointError`` naming the path.
 """
@@ -40,15 +46,22 @@ from typing import Any
 
 from backend.checkpointing.ids import ID_BLOCK_SIZE, CheckpointIdCounter
 from backend.checkpointing.metadata import SnapshotMetadata, aborted_path, metadata_path
+from backend.checkpointing.ownership import Ownership, OwnershipLostError
 from backend.checkpointing.registry import SharedStateRegistry
 from backend.checkpointing.store import CompletedCheckpointStore, Protect, StepHook
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
 from dstl import StateChangelogStorage, StorageClosedError
 
-__all__ = ["CheckpointCoordinator", "CheckpointRetention", "PendingCheckpoint"]
+__all__ = ["CheckpointCoordinator", "CheckpointRetention", "CommitOutcomeUnknownError", "PendingCheckpoint"]
 
 _log = logging.getLogger(__name__)
+
+
+class CommitOutcomeUnknownError(CheckpointError):
+    """A checkpoint's ``_metadata`` was written but could not be settled as committed: counted as
+    failed, yet a restart may resume from it, so the caller must not release its files (a runtime
+    forgets the pending checkpoint without telling its subtasks it was aborted)."""
 
 
 class CheckpointRetention(enum.Enum):
@@ -72,7 +85,8 @@ class CheckpointCoordinator:
 
     Standalone use (``backend.checkpointing.job.LocalJob``) and the Spark driver both drive it: ``trigger`` a
     checkpoint id, ``acknowledge`` every subtask's handle, ``complete`` (or ``abort``). Call
-    ``recover`` once before the first trigger.
+    ``recover`` once before the first trigger. ``ownership``: the run's, if its storage's uploader
+    is guarded by it (``Ownership.guard``); otherwise one is made.
     """
 
     def __init__(
@@ -85,8 +99,10 @@ class CheckpointCoordinator:
         clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
         on_step: StepHook | None = None,
         id_block_size: int = ID_BLOCK_SIZE,
+        ownership: Ownership | None = None,
     ) -> None:
         self.storage = storage
+        self.ownership = ownership or Ownership(storage.config.base_path)
         self.job_id = job_id
         self.retention = retention
         self.store = CompletedCheckpointStore(storage, num_retained, on_step)
@@ -121,8 +137,12 @@ class CheckpointCoordinator:
     # -- restart --------------------------------------------------------------------------
 
     def recover(self, protect: Protect | None = None) -> SnapshotMetadata | None:
-        """``CompletedCheckpointStore.recover``; new ids then start after every id seen."""
-        latest = self.store.recover(protect)
+        """Claim the job directory for this run, then ``CompletedCheckpointStore.recover`` (which
+        checks the claim again before it writes or deletes anything); new ids then start after
+        every id seen."""
+        self.ownership.claim(self.storage)
+        latest = self.store.recover(protect, before_delete=lambda: self.ownership.check("recovering"))
+        self.ownership.compact()
         self.ids.seen(self.store.highest_id)
         self._recovered = True
         return latest
@@ -138,6 +158,8 @@ class CheckpointCoordinator:
         the next id needs a new reservation of ids and it failed."""
         if not self._recovered:
             raise CheckpointError("call recover() before the first checkpoint: orphan files must be cleaned first")
+        if self.ownership.lost:
+            self.ownership.check("triggering a checkpoint")  # raises, naming the new owner
         checkpoint_id = self.ids.take(checkpoint_id)
         self.pending[checkpoint_id] = PendingCheckpoint(checkpoint_id, self._clock_ms())
         return checkpoint_id
@@ -173,10 +195,12 @@ class CheckpointCoordinator:
         )
         files = meta.referenced_files()
         self.store.check_references(checkpoint_id, files)
+        self.ownership.check(f"checkpoint {checkpoint_id}: not committed")
         for unfenced in sorted(self.unfenced):
             self._fence(unfenced)
         self._step("before-metadata")
         self._commit(checkpoint_id, meta.dumps())
+        self._check_after_commit(checkpoint_id)
         # Committed: from here on nothing may fail the checkpoint, or the caller would abort it and
         # release files that its _metadata names.
         del self.pending[checkpoint_id]
@@ -191,6 +215,30 @@ class CheckpointCoordinator:
             except Exception as exc:
                 self.cleanup_errors.append(f"after checkpoint {checkpoint_id}: {exc}")
         return meta
+
+    def _check_after_commit(self, checkpoint_id: int) -> None:
+        """The owner check after a ``_metadata`` put that succeeded. Taken over, or unable to check:
+        the checkpoint is not reported complete, yet a restart (or the new owner) may resume from
+        it, so it is left as it is and none of its files may be released (Flink's "possibly
+        inconsistent" commit): the errors say "outcome unknown". A check that cannot be made ends
+        this run's writing too (``Ownership.relinquish``): a runtime going on would release the
+        files of a checkpoint a restart may resume from (Flink fails over for the same reason)."""
+        path = metadata_path(checkpoint_id)
+        try:
+            self.ownership.check(f"checkpoint {checkpoint_id} ({path} was written)")
+        except OwnershipLostError as exc:
+            raise OwnershipLostError(
+                f"{exc}; outcome unknown: not committed by this run, the new owner may resume from it"
+            ) from None
+        except Exception as exc:
+            # continuing could delete what a restart resumes (its files are not confirmed): fail over
+            self.ownership.relinquish(f"left by this run: the check after checkpoint {checkpoint_id} failed ({exc})")
+            raise CommitOutcomeUnknownError(
+                f"checkpoint {checkpoint_id}: {path} was written, but whether this run still owns "
+                f"{self.ownership.where} could not be checked ({exc}); outcome unknown, counted as failed: it "
+                "is left in place with its files, this run writes nothing more there (restart the job: the "
+                "restart may resume from it)"
+            ) from exc
 
     def _commit(self, checkpoint_id: int, data: bytes) -> None:
         """Write ``chk-<n>/_metadata``; return only when the put succeeded. A failed put may still
@@ -236,6 +284,20 @@ class CheckpointCoordinator:
         self.store.fences.add(checkpoint_id)
         return True
 
+    def _still_owned(self) -> bool:
+        """Whether this run may still write: it claimed the directory and is not known to be taken
+        over (a check that cannot reach the DFS counts as owned: the writes after it fail anyway)."""
+        if not self._recovered:
+            return False
+        try:
+            self.ownership.check("shutting down")
+        except OwnershipLostError as exc:
+            _log.warning("%s", exc)
+            return False
+        except Exception as exc:
+            _log.warning("shutting down: checking the ownership of %s failed: %s", self.ownership.where, exc)
+        return True
+
     def abort(self, checkpoint_id: int) -> None:
         """Forget a pending checkpoint; its uploads are released by the backends
         (``notify_checkpoint_aborted``) and, after a crash, removed by ``recover``."""
@@ -243,8 +305,11 @@ class CheckpointCoordinator:
 
     def shutdown(self, cancelled: bool) -> None:
         """On cancellation with DELETE_ON_CANCELLATION, delete every retained checkpoint and its
-        files; otherwise keep them (a later run resumes from the latest)."""
+        files; otherwise keep them (a later run resumes from the latest). A run whose directory was
+        taken over writes and deletes nothing."""
         self.pending.clear()
+        if not self._still_owned():
+            return
         for unfenced in sorted(self.unfenced):  # a last try: the next run's recovery honours it
             self._fence(unfenced)
         discard = cancelled and self.retention is CheckpointRetention.DELETE_ON_CANCELLATION

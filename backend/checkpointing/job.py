@@ -7,8 +7,9 @@ from the driver instead.
 
 Start-up order matters and is the reason this class exists:
 
-1. ``coordinator.recover()`` rebuilds the reference counts and deletes every orphan file before
-   anything new is written;
+1. ``coordinator.recover()`` claims the job directory for this run (one owner at a time: a run
+   started later takes it over and fences this one, ``backend.checkpointing.ownership``), rebuilds
+   the reference counts and deletes every orphan file before anything new is written;
 2. a job with completed checkpoints resumes from the latest (``restore_from`` is then ignored, as
    in Flink); otherwise ``restore_from`` (a savepoint or another job's checkpoint) is restored in
    ``restore_mode``, after checking that every operator in it still exists;
@@ -35,7 +36,7 @@ from typing import Any
 
 from prometheus_client.registry import Collector
 
-from backend.checkpointing.coordinator import CheckpointCoordinator, CheckpointRetention
+from backend.checkpointing.coordinator import CheckpointCoordinator, CheckpointRetention, CommitOutcomeUnknownError
 from backend.checkpointing.metadata import (
     METADATA_NAME,
     Progress,
@@ -46,6 +47,7 @@ from backend.checkpointing.metadata import (
     snapshot_location,
 )
 from backend.checkpointing.metrics import MetricsServer
+from backend.checkpointing.ownership import Ownership, OwnershipLostError
 from backend.checkpointing.savepoints import (
     RestoreMode,
     check_operators,
@@ -61,7 +63,7 @@ from backend.core.errors import CheckpointError
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, key_group_range_for_subtask
 from backend.state.keyed_backend import DEFAULT_CACHE_LIMIT, ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, ConfigurationError, StateChangelogStorage
-from dstl.uploaders import Uploader
+from dstl.uploaders import Uploader, make_uploader
 from materializer.periodic import PeriodicMaterializer, restore
 
 __all__ = ["JobOptions", "LocalJob", "MaterializationOptions", "OperatorSpec", "PendingSnapshot", "Subtask"]
@@ -204,13 +206,18 @@ class LocalJob:
         self.job_dir = f"{os.fspath(root).rstrip('/')}/{job_id}"
         self.operators = list(operators)
         self._config = replace(options.changelog or ChangelogConfig(base_path=self.job_dir), base_path=self.job_dir)
-        self.storage = StateChangelogStorage(self._config, uploader=uploader)
+        #: this run's claim on the job directory (``backend.checkpointing.ownership``): taken by the
+        #: recovery below; once another run takes the directory over, nothing more is written there
+        self.ownership = Ownership(self.job_dir)
+        guarded = self.ownership.guard(uploader or make_uploader(self._config))
+        self.storage = StateChangelogStorage(self._config, uploader=guarded)
         self.coordinator = CheckpointCoordinator(
             self.storage,
             job_id=job_id,
             num_retained=options.num_retained,
             retention=options.retention,
             on_step=on_step,
+            ownership=self.ownership,
         )
         self._progress = progress
         self._local_dir = Path(local_dir)
@@ -352,6 +359,11 @@ class LocalJob:
             for subtask, future in pending.futures:
                 self.coordinator.acknowledge(cid, subtask.uid, subtask.index, future.result(timeout))
             meta = self.coordinator.complete(cid, properties)
+        except (CommitOutcomeUnknownError, OwnershipLostError):
+            # its _metadata may be what a restart or the new owner resumes from: the subtasks are
+            # not told it was aborted, which would release its files
+            self.coordinator.abort(cid)
+            raise
         except BaseException:
             self.abort_checkpoint(pending)
             raise

@@ -5,6 +5,10 @@ Layout of a job directory (the changelog storage's base path is ``<root>/<job>``
     <root>/<job>/chk-<n>/_metadata               one per completed checkpoint (JSON, relative paths)
     <root>/<job>/chk-<n>/_aborted                the fence of a checkpoint whose _metadata write failed
     <root>/<job>/_ids/<start>-<end>               checkpoint ids start..end reserved by one run
+    <root>/<job>/_void/<first>-<last>             checkpoint ids a restart voided: a _metadata of one of
+                                                  them landing later is never a checkpoint
+    <root>/<job>/_owner/<epoch>.run.<run>         the claim of the run owning the directory from epoch on
+    <root>/<job>/_owner/<epoch>.bind.<hash>.<n>   a Spark query binding the directory (``ownership``)
     <root>/<job>/shared/<uuid>.chunk              materialized chunks, back to back (packs)
     <root>/<job>/dstl/<xx>/<uuid>                 changelog files
     <root>/<job>/pending/<b>/<uid>/<uuid>.dstl    Spark: changelog files of batch b whose notes are the
@@ -41,7 +45,9 @@ __all__ = [
     "METADATA_FORMAT",
     "METADATA_NAME",
     "METADATA_VERSION",
+    "OWNER_DIR",
     "PENDING_DIR",
+    "VOID_DIR",
     "Progress",
     "SnapshotMetadata",
     "aborted_path",
@@ -57,9 +63,11 @@ __all__ = [
     "parse_id_block_path",
     "parse_metadata_path",
     "parse_pending_path",
+    "parse_void_range_path",
     "pending_dir",
     "read_snapshot",
     "snapshot_location",
+    "void_range_path",
 ]
 
 METADATA_VERSION = 1
@@ -69,12 +77,15 @@ ABORTED_NAME = "_aborted"
 CHECKPOINT_PREFIX = "chk-"
 PENDING_DIR = "pending"
 IDS_DIR = "_ids"
+VOID_DIR = "_void"
+OWNER_DIR = "_owner"
 
 _CHECKPOINT_DIR = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 _PENDING_PATH = re.compile(rf"^{PENDING_DIR}/(\d+)/([^/]+)/(?:[0-9a-f]{{32}}\.dstl|\d+(?:-\d+)?\.json)$")
 #: the suffix of a changelog file with notes (``dstl.scheduler`` names them so)
 NOTED_SUFFIX = ".dstl"
 _ID_BLOCK_PATH = re.compile(rf"^{IDS_DIR}/(\d+)-(\d+)$")
+_VOID_RANGE_PATH = re.compile(rf"^{VOID_DIR}/(\d+)-(\d+)$")
 
 #: A progress report: ``(what, done, total)``, e.g. ``("copy", 3, 10)``; called after each unit.
 Progress = Callable[[str, int, int], None]
@@ -125,6 +136,18 @@ def id_block_path(start: int, end: int) -> str:
 def parse_id_block_path(path: str) -> tuple[int, int] | None:
     """``(start, end)`` of an ``id_block_path``, or None for any other path."""
     match = _ID_BLOCK_PATH.match(path)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def void_range_path(first: int, last: int) -> str:
+    """``_void/<first>-<last>``: checkpoint ids ``first..last`` that a restart voided (a run that
+    crashed or was fenced may still have a ``_metadata`` put of one of them in flight)."""
+    return f"{VOID_DIR}/{first}-{last}"
+
+
+def parse_void_range_path(path: str) -> tuple[int, int] | None:
+    """``(first, last)`` of a ``void_range_path``, or None for any other path."""
+    match = _VOID_RANGE_PATH.match(path)
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 

@@ -3,8 +3,8 @@
 A task of batch ``b`` needs the state after ``b - 1``; the driver may or may not have turned that
 batch's pending records into ``chk-<b-1>`` yet, and a batch that ran no task left neither. The
 lookups that settle this live here, with the two other questions asked of the same files: which
-query owns a state directory, and what the latest batch left (for the no-data batch source,
-``backend.spark.ticks``).
+query owns a state directory (the one ownership rule of ``backend.checkpointing.ownership``), and
+what the latest batch left (for the no-data batch source, ``backend.spark.ticks``).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from backend.checkpointing.metadata import (
     parse_pending_path,
     pending_dir,
 )
+from backend.checkpointing.ownership import bind_identity
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
 from backend.spark.config import OperatorConfig, Watermarks, watermark_after
 from dstl import StateChangelogStorage
 
 __all__ = [
-    "OWNER_FILE",
     "BatchState",
     "claim_directory",
     "committed_handles",
@@ -238,37 +238,21 @@ def pending_batches(storage: StateChangelogStorage, cfg: OperatorConfig) -> list
     return sorted(batches, reverse=True)
 
 
-#: the file naming the Spark query that owns a state directory
-OWNER_FILE = "_query.json"
 _CLAIMED: set[tuple[str, str]] = set()
 
 
 def claim_directory(storage: StateChangelogStorage, cfg: OperatorConfig, query_id: str) -> None:
     """Make sure the state directory belongs to the Spark query ``query_id`` (its id is kept in
-    Spark's checkpointLocation, the same in every run): claimed by the first task that runs, and
-    refused to any other query, so that two queries never share state silently. Checked once per
-    process and directory."""
+    Spark's checkpointLocation, the same in every run): bound by the first task that runs, and
+    refused to any other query, so that two queries never share state, not even two started at
+    once (``backend.checkpointing.ownership.bind_identity``: at most one binding stands; the other
+    query is refused naming it). Checked once per process and directory."""
     if not query_id or (cfg.job_dir, query_id) in _CLAIMED:
         return
-    owner = _owner(storage)
-    if owner is None:
-        storage.put_file(OWNER_FILE, json.dumps({"query_id": query_id}).encode())
-        owner = _owner(storage)  # two queries racing to claim it: the last write wins, the other fails
-    if owner != query_id:
-        raise CheckpointError(
-            f"the state directory {cfg.job_dir} belongs to another streaming query (id {owner}), not to this one "
-            f"(id {query_id}): two queries cannot share one state directory; give each query its own "
-            "checkpoint_location (or operator_uid with use_for_session). If this is the same query with a new "
-            "Spark checkpointLocation, its state is gone with the old one: delete this directory too"
-        )
+    bind_identity(
+        storage, query_id, cfg.job_dir, what="streaming query",
+        hint="two queries cannot share one state directory; give each query its own checkpoint_location "
+        "(or operator_uid with use_for_session). If this is the same query with a new Spark "
+        "checkpointLocation, its state is gone with the old one: delete this directory too",
+    )  # fmt: skip
     _CLAIMED.add((cfg.job_dir, query_id))
-
-
-def _owner(storage: StateChangelogStorage) -> str | None:
-    try:
-        value = json.loads(storage.get_file(OWNER_FILE))
-    except FileNotFoundError:
-        return None
-    except ValueError as exc:
-        raise CheckpointError(f"{OWNER_FILE} in the state directory is not valid JSON: {exc}") from exc
-    return str(value.get("query_id")) if isinstance(value, dict) else None

@@ -11,7 +11,10 @@ query that wrote the handles (the task records ``sql.streaming.queryId``). If th
 between Spark's commit and our completion, the next batch restores from the pending handles
 (``backend.spark.tasks.state_after``), so nothing is lost; that checkpoint is simply skipped.
 
-On start (``DriverCoordinator.__init__``) the registry is rebuilt from the completed checkpoints
+On start (``DriverCoordinator.__init__``) the driver claims the state directory for its run
+(``backend.checkpointing.ownership``: one owner at a time; a driver started later takes the
+directory over, and this one's checkpoint completions then fail naming it, while its storage
+writes and deletes nothing more), the registry is rebuilt from the completed checkpoints
 and unreferenced files are deleted, except the pending handles of batches after the latest
 checkpoint the recovery accepts and the files they name: Spark may have committed such a batch.
 A fenced ``chk-<b>`` (its ``_metadata`` write failed after Spark committed batch ``b``) is not
@@ -28,11 +31,13 @@ from typing import Any
 
 from backend.checkpointing.coordinator import CheckpointCoordinator
 from backend.checkpointing.metadata import PENDING_DIR, SnapshotMetadata, parse_pending_path
+from backend.checkpointing.ownership import Ownership
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
-from backend.spark.committed import OWNER_FILE, latest_per_subtask, read_pending, read_pending_file
+from backend.spark.committed import latest_per_subtask, read_pending, read_pending_file
 from backend.spark.config import OperatorConfig
 from dstl import ConfigurationError, StateChangelogStorage, StorageClosedError
+from dstl.uploaders import make_uploader
 
 _log = logging.getLogger(__name__)
 
@@ -46,8 +51,12 @@ class DriverCoordinator:
                 f"under Spark, num_retained must be >= 2 (the next batch may restore from the previous), "
                 f"got {num_retained}"
             )
-        self.storage = StateChangelogStorage(cfg.changelog)
-        self.coordinator = CheckpointCoordinator(self.storage, job_id=cfg.job_dir, num_retained=num_retained)
+        self.ownership = Ownership(cfg.job_dir)
+        guarded = self.ownership.guard(make_uploader(cfg.changelog))
+        self.storage = StateChangelogStorage(cfg.changelog, uploader=guarded)
+        self.coordinator = CheckpointCoordinator(
+            self.storage, job_id=cfg.job_dir, num_retained=num_retained, ownership=self.ownership
+        )
         self.operators: dict[str, int] = {}
         self.lock = threading.Lock()
         self.completed_batches: list[int] = []
@@ -61,7 +70,7 @@ class DriverCoordinator:
     def _pending_after(self, latest: int) -> set[str]:
         """The pending handles of batches after checkpoint ``latest`` (the latest the recovery
         accepted: a fenced or damaged ``chk-<b>`` is not one) and the files they name."""
-        protect: set[str] = {OWNER_FILE}
+        protect: set[str] = set()
         for path in self.storage.list_all(PENDING_DIR):
             pending = parse_pending_path(path)
             if pending and pending[0] > latest:
@@ -76,7 +85,7 @@ class DriverCoordinator:
     def register(self, cfg: OperatorConfig) -> None:
         """The operator's batches complete at ``cfg.parallelism`` from now on: a query restarted in
         the same session at another parallelism builds its operator again (a state directory
-        belongs to one query, ``committed.claim_directory``, so the last build is the running one)."""
+        is bound to one query, ``committed.claim_directory``, so the last build is the running one)."""
         with self.lock:
             known = self.operators.get(cfg.uid)
             if known is not None and known != cfg.parallelism:

@@ -25,10 +25,10 @@ from typing import Literal
 __all__ = ["Action", "Fault", "FaultPlan", "Op", "StallEnded", "close_all_plans"]
 
 Op = Literal["put", "get", "delete", "exists", "list", "*"]
-Action = Literal["fail", "stall", "delay", "trickle", "late", "reset", "lag"]
+Action = Literal["fail", "stall", "delay", "trickle", "late", "reset", "lag", "truncate"]
 
 _OPS = ("put", "get", "delete", "exists", "list", "*")
-_ACTIONS = ("fail", "stall", "delay", "trickle", "late", "reset", "lag")
+_ACTIONS = ("fail", "stall", "delay", "trickle", "late", "reset", "lag", "truncate")
 #: operations whose effect can be held back and landed later ("late")
 _LATE_OPS = ("put", "delete")
 
@@ -46,7 +46,9 @@ class Fault:
     all of them). Every call that matches ``op`` and ``path`` counts towards ``after``, whichever
     rule ends up hitting it. ``lag`` (listings, ``faulty_fs`` only: the S3 proxy forwards them
     untouched) answers a listing without the entries matching the ``hide`` glob, as a store whose
-    listing lags behind its writes. ``error`` replaces the default ``OSError`` of ``fail`` (an exception
+    listing lags behind its writes. ``truncate`` (reads only) answers a read with the first half of
+    its bytes and no error, as a misbehaving store or proxy that frames a short body as whole.
+    ``error`` replaces the default ``OSError`` of ``fail`` (an exception
     instance or class; the file system raises it, the S3 proxy ignores it and answers 503).
     Rules compare by identity: adding an equal rule twice gives two independent rules.
     """
@@ -76,6 +78,8 @@ class Fault:
             raise ValueError(f"bytes_per_s must be > 0, got {self.bytes_per_s}")
         if self.action == "lag" and self.op != "list":
             raise ValueError(f"'lag' applies to listings only, not {self.op!r}")
+        if self.action == "truncate" and self.op != "get":
+            raise ValueError(f"'truncate' applies to reads only, not {self.op!r}")
         if self.action == "late" and self.op not in (*_LATE_OPS, "*"):
             raise ValueError(f"'late' applies to {_LATE_OPS} only, not {self.op!r}")
 

@@ -9,8 +9,9 @@ under load), ``reset`` closes with an RST, ``stall`` holds the request until ``p
 (then forwards it, unless the client has gone: a stalled request whose client gave up is dropped;
 "late" is the action for writes that land anyway), ``delay`` forwards after ``delay_s``,
 ``trickle`` forwards with the request body (put) or response body (get) paced at
-``bytes_per_s``, ``late`` keeps the request, answers nothing, and sends it to the server when
-``plan.land_late()`` is called.
+``bytes_per_s``, ``truncate`` answers a get with the first half of the body, framed as if whole
+(a misbehaving proxy: the client sees no error), ``late`` keeps the request, answers nothing, and
+sends it to the server when ``plan.land_late()`` is called.
 
 Why it is shaped so: it speaks HTTP rather than relaying TCP so that it can act per request on
 keep-alive connections (aiobotocore pools them). Each forwarded request is a fresh upstream
@@ -276,6 +277,10 @@ class FaultProxy:
         if fault is None and named is not None:  # logged before the client can see the answer
             self.plan.record(*named, "ok" if status < 400 else f"status:{status}")
         out_headers = status_head[1]
+        if fault is not None and fault.action == "truncate" and status < 300:
+            body = body[: len(body) // 2]
+            digests = ("etag", "content-md5", "x-amz-checksum")  # nothing the client could check the body by
+            out_headers = [(k, v) for k, v in out_headers if not k.lower().startswith(digests)]
         if req.method == "HEAD":  # no body, but the object's size, which the client reads
             size = next((v for k, v in out_headers if k.lower() == "content-length"), "0")
             writer.write(_head(status, reason, out_headers, size, req.keep_alive()))

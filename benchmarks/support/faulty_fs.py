@@ -108,6 +108,7 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
     Faulted operations: ``pipe_file`` (put), ``cat_file`` (get), ``rm_file`` (delete), ``exists``,
     ``find`` (list). ``ls``, ``info`` and ``_open`` pass through untouched (our uploader does not
     use them). "trickle" paces the bytes of put and get; on the other operations it passes.
+    "truncate" returns the first half of what a get read.
     """
 
     protocol = PROTOCOL
@@ -178,6 +179,8 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
             # a write lands once its last byte is sent; a read returns once its last byte arrives
             _trickle(gate, data_len(), fault.bytes_per_s, what)
         result = run(base, local)
+        if action == "truncate" and isinstance(result, bytes):
+            return cast(T, result[: len(result) // 2])
         if action == "trickle" and isinstance(result, bytes):
             _trickle(gate, len(result), fault.bytes_per_s, what)
         return result

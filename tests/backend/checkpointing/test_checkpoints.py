@@ -19,7 +19,14 @@ import pytest
 
 from backend.checkpointing.coordinator import CheckpointCoordinator, CheckpointRetention
 from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
-from backend.checkpointing.metadata import IDS_DIR, SnapshotMetadata, metadata_path, parse_id_block_path
+from backend.checkpointing.metadata import (
+    IDS_DIR,
+    OWNER_DIR,
+    VOID_DIR,
+    SnapshotMetadata,
+    metadata_path,
+    parse_id_block_path,
+)
 from backend.checkpointing.registry import SharedStateRegistry
 from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
 from backend.core.errors import CheckpointError
@@ -65,9 +72,11 @@ def read_state(job: LocalJob, uid: str = "op") -> dict[str, tuple[int, list[int]
 
 
 def files_on_dfs(job_dir: Path) -> set[str]:
-    """The files under a job directory, less the reservation of checkpoint ids with the highest end:
-    the coordinator's bookkeeping (``backend.checkpointing.ids``), which stays while the others go."""
+    """The files under a job directory, less the bookkeeping that stays while the others go: the
+    reservation of checkpoint ids with the highest end (``backend.checkpointing.ids``), the voided
+    ids above the latest checkpoint and the owner's claim (``backend.checkpointing.ownership``)."""
     files = {p.relative_to(job_dir).as_posix() for p in job_dir.rglob("*") if p.is_file()}
+    files = {p for p in files if not p.startswith((f"{OWNER_DIR}/", f"{VOID_DIR}/"))}
     reservations = {p: block[1] for p in files if (block := parse_id_block_path(p)) is not None}
     if reservations:
         files.discard(max(reservations, key=reservations.__getitem__))
@@ -319,5 +328,5 @@ def test_checkpoint_files_stay_inside_the_job_directory(tmp_path: Path) -> None:
     job.close()
     top = {p.name for p in (tmp_path / "ckpt").iterdir()}
     assert top == {"job"}
-    assert {p.name for p in (tmp_path / "ckpt" / "job").iterdir()} <= {"chk-1", "dstl", "shared", IDS_DIR}
+    assert {p.name for p in (tmp_path / "ckpt" / "job").iterdir()} <= {"chk-1", "dstl", "shared", IDS_DIR, OWNER_DIR}
     assert all(not os.path.isabs(p) for p in expected_files(job))

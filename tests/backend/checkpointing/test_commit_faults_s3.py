@@ -54,9 +54,10 @@ class S3Root:
     def root(self) -> str:
         return f"s3://{self.bucket}"
 
-    def job(self, local: Path) -> LocalJob:
-        """A job on the proxy: each DFS call gets 2 s per attempt (botocore's read timeout is
-        longer, so the deadline is what gives up on a request the proxy holds) and 3 attempts."""
+    def changelog(self) -> ChangelogConfig:
+        """The storage settings of a job on the proxy: each DFS call gets 2 s per attempt
+        (botocore's read timeout is longer, so the deadline is what gives up on a request the proxy
+        holds) and 3 attempts."""
         s3 = S3Options(
             endpoint_url=self.proxy.url,
             region=REGION,
@@ -64,8 +65,11 @@ class S3Root:
             secret_access_key=SECRET_KEY,
             read_timeout_ms=10_000,
         )
-        config = ChangelogConfig(base_path=self.root, s3=s3, dfs_timeout_ms=2000, max_attempts=3, retry_delay_ms=10)
-        return make_job(self.root, local, changelog=config)
+        return ChangelogConfig(base_path=self.root, s3=s3, dfs_timeout_ms=2000, max_attempts=3, retry_delay_ms=10)
+
+    def job(self, local: Path) -> LocalJob:
+        """A job on the proxy (``changelog``)."""
+        return make_job(self.root, local, changelog=self.changelog())
 
     def stored(self, prefix: str = "job/") -> set[str]:
         """The keys under ``prefix``, relative to the job directory, read from moto directly."""

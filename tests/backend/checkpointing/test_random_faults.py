@@ -46,7 +46,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
-from backend.checkpointing.metadata import ABORTED_NAME, metadata_path, parse_checkpoint_dir, parse_id_block_path
+from backend.checkpointing.metadata import (
+    ABORTED_NAME,
+    SnapshotMetadata,
+    metadata_path,
+    parse_checkpoint_dir,
+    parse_id_block_path,
+)
+from backend.core.errors import CheckpointError
 from benchmarks.support.faulty_fs import faulty_base_path
 from dstl import ChangelogConfig
 from tests.backend.checkpointing.random_faults import DeadlineMeter, RandomFaults, Tally, call_bound_s
@@ -310,7 +317,7 @@ class Episode:
         completed = self.job.coordinator.completed
         latest = completed[-1].checkpoint_id if completed else -1
         expected, present = expected_files(self.job), files_on_dfs(self.dfs / "job")
-        extra = present - expected
+        extra = present - expected - self.left_in_place()
         blocks = {p for p in extra if parse_id_block_path(p) is not None}
         fences = {p for p in extra if p.endswith("/" + ABORTED_NAME) and _id_of(p) > latest}
         unreferenced = extra - fences - blocks
@@ -319,6 +326,17 @@ class Episode:
                 f"leftover {when}: unreferenced {sorted(unreferenced)[:5]}, missing {sorted(expected - present)[:5]}, "
                 f"id reservations {sorted(blocks)}"
             )
+
+    def left_in_place(self) -> set[str]:
+        """What recovery keeps of a damaged checkpoint within retention (a late ``_metadata`` whose
+        fence was never written, naming released files): its ``_metadata`` and the files it names."""
+        assert self.job is not None
+        kept: set[str] = set()
+        for path in self.job.coordinator.store.damaged:
+            with contextlib.suppress(OSError, CheckpointError):
+                meta = SnapshotMetadata.loads((self.dfs / "job" / path).read_bytes(), path)
+                kept |= {path, *meta.referenced_files()}
+        return kept
 
 
 def _id_of(path: str) -> int:

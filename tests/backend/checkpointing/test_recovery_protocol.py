@@ -281,7 +281,9 @@ def test_subsumption_on_a_stalled_dfs_does_not_hold_the_commit(
 def test_an_unreadable_older_checkpoint_is_reported_with_the_fate_of_its_files(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Finding 8: "left in place for a human" while the files it names were deleted as orphans."""
+    """Finding 8: "left in place for a human" while the files it names were deleted as orphans.
+    Within retention (issue 25, 3), what it names cannot be known, so no file outside checkpoint
+    directories is deleted; once subsumed, the files it named go with the orphans."""
     work = Workload()
     job = make_job(tmp_path / "dfs", tmp_path / "local", num_retained=2)
     work.run(job, 200)
@@ -291,7 +293,16 @@ def test_an_unreadable_older_checkpoint_is_reported_with_the_fate_of_its_files(
     job.close()
     older = tmp_path / "dfs" / "job" / metadata_path(1)
     older.write_bytes(older.read_bytes()[:-10])
+    before = {p for p in files_on_dfs(tmp_path / "dfs" / "job") if not p.startswith("chk-")}
+    with caplog.at_level(logging.WARNING, logger="backend.checkpointing"):
+        job = make_job(tmp_path / "dfs", tmp_path / "local", num_retained=2)
+    assert "within retention: left in place with every file outside checkpoints" in caplog.text
+    assert before <= files_on_dfs(tmp_path / "dfs" / "job")
+    work.run(job, 10)
+    job.checkpoint()  # 3: checkpoints 2 and 3 now subsume 1
+    job.close()
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="backend.checkpointing"):
         make_job(tmp_path / "dfs", tmp_path / "local", num_retained=2).close()
-    assert "the files it names are deleted as orphans" in caplog.text
+    assert "subsumed: left in place; the files it names are deleted as orphans" in caplog.text
     assert older.exists()

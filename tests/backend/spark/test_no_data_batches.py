@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
+from backend.checkpointing.metadata import OWNER_DIR
 from backend.core.errors import CheckpointError
 from backend.spark import tasks
-from backend.spark.committed import OWNER_FILE, BatchState
+from backend.spark.committed import BatchState
 from backend.spark.config import EVENT, PROCESSING, OperatorConfig, Watermarks
 from backend.spark.driver import DriverCoordinator
 from backend.spark.tasks import run_subtask
@@ -145,8 +146,8 @@ def test_a_state_directory_belongs_to_one_query(tmp_path: Path) -> None:
     run_subtask(cfg, 0, 0, "query-1", 1_000, timers_at(None))
     with pytest.raises(CheckpointError, match=r"belongs to another streaming query \(id query-1\).*query-2"):
         run_subtask(cfg, 0, 1, "query-2", 1_000, timers_at(None))
-    DriverCoordinator(cfg).close()  # a driver's start deletes unreferenced files, not the owner
-    assert (tmp_path / "state" / OWNER_FILE).exists()
+    DriverCoordinator(cfg).close()  # a driver's start deletes unreferenced files, not the binding
+    assert list((tmp_path / "state" / OWNER_DIR).iterdir())
     for kept in tasks._KEPT.values():
         tasks._discard(kept)
     tasks._KEPT.clear()
