@@ -12,8 +12,8 @@ failed to connect back" while Spark's own operators, which start no such worker,
 So the tick source (``backend.spark.ticks``) is registered with this launcher as its Python
 executable. Spark runs it as ``<launcher> -m <module>``:
 
-- for the streaming source runner, the launcher does what the runner's ``__main__`` does with
-  pyspark's ``get_sock_file_to_executor(timeout=None)``, with the standard library only: connect
+- for the streaming source runner, the launcher does what the runner's ``__main__`` (pyspark 4.3)
+  does with ``get_sock_file_to_executor(timeout=None)``, with the standard library only: connect
   (TCP to the loopback port with the secret, or the unix domain socket without one), authenticate,
   clear the timeout, write its pid; and only then imports the runner and runs its ``main`` on that
   socket. Before connecting it costs an interpreter start (a fraction of the runner's imports, a
@@ -149,9 +149,10 @@ def launcher_for(spark: Any) -> str | None:
         or not os.path.samefile(interpreter, sys.executable)
     ):
         return None
-    if interpreter not in _launchers:
-        _launchers[interpreter] = _write_launcher(interpreter)
-    return _launchers[interpreter]
+    path = _launchers.get(interpreter)
+    if path is None or not os.access(path, os.X_OK):  # first use, or a cleaner emptied the temporary directory
+        path = _launchers[interpreter] = _write_launcher(interpreter)
+    return path
 
 
 def register_data_source(spark: Any, source: Any, python_exec: str | None) -> None:
@@ -177,18 +178,24 @@ def register_data_source(spark: Any, source: Any, python_exec: str | None) -> No
 
 def _write_launcher(interpreter: str) -> str:
     """``#!<interpreter>`` and this module's source, executable by its owner only, in a directory
-    of this process's that is removed when the process exits."""
+    of this process's that is removed when the process exits (not when a forked child does)."""
     import atexit
-    import shutil
     import tempfile
 
     directory = tempfile.mkdtemp(prefix="dstl-launcher-")
-    atexit.register(shutil.rmtree, directory, True)
+    atexit.register(_remove, directory, os.getpid())
     path = os.path.join(directory, "python")
     with open(__file__, encoding="utf-8") as source, open(path, "w", encoding="utf-8") as out:
         out.write(f"#!{interpreter}\n{source.read()}")
     os.chmod(path, 0o700)
     return path
+
+
+def _remove(directory: str, owner: int) -> None:
+    import shutil
+
+    if os.getpid() == owner:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 if __name__ == "__main__":
