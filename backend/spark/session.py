@@ -3,8 +3,9 @@
 Spark's Python workers must run this environment's interpreter and the JVM must bind to the
 loopback address here; the UI and the console progress bar only cost time and clutter output. A
 Python worker Spark starts on its own gives up on its handshake with the JVM after
-``spark.python.authenticate.socketTimeout`` (15 s by default): 120 s here, so a loaded machine
-does not fail it (Spark's own wait for the worker to connect is fixed: ``backend.spark.launcher``).
+``spark.python.authenticate.socketTimeout`` (15 s by default): 120 s here, so on a loaded machine
+the worker does not give up first (Spark's own wait for it to connect is fixed:
+``backend.spark.launcher``).
 """
 
 from __future__ import annotations
