@@ -5,9 +5,10 @@ pyspark.sql.streaming.python_streaming_source_runner``, in the driver, when a qu
 process of its own and waits a fixed 10 s for it to connect back
 (``PythonWorkerFactory.createSimpleWorker``; no setting changes it, unlike the workers forked by
 Spark's Python daemon, which get 60 s). That module imports pyspark, pyarrow and pandas before it
-connects: a quarter of a second of CPU on a quiet machine, more than 10 s of wall time on a loaded
-one (a load of 10 and more on two cores), and the query dies at its start with "Python worker
-failed to connect back" while Spark's own operators, which start no such worker, run.
+connects, from the ``pyspark.zip`` Spark puts first on a worker's path (compiled at every start):
+most of a second of CPU, more than 10 s of wall time on a loaded machine (a load of 10 and more on
+two cores), and the query dies at its start with "Python worker failed to connect back" while
+Spark's own operators, which start no such worker, run.
 
 So the tick source (``backend.spark.ticks``) is registered with this launcher as its Python
 executable. Spark runs it as ``<launcher> -m <module>``:
@@ -16,8 +17,8 @@ executable. Spark runs it as ``<launcher> -m <module>``:
   does with ``get_sock_file_to_executor(timeout=None)``, with the standard library only: connect
   (TCP to the loopback port with the secret, or the unix domain socket without one), authenticate,
   clear the timeout, write its pid; and only then imports the runner and runs its ``main`` on that
-  socket. Before connecting it costs an interpreter start (a fraction of the runner's imports, a
-  tenth or less of its CPU); what follows has no fixed deadline on Spark's side. Spark's side of
+  socket. Before connecting it costs an interpreter start (a twentieth of the runner's CPU before
+  connecting); what follows has no fixed deadline on Spark's side. Spark's side of
   the connection is pyspark's own protocol, as ``pyspark.util.local_connect_and_auth`` speaks it;
 - every other command (the daemons that run the data source's planning and its reads) and any
   environment the launcher does not recognise are handed unchanged to the interpreter by
