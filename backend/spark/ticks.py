@@ -24,6 +24,10 @@ subtask's partition, so every task of the batch runs with the batch's timestamp;
 tick rows before the user's code sees the input. The offset is ``{"after": b}``, the batch the
 tick follows: Spark hands the previous end offset back as ``start``, so neither a repeated call
 nor a restart asks twice for a batch after the same one.
+
+Spark starts the source's driver-side worker when a query starts and gives it a fixed 10 s to
+connect back; the source is registered with a launcher that connects before importing pyspark, so
+a loaded machine does not fail the query's start (``backend.spark.launcher``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any
 
 from backend.spark.committed import pending_batches, pending_records
 from backend.spark.config import EVENT, PROCESSING, OperatorConfig, watermark_after
+from backend.spark.launcher import launcher_for, register_data_source
 from dstl import StateChangelogStorage
 
 __all__ = ["TICK", "needs_batch", "register_tick_source"]
@@ -136,5 +141,5 @@ def register_tick_source(spark: Any, cfg: OperatorConfig) -> str:
         def streamReader(self, schema: Any) -> Any:
             return TickReader()
 
-    spark.dataSource.register(TickSource)
+    register_data_source(spark, TickSource, launcher_for(spark))
     return name

@@ -52,6 +52,13 @@ ARROW_BATCH_CONF = "spark.sql.execution.arrow.maxRecordsPerBatch"
 ROUND_DEADLINE_S = 180.0
 #: how often a wait for progress also checks that the query is still running, seconds
 _LIVENESS_S = 1.0
+#: Spark's error when a Python worker it started did not connect back in time, and what it means
+CONNECT_BACK_FAILURE = "Python worker failed to connect back"
+CONNECT_BACK_CAUSE = (
+    "not a difference between the engines: Spark's fixed 10 s wait for a Python worker to connect back "
+    "expired: the machine is overloaded, or the worker died before connecting (its stderr is in the "
+    "captured output)"
+)
 
 Rows = Counter[tuple[Any, ...]]
 
@@ -182,6 +189,8 @@ def _failure(side: Side, what: str) -> HarnessError:
     if error is not None:  # the Python traceback's lines, without the JVM's stack frames
         lines = [line for line in str(error).splitlines() if line.strip() and not line.lstrip().startswith("at ")]
         detail = ":\n" + "\n".join(lines[-25:])[-4000:]
+        if CONNECT_BACK_FAILURE in str(error):
+            detail = f" ({CONNECT_BACK_CAUSE}){detail}"
     return HarnessError(f"the {side.engine} query {what}{detail}")
 
 
