@@ -141,8 +141,9 @@ def _transform(
         return Operator(process, prepare)
 
     no_data = {"processingtime": PROCESSING, "eventtime": EVENT}.get(mode)
-    return build(grouped, schema, make_operator, no_data, mode == "eventtime",
-                 event_time_column=event_time_column or None, **options)  # fmt: skip
+    routing = options.pop("routing", None)
+    return build(grouped, schema, make_operator, no_data, mode == "eventtime", event_time_column or None, routing,
+                 **options)  # fmt: skip
 
 
 def backend_subtask(backend: Any, cfg: OperatorConfig) -> int:
@@ -272,7 +273,8 @@ def apply_in_pandas_with_state(
 
     no_data = {GroupStateTimeout.ProcessingTimeTimeout: PROCESSING, GroupStateTimeout.EventTimeTimeout: EVENT}
     late = timeoutConf == GroupStateTimeout.EventTimeTimeout
-    return build(grouped, schema, make_operator, no_data.get(timeoutConf), late, **options)
+    routing = options.pop("routing", None)
+    return build(grouped, schema, make_operator, no_data.get(timeoutConf), late, None, routing, **options)
 
 
 def use_for_session(checkpoint_root: str | None = None, **options: Any) -> Callable[[], None]:

@@ -18,6 +18,16 @@ Spark's SQL hash, computed once in the JVM: the same in every run, so a restart 
 parallelism re-splits the same key groups (rescaling). The task drops tick rows and, where Spark
 does, late rows (event time at or behind the previous batch's watermark) before the user's code
 sees the input.
+
+The output is the processor's rows; with ``eventTimeColumnName`` that column also carries the
+input's watermark delay as metadata, as Spark's ``UpdateEventTimeWatermarkColumn`` gives it, so
+that a downstream stateful operator (an aggregation in Append mode) gets the watermark, which
+passes through ``mapInPandas`` as through any operator Spark does not know is stateful. A task
+finds its subtasks by its Spark partition id: the output may be the first input of a union only
+(a union renumbers the partitions of its other inputs). An operator built without a
+``checkpoint_location`` (``use_for_session``) is bound to its state directory when its query
+starts (``backend.spark.routing``); its function is named after its route key, so that the start
+finds it in the query's plan.
 """
 
 from __future__ import annotations
@@ -143,11 +153,11 @@ def build(
     make_operator: Callable[[list[str]], Operator],
     no_data_batches: str | None,
     drop_late_rows: bool,
+    event_time_column: str | None,
+    routing: Routing | None,
     *,
     checkpoint_location: str | None = None,
     operator_uid: str | None = None,
-    event_time_column: str | None = None,
-    routing: Routing | None = None,
     max_parallelism: int = DEFAULT_MAX_PARALLELISM,
     parallelism: int | None = None,
     local_dir: str | None = None,
