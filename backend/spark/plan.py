@@ -190,7 +190,7 @@ def build(
 
     if not checkpoint_location and routing is None:
         raise ConfigurationError("checkpoint_location is required: the DFS directory (URL) of this operator's state")
-    if not operator_uid and not checkpoint_location and routing is not None:
+    if not operator_uid and routing is not None:
         operator_uid = routing.uid()
     if not operator_uid:
         raise ConfigurationError("operator_uid is required: it maps the state in checkpoints to this operator")

@@ -139,10 +139,9 @@ def _methods(
     root: str | None, defaults: dict[str, Any], targets: dict[str, Callable[..., Any]]
 ) -> dict[str, Callable[..., Any]]:
     def routed(target: Any, options: dict[str, Any]) -> dict[str, Any]:
-        merged = {**defaults, **options}
-        if not merged.get("checkpoint_location"):
-            merged["routing"] = SessionRouting(root, target)
-        return merged
+        """The call's options: our defaults, its own, and the routing (the uid where none is given;
+        the state directory where no checkpoint_location is)."""
+        return {**defaults, **options, "routing": SessionRouting(root, target)}
 
     def transformWithStateInPandas(
         self: Any,
