@@ -35,7 +35,7 @@ from typing import Any
 
 from backend.spark.config import EVENT, PROCESSING, OperatorConfig, Watermarks
 from backend.spark.handle import TIME_MODES
-from backend.spark.plan import KEY_GROUP, Operator, build, find_watermark
+from backend.spark.plan import KEY_GROUP, Operator, build, find_watermark, output_column
 from backend.spark.routing import route_session, routed_uid
 from dstl import ConfigurationError
 
@@ -135,7 +135,7 @@ def _transform(
                 frame = _rows_to_pandas(out, names)
                 result = [] if frame is None else [frame]
             if event_time_column and marks is not None:
-                check_event_times(result, _output_name(names, event_time_column), marks.late_ms, timezone)
+                check_event_times(result, output_column(names, event_time_column) or "", marks.late_ms, timezone)
             return result
 
         return Operator(process, prepare)
@@ -162,11 +162,6 @@ def _parse(grouped: Any, schema: Any) -> Any:
     if isinstance(schema, str):
         return grouped._df.sparkSession._parse_ddl(schema)
     return schema
-
-
-def _output_name(names: list[str], column: str) -> str:
-    """The output column ``eventTimeColumnName`` names (Spark resolves it ignoring case)."""
-    return column if column in names else next((n for n in names if n.lower() == column.lower()), column)
 
 
 def check_event_times(frames: list[Any], column: str, watermark_ms: int, timezone: str) -> None:

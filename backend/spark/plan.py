@@ -279,12 +279,17 @@ def routed_task_name(route: str) -> str:
     return f"dstl_route_{route}"
 
 
+def output_column(names: list[str], column: str) -> str | None:
+    """The output column ``eventTimeColumnName`` names (Spark resolves it ignoring case)."""
+    return column if column in names else next((n for n in names if n.lower() == column.lower()), None)
+
+
 def _with_event_time(out: Any, column: str, delay_ms: int) -> Any:
     """``out`` with ``column`` marked as its event time with the input's watermark delay."""
     from pyspark.sql import functions as F
 
     names = [f.name for f in out.schema.fields]
-    target = column if column in names else next((n for n in names if n.lower() == column.lower()), None)
+    target = output_column(names, column)
     if target is None:
         raise ConfigurationError(f"eventTimeColumnName {column!r} is not a column of the output {names}")
     columns = []

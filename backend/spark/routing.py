@@ -334,6 +334,7 @@ def _checkpoint_location(writer: Any, spark: Any, recorded: dict[str, Any], quer
             return f"{default.rstrip('/')}/{query_name}"
         chosen = f"{default.rstrip('/')}/{uuid.uuid4()}"  # Spark would choose a random name: choose it for Spark
         writer.option("checkpointLocation", chosen)
+        _record(writer, {"checkpointLocation": chosen})
         return chosen
     return tempfile.mkdtemp(prefix="dstl-temporary-")
 

@@ -256,3 +256,19 @@ def test_an_event_time_column_carries_the_watermark_to_a_downstream_aggregation(
             query.stop()
     assert [r["ours"] for r in rounds] == [r["spark"] for r in rounds]
     assert sorted(r[0].second for r in rounds[-1]["ours"]) == [10, 11, 15, 25]  # 40 waits for the watermark
+
+
+def test_a_row_emitted_at_or_behind_the_watermark_fails_as_in_spark() -> None:
+    """Spark fails the query when the processor emits, in its eventTimeColumnName, a row at or
+    behind the watermark late rows are judged by; a naive time is read in the session time zone."""
+    from pyspark.errors import PySparkRuntimeError
+
+    from backend.spark.api import check_event_times
+
+    # 10:00:05 in Berlin (UTC+1 in January) is 09:00:05 UTC
+    frame = pd.DataFrame({"t": pd.to_datetime(["2024-01-01 10:00:05", None]), "x": [1, 2]})
+    watermark = int(pd.Timestamp("2024-01-01 09:00:05", tz="UTC").timestamp() * 1000)
+    with pytest.raises(PySparkRuntimeError, match="EMITTING_ROWS_OLDER_THAN_WATERMARK_NOT_ALLOWED"):
+        check_event_times([frame], "t", watermark, "Europe/Berlin")
+    check_event_times([frame], "t", watermark - 1, "Europe/Berlin")  # after the watermark: fine
+    check_event_times([frame], "t", watermark, "UTC")  # 10:00:05 UTC is after it
