@@ -12,13 +12,15 @@ backend's checkpoints). Underneath, by layer:
   Spark's Python worker does;
 - the Spark plumbing: ``plan`` builds the streaming DataFrame (repartitioning by key group),
   ``tasks`` runs one subtask of one micro-batch, ``driver`` completes checkpoints on the driver,
-  ``initial`` carries the initial state;
+  ``initial`` carries the initial state, ``routing`` routes ``GroupedData``'s own methods here
+  (``use_for_session``) and binds each routed operator's state to the query that starts it;
 - ``errors`` holds the two errors that are Spark's own; ``session`` and ``demo`` are for running it
   locally.
 
 Nothing here imports pyspark at import time: the plumbing imports this package on the driver and
-in every Python worker, and pyspark's own classes (``Row``, ``TimerValues``) are only needed once a
-processor runs, where pyspark is already loaded.
+in every Python worker, and pyspark's own classes (``Row``, ``TimerValues``, and those the handle,
+the state objects and ``GroupState`` subclass, built on first use) are only needed once a processor
+runs, where pyspark is already loaded (``tests/backend/spark/test_pyspark_objects.py`` checks it).
 """
 
 from __future__ import annotations

@@ -2,9 +2,18 @@
 
 ``transform_with_state_in_pandas(df.groupBy("user"), MyProcessor(), schema, "Update",
 "ProcessingTime", checkpoint_location="s3://bucket/state/q1", operator_uid="sessions")`` takes
-the same arguments as ``GroupedData.transformWithStateInPandas`` plus where the state lives and
-the operator's uid, and returns a streaming DataFrame for any sink. ``use_for_session()`` routes
-the ``GroupedData`` methods themselves here, for code that cannot be changed.
+exactly the parameters of ``GroupedData.transformWithStateInPandas`` (names, defaults, order;
+positional or keyword) plus, keyword-only, where the state lives and the operator's uid, and
+returns a streaming DataFrame for any sink. ``use_for_session()`` routes the ``GroupedData``
+methods themselves here, for code that cannot be changed (``backend.spark.routing``).
+
+Every call first builds Spark's own operator from the same arguments, so that what Spark refuses
+is refused here with Spark's own error (its error class: an unknown output or time mode, an
+``initialState`` that is not a ``GroupedData``, an ``eventTimeColumnName`` without a watermark, a
+grouping expression that is not a column, ...). A batch DataFrame then runs on that operator: Spark
+runs it as one batch over empty state and discards the state, so there is nothing for this backend
+to keep; the options below are accepted and unused there (``applyInPandasWithState`` on a batch
+DataFrame fails when it runs, as in Spark). A streaming DataFrame runs on this backend.
 
 Options (keyword-only, all optional): ``parallelism`` (default: spark.sql.shuffle.partitions;
 may change between runs: the state is rescaled), ``max_parallelism`` (128; fixed for the life of
@@ -13,17 +22,21 @@ the state), ``local_dir`` (the host's LMDB directories), ``changelog_config``
 ``materialization_interval_ms`` (600000), ``size_trigger_bytes`` (64 MiB) and
 ``strict_state_types`` (False: a wrongly typed state field is stored as Spark stores it, with a
 warning; True: it raises ``StateValueError``).
+
+``eventTimeColumnName`` marks that output column as the event time of the operators after this one,
+with the input's watermark delay, as Spark does; a row the processor emits at or behind the
+watermark Spark judges late rows by fails the query (EMITTING_ROWS_OLDER_THAN_WATERMARK_NOT_ALLOWED).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from backend.spark.config import EVENT, PROCESSING, OperatorConfig
+from backend.spark.config import EVENT, PROCESSING, OperatorConfig, Watermarks
 from backend.spark.handle import TIME_MODES
-from backend.spark.plan import KEY_GROUP, build, find_watermark
+from backend.spark.plan import KEY_GROUP, Operator, build, find_watermark, output_column
+from backend.spark.routing import route_session, routed_uid
 from dstl import ConfigurationError
 
 _OUTPUT_MODES = {"append", "update"}
@@ -36,6 +49,14 @@ def _check_modes(output_mode: str, time_mode: str | None = None) -> None:
         raise ConfigurationError(f"timeMode must be 'None', 'ProcessingTime' or 'EventTime', got {time_mode!r}")
 
 
+def _sparks_own(grouped: Any, method: str, *args: Any) -> Any:
+    """Spark's own operator built from the same arguments (pyspark's method, also while
+    ``use_for_session`` routes ``GroupedData``'s): it raises what Spark raises for them."""
+    from pyspark.sql.pandas.group_ops import PandasGroupedOpsMixin
+
+    return getattr(PandasGroupedOpsMixin, method)(grouped, *args)
+
+
 def _rows_to_pandas(rows: Iterable[Any], names: list[str]) -> Any:
     import pandas as pd  # type: ignore[import-untyped, unused-ignore]
 
@@ -45,40 +66,56 @@ def _rows_to_pandas(rows: Iterable[Any], names: list[str]) -> Any:
 
 def _transform(
     grouped: Any,
+    use_pandas: bool,
     processor: Any,
     output_schema: Any,
     output_mode: str,
     time_mode: str,
     initial_state: Any,
-    use_pandas: bool,
+    event_time_column: str,
     options: dict[str, Any],
 ) -> Any:
     from pyspark.sql.streaming.stateful_processor import StatefulProcessor
 
+    method = "transformWithStateInPandas" if use_pandas else "transformWithState"
+    own = _sparks_own(
+        grouped, method, processor, output_schema, output_mode, time_mode, initial_state, event_time_column
+    )
+    if not grouped._df.isStreaming:
+        return own
     _check_modes(output_mode, time_mode)
     if not isinstance(processor, StatefulProcessor):
         raise TypeError(f"statefulProcessor must be a pyspark StatefulProcessor, got {type(processor).__name__}")
-    if str(time_mode).lower() == "eventtime" and find_watermark(grouped._df) is None:
+    mode = str(time_mode).lower()
+    if mode == "eventtime" and find_watermark(grouped._df) is None:
         raise ConfigurationError("timeMode='EventTime' needs a watermark: call withWatermark on the input")
     schema = _parse(grouped, output_schema)
     names = [f.name for f in schema.fields]
+    spark = grouped._df.sparkSession
+    timezone = spark.conf.get("spark.sql.session.timeZone")
     row_types: dict[str, Any] = {}
     if not use_pandas:  # the Row API hands out Spark's Python types (aware timestamps, maps as pairs)
         row_types["input_schema"] = grouped._df.schema
-        row_types["session_timezone"] = grouped._df.sparkSession.conf.get("spark.sql.session.timeZone")
+        row_types["session_timezone"] = timezone
         row_types["initial_state_schema"] = None if initial_state is None else initial_state._df.schema
 
-    def make_process(cfg: OperatorConfig, keys: list[str]) -> Callable[..., list[Any]]:
-        init_keys = None
-        if initial_state is not None:
+    def make_operator(keys: list[str]) -> Operator:
+        from backend.spark.initial import initial_state_keys
+
+        init_keys = None if initial_state is None else initial_state_keys(initial_state, grouped._df, keys)
+
+        def prepare(cfg: OperatorConfig) -> None:
             from backend.spark.initial import write_initial_state
 
-            init_keys = write_initial_state(cfg, initial_state, grouped._df, keys)
+            if init_keys is not None:
+                write_initial_state(cfg, initial_state, init_keys)
 
-        def process(backend: Any, frames: list[Any], now_ms: int, batch_id: int, watermark: int | None) -> list[Any]:
+        def process(
+            cfg: OperatorConfig, backend: Any, frames: list[Any], now_ms: int, batch_id: int, marks: Watermarks | None
+        ) -> list[Any]:
             from backend.spark.transform import run_transform_with_state
 
-            if str(time_mode).lower() == "eventtime" and watermark is None:
+            if mode == "eventtime" and marks is None:
                 raise ConfigurationError("timeMode='EventTime' needs a watermark: call withWatermark on the input")
             initial = None
             if init_keys is not None and batch_id == 0:
@@ -88,21 +125,26 @@ def _transform(
             out = run_transform_with_state(
                 processor, backend, [f.drop(columns=_internal(f)) for f in frames], key_columns=keys,
                 time_mode=time_mode, batch_id=batch_id, batch_timestamp_ms=now_ms, use_pandas=use_pandas,
-                key_group_column=KEY_GROUP, watermark_ms=watermark or 0, initial_state=initial,
-                initial_state_key_columns=init_keys,
+                key_group_column=KEY_GROUP, watermark_ms=0 if marks is None else marks.eviction_ms,
+                initial_state=initial, initial_state_key_columns=init_keys,
                 strict_types=cfg.strict_state_types, max_records_per_batch=cfg.max_records_per_batch,
                 max_bytes_per_batch=cfg.max_bytes_per_batch, **row_types,
             )  # fmt: skip
             if use_pandas:
-                return [f for f in out if len(f)]
-            frame = _rows_to_pandas(out, names)
-            return [] if frame is None else [frame]
+                result = [f for f in out if len(f)]
+            else:
+                frame = _rows_to_pandas(out, names)
+                result = [] if frame is None else [frame]
+            if event_time_column and marks is not None:
+                check_event_times(result, output_column(names, event_time_column) or "", marks.late_ms, timezone)
+            return result
 
-        return process
+        return Operator(process, prepare)
 
-    mode = str(time_mode).lower()
     no_data = {"processingtime": PROCESSING, "eventtime": EVENT}.get(mode)
-    return build(grouped, schema, make_process, no_data, mode == "eventtime", **options)
+    routing = options.pop("routing", None)
+    return build(grouped, schema, make_operator, no_data, mode == "eventtime", event_time_column or None, routing,
+                 **options)  # fmt: skip
 
 
 def backend_subtask(backend: Any, cfg: OperatorConfig) -> int:
@@ -123,6 +165,35 @@ def _parse(grouped: Any, schema: Any) -> Any:
     return schema
 
 
+def check_event_times(frames: list[Any], column: str, watermark_ms: int, timezone: str) -> None:
+    """Spark fails a query whose processor emits, in its ``eventTimeColumnName``, a row at or behind
+    the watermark it judges late rows by (the previous batch's): operators after it would take the
+    row for late. A naive timestamp is read in the session time zone, as pyspark converts it."""
+    import pandas as pd
+
+    limit = pd.Timestamp(watermark_ms, unit="ms", tz="UTC")
+    for frame in frames:
+        if column not in frame.columns or not len(frame):
+            continue
+        try:
+            times = pd.to_datetime(frame[column])
+            if times.dt.tz is None:
+                times = times.dt.tz_localize(timezone, ambiguous=False, nonexistent="shift_forward")
+        except (TypeError, ValueError):
+            continue  # not timestamps: Spark's conversion of the output reports it
+        older = times[times.notna() & (times <= limit)]
+        if len(older):
+            from pyspark.errors import PySparkRuntimeError
+
+            micros = (older.iloc[0] - pd.Timestamp(0, tz="UTC")) // pd.Timedelta(microseconds=1)
+            raise PySparkRuntimeError(
+                f"[EMITTING_ROWS_OLDER_THAN_WATERMARK_NOT_ALLOWED] Previous node emitted a row with "
+                f"eventTime={micros} which is older than current_watermark_value={watermark_ms}. This can lead to "
+                "correctness issues in the stateful operators downstream in the execution pipeline. Please "
+                f"correct the operator logic to emit rows after current global watermark value (column {column!r})."
+            )
+
+
 def transform_with_state_in_pandas(
     grouped: Any,
     statefulProcessor: Any,
@@ -134,7 +205,8 @@ def transform_with_state_in_pandas(
     **options: Any,
 ) -> Any:
     """``GroupedData.transformWithStateInPandas`` on this backend (pandas API of the processor)."""
-    return _transform(grouped, statefulProcessor, outputStructType, outputMode, timeMode, initialState, True, options)
+    return _transform(grouped, True, statefulProcessor, outputStructType, outputMode, timeMode, initialState,
+                      eventTimeColumnName, options)  # fmt: skip
 
 
 def transform_with_state(
@@ -148,7 +220,8 @@ def transform_with_state(
     **options: Any,
 ) -> Any:
     """``GroupedData.transformWithState`` on this backend (Row API of the processor)."""
-    return _transform(grouped, statefulProcessor, outputStructType, outputMode, timeMode, initialState, False, options)
+    return _transform(grouped, False, statefulProcessor, outputStructType, outputMode, timeMode, initialState,
+                      eventTimeColumnName, options)  # fmt: skip
 
 
 def apply_in_pandas_with_state(
@@ -163,6 +236,10 @@ def apply_in_pandas_with_state(
     """``GroupedData.applyInPandasWithState`` on this backend (the ``GroupState`` function API)."""
     from backend.spark.group_state import GroupStateTimeout
 
+    own = _sparks_own(grouped, "applyInPandasWithState", func, outputStructType, stateStructType, outputMode,
+                      timeoutConf)  # fmt: skip
+    if not grouped._df.isStreaming:
+        return own  # Spark refuses it when it runs: "applyInPandasWithState is unsupported in batch query"
     _check_modes(outputMode)
     if timeoutConf == GroupStateTimeout.EventTimeTimeout and find_watermark(grouped._df) is None:
         raise ConfigurationError("EventTimeTimeout needs a watermark: call withWatermark on the input")
@@ -171,81 +248,50 @@ def apply_in_pandas_with_state(
     data_columns = [c for c in grouped._df.columns]
     input_schema = grouped._df.schema  # the key columns' types, for the keys of timeouts
 
-    def make_process(cfg: OperatorConfig, keys: list[str]) -> Callable[..., list[Any]]:
-        def process(backend: Any, frames: list[Any], now_ms: int, batch_id: int, watermark: int | None) -> list[Any]:
+    def make_operator(keys: list[str]) -> Operator:
+        def process(
+            cfg: OperatorConfig, backend: Any, frames: list[Any], now_ms: int, batch_id: int, marks: Watermarks | None
+        ) -> list[Any]:
             from backend.spark.apply_in_pandas import run_apply_in_pandas_with_state
 
-            if timeoutConf == GroupStateTimeout.EventTimeTimeout and watermark is None:
+            if timeoutConf == GroupStateTimeout.EventTimeTimeout and marks is None:
                 raise ConfigurationError("EventTimeTimeout needs a watermark: call withWatermark on the input")
             out = run_apply_in_pandas_with_state(
                 func, backend, [f.drop(columns=_internal(f)) for f in frames], key_columns=keys,
                 state_schema=state_schema, timeout_conf=timeoutConf, batch_timestamp_ms=now_ms,
-                data_columns=data_columns, key_group_column=KEY_GROUP, watermark_ms=watermark,
-                input_schema=input_schema, strict_types=cfg.strict_state_types,
-                max_records_per_batch=cfg.max_records_per_batch,
+                data_columns=data_columns, key_group_column=KEY_GROUP,
+                watermark_ms=None if marks is None else marks.eviction_ms, input_schema=input_schema,
+                strict_types=cfg.strict_state_types, max_records_per_batch=cfg.max_records_per_batch,
             )  # fmt: skip
             return [f for f in out if len(f)]
 
-        return process
+        return Operator(process)
 
     no_data = {GroupStateTimeout.ProcessingTimeTimeout: PROCESSING, GroupStateTimeout.EventTimeTimeout: EVENT}
     late = timeoutConf == GroupStateTimeout.EventTimeTimeout
-    return build(grouped, schema, make_process, no_data.get(timeoutConf), late, **options)
+    routing = options.pop("routing", None)
+    return build(grouped, schema, make_operator, no_data.get(timeoutConf), late, None, routing, **options)
 
 
-_ROUTED = ("transformWithStateInPandas", "transformWithState", "applyInPandasWithState")
-
-
-def routed_uid(target: Any) -> str:
-    """The operator uid ``use_for_session`` derives for a processor (its class) or a function:
-    the qualified name, which tells apart the functions and classes of one module. A lambda, a
-    ``functools.partial`` or a callable object has no name of its own: it needs ``operator_uid``."""
-    from pyspark.sql.streaming.stateful_processor import StatefulProcessor
-
-    named = type(target) if isinstance(target, StatefulProcessor) else target
-    name = getattr(named, "__qualname__", None) if callable(named) else None
-    plain = isinstance(named, type) or hasattr(named, "__code__")  # a class or a def, not a partial/object
-    if not plain or not isinstance(name, str) or "<lambda>" in name:
-        raise ConfigurationError(
-            f"cannot derive an operator uid for {target!r}: pass operator_uid=... (a name unique among the "
-            "stateful operators routed to this checkpoint root)"
-        )
-    return re.sub(r"[^A-Za-z0-9_.-]", "-", name.replace(".<locals>.", "."))
-
-
-def use_for_session(checkpoint_root: str, **options: Any) -> Callable[[], None]:
+def use_for_session(checkpoint_root: str | None = None, **options: Any) -> Callable[[], None]:
     """Route ``GroupedData.transformWithStateInPandas`` / ``transformWithState`` /
-    ``applyInPandasWithState`` to this backend for this Python process; each operator's state goes
-    to ``<checkpoint_root>/<operator uid>`` with the uid taken from the ``operator_uid`` keyword or
-    derived from the processor's class or the function (``routed_uid``). Two queries whose
-    operators end up with the same uid are refused when the second one runs (a state directory
-    belongs to one query). Returns a function that restores Spark's methods."""
-    from pyspark.sql.group import GroupedData
-
-    saved = {name: getattr(GroupedData, name) for name in _ROUTED}
-    root = checkpoint_root.rstrip("/")
-
-    def _uid(target: Any, given: str | None) -> str:
-        return given or routed_uid(target)
-
-    def routed(target: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self: Any, first: Any, *args: Any, operator_uid: str | None = None, **kw: Any) -> Any:
-            uid = _uid(first, operator_uid)
-            extra: dict[str, Any] = {**options, **kw, "checkpoint_location": f"{root}/{uid}", "operator_uid": uid}
-            return target(self, first, *args, **extra)
-
-        return method
-
+    ``applyInPandasWithState`` to this backend for this Python process; each routed operator's state
+    follows the query that runs it (``backend.spark.routing``: under the query's
+    ``checkpointLocation``, or under ``checkpoint_root`` when given). ``options`` are the defaults
+    of every routed call. Returns a function that restores Spark's methods."""
     targets: dict[str, Callable[..., Any]] = {
         "transformWithStateInPandas": transform_with_state_in_pandas,
         "transformWithState": transform_with_state,
         "applyInPandasWithState": apply_in_pandas_with_state,
     }
-    for name, target in targets.items():
-        setattr(GroupedData, name, routed(target))
+    return route_session(checkpoint_root, options, targets)
 
-    def restore() -> None:
-        for name, method in saved.items():
-            setattr(GroupedData, name, method)
 
-    return restore
+__all__ = [
+    "apply_in_pandas_with_state",
+    "check_event_times",
+    "routed_uid",
+    "transform_with_state",
+    "transform_with_state_in_pandas",
+    "use_for_session",
+]

@@ -19,13 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 from backend.core.descriptors import ValueStateDescriptor
 from backend.core.serializers import Int64Serializer, OptionalSerializer, TupleSerializer
+from backend.spark import group_state as group_states
 from backend.spark.batch import SPARK_MAX_RECORDS_PER_BATCH, BatchClock, Partition, key_order, outputs, read_ahead
 from backend.spark.codecs import struct_codec
-from backend.spark.group_state import GroupState, GroupStateTimeout, check_timeout_conf
+from backend.spark.group_state import NO_TIMESTAMP, GroupStateTimeout, check_timeout_conf, timeout_of
 from backend.spark.keys import set_key
 from backend.spark.schema import input_type
 
 if TYPE_CHECKING:
+    from backend.spark.group_state import GroupState
     from backend.state.keyed_backend import ChangelogKeyedStateBackend
 
 __all__ = ["GROUP_STATE_NAME", "run_apply_in_pandas_with_state"]
@@ -115,13 +117,14 @@ def run_apply_in_pandas_with_state(
                                                         backend.delete_processing_time_timer),
               GroupStateTimeout.EventTimeTimeout: (backend.register_event_time_timer,
                                                    backend.delete_event_time_timer)}.get(timeout_conf)  # fmt: skip
-    watermark = GroupState.NO_TIMESTAMP if watermark_ms is None else watermark_ms
+    watermark = NO_TIMESTAMP if watermark_ms is None else watermark_ms
+    new_state = group_states.GroupState  # pyspark's GroupState (built on first use)
 
     def call(key: tuple[Any, ...], frames: Iterator[Any], timed_out: bool, timer_live: bool) -> Iterator[Any]:
         stored = state.value()
-        old_timeout = stored[0] if stored is not None else GroupState.NO_TIMESTAMP
+        old_timeout = stored[0] if stored is not None else NO_TIMESTAMP
         value = codec.values(stored[1]) if stored is not None and stored[1] is not None else None
-        group_state = GroupState(value, batch_processing_time_ms=batch_timestamp_ms, event_time_watermark_ms=watermark,
+        group_state = new_state(value, batch_processing_time_ms=batch_timestamp_ms, event_time_watermark_ms=watermark,
                                  timeout_conf=timeout_conf, has_timed_out=timed_out,
                                  watermark_present=watermark_ms is not None)  # fmt: skip
         result = func(key, frames, group_state)
@@ -130,12 +133,12 @@ def run_apply_in_pandas_with_state(
                 yield item
         # as Spark's onIteratorCompletion: the state is written once the output is consumed; the
         # GroupState's private fields are read here as pyspark's own serializer reads them
-        new_timeout = group_state._timeout_timestamp
-        keep = not (group_state._removed and new_timeout == GroupState.NO_TIMESTAMP)
+        new_timeout = timeout_of(group_state)
+        keep = not (group_state._removed and new_timeout == NO_TIMESTAMP)
         # pyspark reports the call's old timeout to the JVM as unset, so a call that neither
         # updates, removes nor sets a timeout changes nothing: the stored timeout stays, even an
         # expired one (the key then times out again in the next batch)
-        changed = group_state._updated or group_state._removed or new_timeout != GroupState.NO_TIMESTAMP
+        changed = group_state._updated or group_state._removed or new_timeout != NO_TIMESTAMP
         effective: int | None = None
         if not keep:
             if stored is not None:
@@ -143,12 +146,12 @@ def run_apply_in_pandas_with_state(
         elif changed:
             stored_value = codec.to_store(group_state._value) if group_state.exists else None
             state.update((new_timeout, stored_value))
-            effective = new_timeout if new_timeout != GroupState.NO_TIMESTAMP else None
-        elif stored is not None and old_timeout != GroupState.NO_TIMESTAMP:
+            effective = new_timeout if new_timeout != NO_TIMESTAMP else None
+        elif stored is not None and old_timeout != NO_TIMESTAMP:
             effective = old_timeout
         if timers is not None:
             register, delete = timers
-            live = old_timeout if timer_live and old_timeout != GroupState.NO_TIMESTAMP else None
+            live = old_timeout if timer_live and old_timeout != NO_TIMESTAMP else None
             if live is not None and live != effective:
                 delete(live)
             if effective is not None and effective != live:

@@ -4,23 +4,36 @@ It is built once on the driver (``backend.spark.plan.build``) and shipped, pickl
 closure, to every Python worker, so it holds only plain values. The watermark rules live here too
 because the tasks (which apply them) and the no-data batch source (which decides when a batch
 without input is due) must compute them identically.
+
+A routed operator (``use_for_session``) is built before its query has a checkpoint location, so
+its config names no state directory yet: ``route`` identifies it, and the directory is bound when
+the query starts (``backend.spark.routing``). Three parts learn it then, each the way it can: the
+driver directly; the tasks from a local property of the query (``ROUTE_PROPERTY``; Spark copies
+the starting thread's local properties to the query's thread and so to every task it runs); the
+no-data batch source, which runs in a Python process of its own on the driver's host, from a file
+there (``route_file``). ``for_task`` and ``on_driver`` turn the shipped config into the bound one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from backend.core.keygroups import key_group_range_for_subtask
 from dstl import ChangelogConfig, KeyGroupRange
 
-__all__ = ["EVENT", "PROCESSING", "OperatorConfig", "Watermarks", "watermark_after"]
+__all__ = ["EVENT", "PROCESSING", "ROUTE_PROPERTY", "OperatorConfig", "Watermarks", "route_file", "watermark_after"]
 
 #: the kinds of batches without input Spark runs for an operator (``OperatorConfig.no_data_batches``):
 #: after every batch while processing-time timers or timeouts may be due, or after a batch that
 #: advanced the event-time watermark
 PROCESSING = "processing"
 EVENT = "event"
+
+#: the prefix of the local property carrying a routed operator's state directory to its tasks
+ROUTE_PROPERTY = "dstl.route."
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,41 @@ class OperatorConfig:
     #: the workers of a host write the log through its changelog service (``dstl.service``): the
     #: changes of every task an executor runs at once share one file per flush
     changelog_service: bool = False
+    #: a routed operator not bound to a state directory yet (module docstring): its key
+    route: str | None = None
+
+    def bound(self, job_dir: str) -> OperatorConfig:
+        """This operator with its state in ``job_dir`` (a routed one, bound to its query)."""
+        job_dir = job_dir.rstrip("/")
+        return replace(self, job_dir=job_dir, changelog=replace(self.changelog, base_path=job_dir), route=None)
+
+    def for_task(self, local_property: Callable[[str], str | None]) -> OperatorConfig:
+        """The config a task runs with: a routed operator's state directory is the query's local
+        property (``local_property``: ``TaskContext.getLocalProperty``)."""
+        if self.route is None:
+            return self
+        job_dir = local_property(ROUTE_PROPERTY + self.route)
+        if not job_dir:
+            raise RuntimeError(
+                f"the routed operator {self.uid!r} runs in a query that did not bind it to a state directory: "
+                "start its query with DataStreamWriter.start or toTable while backend.spark.api.use_for_session "
+                "is in effect in this driver"
+            )
+        return self.bound(job_dir)
+
+    def on_driver(self) -> OperatorConfig:
+        """The config on the driver's host, for a process the driver did not start (the no-data
+        batch source): a routed operator's state directory is in its ``route_file``."""
+        if self.route is None:
+            return self
+        path = route_file(self.local_root, self.route)
+        try:
+            job_dir = json.loads(path.read_text())["job_dir"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise RuntimeError(
+                f"the routed operator {self.uid!r} is not bound to a state directory ({path}: {exc})"
+            ) from None
+        return self.bound(str(job_dir))
 
     def key_group_range(self, subtask: int) -> KeyGroupRange:
         return key_group_range_for_subtask(self.max_parallelism, self.parallelism, subtask)
@@ -84,6 +132,11 @@ class OperatorConfig:
     def local_dir(self, subtask: int) -> Path:
         name = self.job_dir.replace("://", "_").replace("/", "_").strip("_")
         return Path(self.local_root) / name / self.uid / f"{subtask}-of-{self.parallelism}"
+
+
+def route_file(local_root: str, route: str) -> Path:
+    """Where the driver's host keeps the state directory a routed operator was last bound to."""
+    return Path(local_root) / "routes" / f"{route}.json"
 
 
 def watermark_after(event_time_basis_ms: int, delay_ms: int) -> int:

@@ -12,12 +12,24 @@ with it. Values are checked and converted by the state's codec (``backend.spark.
 documents the Python types Spark hands back and what it stores for a value of the wrong type
 (``strict_types`` raises instead).
 
+The objects handed to the processor are instances of pyspark's own classes (``isinstance(handle,
+StatefulProcessorHandle)`` holds, as user code and Spark's tests check): the public ``SparkStateHandle``,
+``ValueState``, ``ListState`` and ``MapState`` are built on first use from our implementation and
+pyspark's class (``_pyspark_classes``), so that importing this module never imports pyspark (the
+plumbing imports it on the driver and in every worker; pyspark is loaded wherever a processor runs).
+Our methods override every pyspark method; pyspark's constructors are never called.
+
+A state dropped by ``deleteIfExists`` fails as in Spark, whose objects address a state by name: every
+call raises ``PySparkRuntimeError`` with the message pyspark's client gives, its iterators are empty,
+and an object of the same kind works again once ``init`` creates the state again.
+
 The state objects and the handle share a module because each state object asks its handle for
 the current key on every call (one attribute lookup on the hot path), and the handle creates them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +55,7 @@ __all__ = [
     "MapState",
     "SparkStateHandle",
     "ValueState",
+    "new_handle",
     "normalize_time_mode",
 ]
 
@@ -67,124 +80,142 @@ def normalize_time_mode(time_mode: str) -> str:
 # -- the state objects -------------------------------------------------------------------------
 
 
+def _dropped(operation: str, kind: str, name: str) -> Exception:
+    """What pyspark's client raises for a call on a state its handle no longer has."""
+    from pyspark.errors import PySparkRuntimeError
+
+    return PySparkRuntimeError(f"{operation}: {kind} state {name} is not initialized.")
+
+
 class _Variable:
     """What Spark's three state objects share: the handle (whose current key every call checks),
-    the backend state and the schema's codec."""
+    the backend state (None once ``deleteIfExists`` dropped it) and the schema's codec."""
 
     __slots__ = ("_codec", "_handle", "_name", "_state")
+    _KIND = ""
 
-    def __init__(self, handle: SparkStateHandle, name: str, state: Any, codec: StructCodec) -> None:
+    def __init__(self, handle: _StateHandle, name: str, state: Any, codec: StructCodec) -> None:
         self._handle, self._name, self._state, self._codec = handle, name, state, codec
 
-    def _check(self) -> None:
+    def _check(self, operation: str) -> Any:
+        """The backend state, once the call is allowed: a grouping key is set and the state was not
+        dropped (``operation`` names the call as pyspark's client does in its error)."""
         if self._handle.current_key is None:
-            raise StateOperationError(
-                f"state {self._name!r} used without a grouping key: use state in handleInputRows, "
-                "handleInitialState or handleExpiredTimer, not in init or close"
-            )
+            self._handle.check_key(self._name)  # raises
+        if self._state is None:
+            raise _dropped(operation, self._KIND, self._name)
+        return self._state
 
-    def _store(self, value: Any) -> Any:
-        """``value`` checked and converted for the state's schema (None is not iterable: TypeError,
-        as in pyspark)."""
-        self._check()
-        return self._codec.to_store(value)
+    def _live(self) -> bool:
+        """For the iterators, which Spark's client ends early (empty) on a dropped state."""
+        self._handle.check_key(self._name)
+        return self._state is not None
+
+    def _rebind(self, other: _Variable) -> None:
+        """The state was created again after ``deleteIfExists``: address the new one, as Spark's
+        objects (which name their state) do."""
+        self._state, self._codec = other._state, other._codec
 
 
-class ValueState(_Variable):
+class _ValueState(_Variable):
     """Spark's ValueState: ``get`` returns a tuple in schema order, or None."""
 
     __slots__ = ()
+    _KIND = "Value"
 
     def exists(self) -> bool:
-        self._check()
-        return self._state.value() is not None
+        return self._check("Error checking value state exists").value() is not None
 
     def get(self) -> tuple[Any, ...] | None:
-        self._check()
-        stored = self._state.value()
+        stored = self._check("Error getting value state").value()
         return None if stored is None else self._codec.values(stored)
 
     def update(self, newValue: Any) -> None:
-        self._state.update(self._store(newValue))
+        state = self._check("Error updating value state")
+        state.update(self._codec.to_store(newValue))  # None is not iterable: TypeError, as in pyspark
 
     def clear(self) -> None:
-        self._check()
-        self._state.clear()
+        self._check("Error clearing value state").clear()
 
 
-class ListState(_Variable):
+class _ListState(_Variable):
     """Spark's ListState: ``get`` returns an iterator of tuples; ``put``/``appendList`` refuse an
     empty list and None elements (Spark's ILLEGAL_STATE_STORE_VALUE)."""
 
     __slots__ = ()
+    _KIND = "List"
 
     def _elements(self, values: Any, what: str) -> list[Any]:
-        self._check()
+        self._handle.check_key(self._name)
         if values is None:
             raise TypeError(f"state {self._name!r}: {what} needs a list, not None ('NoneType' object is not iterable)")
-        elements = [self._store(v) for v in values]
+        elements = [self._codec.to_store(v) for v in values]
         if not elements:
             raise ValueError(f"state {self._name!r}: {what} needs a non-empty list (EMPTY_LIST_VALUE)")
         return elements
 
     def exists(self) -> bool:
-        self._check()
-        return bool(self._state.get())
+        return bool(self._check("Error checking value state exists").get())  # pyspark's message, for lists too
 
     def get(self) -> Iterator[tuple[Any, ...]]:
-        self._check()
+        if not self._live():
+            return iter(())
         values = self._codec.values
         return iter([values(v) for v in self._state.get()])
 
     def put(self, newState: Any) -> None:
-        self._state.update(self._elements(newState, "put"))
+        elements = self._elements(newState, "put")
+        self._check("Error updating value state").update(elements)
 
     def appendValue(self, newState: Any) -> None:
-        self._state.add(self._store(newState))
+        state = self._check("Error updating value state")
+        state.add(self._codec.to_store(newState))
 
     def appendList(self, newState: Any) -> None:
-        self._state.add_all(self._elements(newState, "appendList"))
+        elements = self._elements(newState, "appendList")
+        self._check("Error updating value state").add_all(elements)
 
     def clear(self) -> None:
-        self._check()
-        self._state.clear()
+        self._check("Error clearing value state").clear()
 
 
-class MapState(_Variable):
+class _MapState(_Variable):
     """Spark's MapState: ``getValue`` returns a ``Row`` with the value schema's names (as Spark
     does), the iterators plain tuples, in Spark's order (its RocksDB order of the user keys'
     ``UnsafeRow`` bytes, ``backend.spark.unsafe_row``), sorted when iterating: the stored
     format stays the drop-in's own."""
 
     __slots__ = ("_key_codec", "_order")
+    _KIND = "Map"
 
-    def __init__(
-        self, handle: SparkStateHandle, name: str, state: Any, key_codec: StructCodec, codec: StructCodec
-    ) -> None:
+    def __init__(self, handle: _StateHandle, name: str, state: Any, key_codec: StructCodec, codec: StructCodec) -> None:
         super().__init__(handle, name, state, codec)
         self._key_codec = key_codec
         self._order = map_key_order(key_codec.dtype)
 
-    def _user_key(self, key: Any) -> Any:
-        self._check()
-        return self._key_codec.to_store(key)
+    def _rebind(self, other: _Variable) -> None:
+        super()._rebind(other)
+        if isinstance(other, _MapState):
+            self._key_codec, self._order = other._key_codec, other._order
 
     def exists(self) -> bool:
-        self._check()
-        return not self._state.is_empty()
+        return not self._check("Error checking map state exists").is_empty()
 
     def getValue(self, key: Any) -> Any:
-        stored = self._state.get(self._user_key(key))
+        stored = self._check("Error getting value").get(self._key_codec.to_store(key))
         return None if stored is None else self._codec.from_store(stored)
 
     def containsKey(self, key: Any) -> bool:
-        return self._state.contains(self._user_key(key))  # type: ignore[no-any-return]
+        state = self._check("Error checking if map state contains key")
+        return state.contains(self._key_codec.to_store(key))  # type: ignore[no-any-return]
 
     def updateValue(self, key: Any, value: Any) -> None:
-        self._state.put(self._user_key(key), self._store(value))
+        state = self._check("Error updating map state value")
+        state.put(self._key_codec.to_store(key), self._codec.to_store(value))
 
     def iterator(self) -> Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]]:
-        self._check()
+        if not self._live():
+            return iter(())
         keys, values, order = self._key_codec.values, self._codec.values, self._order
         items = self._state.items()
         if order is not None:
@@ -198,17 +229,16 @@ class MapState(_Variable):
         return (v for _, v in self.iterator())
 
     def removeKey(self, key: Any) -> None:
-        self._state.remove(self._user_key(key))
+        self._check("Error removing key from map state").remove(self._key_codec.to_store(key))
 
     def clear(self) -> None:
-        self._check()
-        self._state.clear()
+        self._check("Error clearing map state").clear()
 
 
 # -- the handle ---------------------------------------------------------------------------------
 
 
-class SparkStateHandle:
+class _StateHandle:
     """Spark's ``StatefulProcessorHandle`` on a ``ChangelogKeyedStateBackend``.
 
     The runner drives its phase (``phase``), sets the grouping key of each call
@@ -230,6 +260,8 @@ class SparkStateHandle:
         #: table key: Spark still lists them (and ignores registering them) until they are handled
         self._firing: dict[bytes, set[int]] = {}
         self._domain = EVENT_TIME if self.time_mode == "eventtime" else PROCESSING_TIME
+        #: the state objects ``init`` created, by state name (``deleteIfExists`` drops them)
+        self._variables: dict[str, list[_Variable]] = {}
 
     # -- driven by the runner ------------------------------------------------------------------
 
@@ -245,6 +277,14 @@ class SparkStateHandle:
 
     def remove_implicit_key(self) -> None:
         self.current_key = None
+
+    def check_key(self, name: str) -> None:
+        """State ``name`` is used with a grouping key (in a handler, not in init or close)."""
+        if self.current_key is None:
+            raise StateOperationError(
+                f"state {name!r} used without a grouping key: use state in handleInputRows, "
+                "handleInitialState or handleExpiredTimer, not in init or close"
+            )
 
     def collect_expired_timers(self, threshold_ms: int) -> list[tuple[tuple[Any, ...], int, int]]:
         """Take every timer with timestamp <= ``threshold_ms`` out of the backend (as Spark 4.3
@@ -289,32 +329,49 @@ class SparkStateHandle:
             raise StateOperationError(f"state {name!r}: TTL needs time mode ProcessingTime, not {self.time_mode!r}")
         return ttl
 
-    def getValueState(self, stateName: str, schema: Any, ttlDurationMs: int | None = None) -> ValueState:
+    def _register(self, name: str, variable: _Variable) -> Any:
+        """Keep ``variable`` for ``deleteIfExists``; objects of the same kind that a deletion of the
+        state dropped address the new one (Spark's objects name their state)."""
+        known = self._variables.setdefault(name, [])
+        for old in known:
+            if old._state is None and type(old) is type(variable):
+                old._rebind(variable)
+        known.append(variable)
+        return variable
+
+    def getValueState(self, stateName: str, schema: Any, ttlDurationMs: int | None = None) -> _ValueState:
         self._check_create("create state", stateName)
         codec = struct_codec(schema, stateName, self.strict_types)
         descriptor = ValueStateDescriptor(stateName, codec.serializer, self._ttl(stateName, ttlDurationMs))
-        return ValueState(self, stateName, self._backend.get_state(descriptor), codec)
+        made = _pyspark_classes()["ValueState"](self, stateName, self._backend.get_state(descriptor), codec)
+        return self._register(stateName, made)  # type: ignore[no-any-return]
 
-    def getListState(self, stateName: str, schema: Any, ttlDurationMs: int | None = None) -> ListState:
+    def getListState(self, stateName: str, schema: Any, ttlDurationMs: int | None = None) -> _ListState:
         self._check_create("create state", stateName)
         codec = struct_codec(schema, stateName, self.strict_types)
         descriptor = ListStateDescriptor(stateName, codec.serializer, self._ttl(stateName, ttlDurationMs))
-        return ListState(self, stateName, self._backend.get_state(descriptor), codec)
+        made = _pyspark_classes()["ListState"](self, stateName, self._backend.get_state(descriptor), codec)
+        return self._register(stateName, made)  # type: ignore[no-any-return]
 
     def getMapState(
         self, stateName: str, userKeySchema: Any, valueSchema: Any, ttlDurationMs: int | None = None
-    ) -> MapState:
+    ) -> _MapState:
         self._check_create("create state", stateName)
         key_codec = struct_codec(userKeySchema, stateName, self.strict_types, prefix="key")
         codec = struct_codec(valueSchema, stateName, self.strict_types)
         ttl = self._ttl(stateName, ttlDurationMs)
         descriptor = MapStateDescriptor(stateName, codec.serializer, ttl, user_key_serializer=key_codec.serializer)
-        return MapState(self, stateName, self._backend.get_state(descriptor), key_codec, codec)
+        state = self._backend.get_state(descriptor)
+        made = _pyspark_classes()["MapState"](self, stateName, state, key_codec, codec)
+        return self._register(stateName, made)  # type: ignore[no-any-return]
 
     def deleteIfExists(self, stateName: str) -> None:
-        """Drop the state and its data in every key; it may then be created again with another schema."""
+        """Drop the state and its data in every key; it may then be created again with another
+        schema. The objects created for it fail from now on, as Spark's do."""
         self._check_create("delete state", stateName)
         self._backend.delete_state(stateName)
+        for variable in self._variables.get(stateName, ()):
+            variable._state = None
 
     def _check_timers(self, operation: str) -> None:
         if self.time_mode == "none":
@@ -356,3 +413,48 @@ class SparkStateHandle:
         timers = set(self._backend.timers.timestamps(self._domain))
         timers.update(self._firing.get(self._backend.current_ckey, ()))
         return iter(sorted(timers))
+
+
+# -- pyspark's classes --------------------------------------------------------------------------
+
+#: the public names of the classes built on pyspark's (``_pyspark_classes``), and what they build on
+_BUILT = {
+    "SparkStateHandle": (_StateHandle, "StatefulProcessorHandle"),
+    "ValueState": (_ValueState, "ValueState"),
+    "ListState": (_ListState, "ListState"),
+    "MapState": (_MapState, "MapState"),
+}
+
+
+@functools.cache
+def _pyspark_classes() -> dict[str, type[Any]]:
+    """Our handle and state classes as subclasses of pyspark's (built once, on first use)."""
+    from pyspark.sql.streaming import stateful_processor
+
+    return {
+        name: type(name, (ours, getattr(stateful_processor, theirs)),
+                   {"__slots__": (), "__module__": __name__, "__qualname__": name, "__doc__": ours.__doc__})
+        for name, (ours, theirs) in _BUILT.items()
+    }  # fmt: skip
+
+
+def new_handle(
+    backend: ChangelogKeyedStateBackend, time_mode: str = "None", strict_types: bool = False
+) -> _StateHandle:
+    """A ``SparkStateHandle`` (a pyspark ``StatefulProcessorHandle``) over ``backend``."""
+    return _pyspark_classes()["SparkStateHandle"](backend, time_mode, strict_types)  # type: ignore[no-any-return]
+
+
+if TYPE_CHECKING:
+    SparkStateHandle = _StateHandle
+    ValueState = _ValueState
+    ListState = _ListState
+    MapState = _MapState
+
+
+def __getattr__(name: str) -> Any:
+    """``SparkStateHandle``, ``ValueState``, ``ListState``, ``MapState``: built on pyspark's classes
+    when first asked for (PEP 562), so that importing this module does not import pyspark."""
+    if name in _BUILT:
+        return _pyspark_classes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,9 +3,11 @@
 Spark joins the initial state into the first batch by key. Here the driver collects it once (a
 batch DataFrame; it must fit in the driver's memory), tags every row with its key group computed
 by the same Spark SQL hash as the input's, and writes it as one parquet file to the checkpoint
-location; each task of batch 0 reads the file and keeps the rows of its key groups. The file is
-written only while no checkpoint exists (the initial state only matters before the first batch
-commits) and is deleted as an orphan by the next driver start.
+location; each task of batch 0 reads the file and keeps the rows of its key groups. Its keys are
+checked when the operator is built; the file is written when the state directory is known (at
+build with ``checkpoint_location``, when the query starts for a routed operator), only while no
+checkpoint exists (the initial state only matters before the first batch commits), and is deleted
+as an orphan by the next driver start.
 """
 
 from __future__ import annotations
@@ -26,18 +28,11 @@ def initial_state_path(cfg: OperatorConfig) -> str:
     return f"initial/{cfg.uid}.parquet"
 
 
-def write_initial_state(cfg: OperatorConfig, grouped: Any, input_df: Any, input_keys: list[str]) -> list[str] | None:
-    """Write the initial state for the first batch; returns its key columns, or None when the
-    operator already has checkpoints (Spark ignores the initial state then too)."""
-    import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
-    import pyarrow.parquet as pq  # type: ignore[import-untyped, unused-ignore]
-    from pyspark.sql import functions as F
-
+def initial_state_keys(grouped: Any, input_df: Any, input_keys: list[str]) -> list[str]:
+    """The key columns of the initial state (a ``GroupedData``), checked against the input's when
+    the operator is built: as many, of the same types (key groups are hashes of the values)."""
     from backend.spark.plan import grouping_columns
 
-    storage = storage_for(cfg)
-    if any(in_checkpoint_dir(p) for p in storage.list_all("")):
-        return None
     keys = grouping_columns(grouped)
     if len(keys) != len(input_keys):
         raise ConfigurationError(f"initialState is grouped by {keys}, the input by {input_keys}: the keys must match")
@@ -49,6 +44,20 @@ def write_initial_state(cfg: OperatorConfig, grouped: Any, input_df: Any, input_
                 f"initialState key column {key!r} is {init_types[key]}, the input's {input_key!r} is "
                 f"{types[input_key]}: they must have the same type (key groups are hashes of the values)"
             )
+    return keys
+
+
+def write_initial_state(cfg: OperatorConfig, grouped: Any, keys: list[str]) -> bool:
+    """Write the initial state for the first batch once the operator's state directory is known
+    (its query starts); False when the operator already has checkpoints (Spark ignores the initial
+    state then too)."""
+    import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
+    import pyarrow.parquet as pq  # type: ignore[import-untyped, unused-ignore]
+    from pyspark.sql import functions as F
+
+    storage = storage_for(cfg)
+    if any(in_checkpoint_dir(p) for p in storage.list_all("")):
+        return False
     df = grouped._df.withColumn(
         _KEY_GROUP, F.pmod(F.hash(*[F.col(k) for k in keys]), F.lit(cfg.max_parallelism)).cast("int")
     )
@@ -56,7 +65,7 @@ def write_initial_state(cfg: OperatorConfig, grouped: Any, input_df: Any, input_
     buffer = io.BytesIO()
     pq.write_table(table, buffer)
     storage.put_file(initial_state_path(cfg), buffer.getvalue())
-    return keys
+    return True
 
 
 def read_initial_state(cfg: OperatorConfig, subtask: int) -> Any:

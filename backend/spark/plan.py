@@ -18,6 +18,16 @@ Spark's SQL hash, computed once in the JVM: the same in every run, so a restart 
 parallelism re-splits the same key groups (rescaling). The task drops tick rows and, where Spark
 does, late rows (event time at or behind the previous batch's watermark) before the user's code
 sees the input.
+
+The output is the processor's rows; with ``eventTimeColumnName`` that column also carries the
+input's watermark delay as metadata, as Spark's ``UpdateEventTimeWatermarkColumn`` gives it, so
+that a downstream stateful operator (an aggregation in Append mode) gets the watermark, which
+passes through ``mapInPandas`` as through any operator Spark does not know is stateful. A task
+finds its subtasks by its Spark partition id: the output may be the first input of a union only
+(a union renumbers the partitions of its other inputs). An operator built without a
+``checkpoint_location`` (``use_for_session``) is bound to its state directory when its query
+starts (``backend.spark.routing``); its function is named after its route key, so that the start
+finds it in the query's plan.
 """
 
 from __future__ import annotations
@@ -25,9 +35,10 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import mmh3
 
@@ -43,6 +54,30 @@ KEY_GROUP = "__dstl_key_group"
 BATCH_TIME = "__dstl_batch_time"
 EVENT_TIME = "__dstl_event_time"
 _ROUTE = "__dstl_route"
+
+
+#: the column metadata by which Spark knows a column's watermark delay (``EventTimeWatermark.delayKey``)
+WATERMARK_DELAY_KEY = "spark.watermarkDelayMs"
+
+
+@dataclass(frozen=True)
+class Operator:
+    """What an API (``backend.spark.api``) runs and prepares. ``process(cfg, backend, frames,
+    now_ms, batch_id, watermarks)`` runs one subtask of one batch and returns its output frames;
+    ``prepare(cfg)`` runs on the driver once the operator's state directory is known."""
+
+    process: Callable[..., list[Any]]
+    prepare: Callable[[OperatorConfig], None] | None = None
+
+
+class Routing(Protocol):
+    """How a routed operator (``backend.spark.routing``) gets its uid, and its state directory
+    once its query starts: ``defer(cfg, bind)`` keeps the unbound config and calls ``bind`` with
+    the bound one then."""
+
+    def uid(self) -> str: ...
+
+    def defer(self, cfg: OperatorConfig, bind: Callable[[OperatorConfig], None]) -> None: ...
 
 
 def _spark_int_hash(value: int) -> int:
@@ -64,17 +99,27 @@ def route_values(parallelism: int) -> list[int]:
 
 
 def grouping_columns(grouped: Any) -> list[str]:
-    """The plain column names a ``GroupedData`` groups by (expressions are refused)."""
-    exprs = grouped._jgd.groupingExprs()
-    names = [exprs.apply(i).toString().lstrip("'") for i in range(exprs.size())]
-    columns = set(grouped._df.columns)
-    bad = [n for n in names if n not in columns]
-    if bad or not names:
+    """The input's columns a ``GroupedData`` groups by, however given: names (in any case unless
+    spark.sql.caseSensitive), ``df["id"]``, ``col("id")``. Spark names each grouping column of an
+    aggregation as it was given, and an expression after its SQL; an expression is refused (Spark's
+    own stateful operators refuse it too: UNRESOLVED_COLUMN)."""
+    count = int(grouped._jgd.groupingExprs().size())
+    if count == 0:
+        raise ConfigurationError("a stateful operator needs grouping columns: call groupBy with at least one")
+    columns = list(grouped._df.columns)
+    by_case = {c.lower(): c for c in columns} if _case_insensitive(grouped._df.sparkSession) else {}
+    names = [n if n in columns else by_case.get(n.lower(), n) for n in grouped.count().columns[:count]]
+    expressions = [n for n in names if n not in columns]
+    if expressions:
         raise ConfigurationError(
-            f"group by plain column names for this backend (got {names or 'no grouping'}); "
-            "add computed keys with withColumn first"
+            f"group by columns of the input, not expressions: {expressions} (Spark's own stateful operators "
+            "refuse them too); add them with withColumn first"
         )
     return names
+
+
+def _case_insensitive(spark: Any) -> bool:
+    return str(spark.conf.get("spark.sql.caseSensitive", "false")).lower() != "true"
 
 
 def find_watermark(df: Any) -> tuple[str, int] | None:
@@ -105,12 +150,14 @@ def _check_session(spark: Any) -> None:
 def build(
     grouped: Any,
     output_schema: Any,
-    make_process: Callable[[OperatorConfig, list[str]], Callable[..., list[Any]]],
+    make_operator: Callable[[list[str]], Operator],
     no_data_batches: str | None,
     drop_late_rows: bool,
+    event_time_column: str | None,
+    routing: Routing | None,
     *,
-    checkpoint_location: str | None,
-    operator_uid: str | None,
+    checkpoint_location: str | None = None,
+    operator_uid: str | None = None,
     max_parallelism: int = DEFAULT_MAX_PARALLELISM,
     parallelism: int | None = None,
     local_dir: str | None = None,
@@ -122,21 +169,29 @@ def build(
     tasks: int | None = None,
     changelog_service: bool = True,
 ) -> Any:
-    """The streaming DataFrame running ``make_process(cfg, key columns)`` per subtask and batch.
+    """The streaming DataFrame running ``make_operator(key columns)`` per subtask and batch.
 
     ``no_data_batches`` (``backend.spark.config.PROCESSING`` / ``EVENT`` / None): which batches
     without input the operator needs, as Spark's operator would ask for them (only while the
     session's ``spark.sql.streaming.noDataMicroBatches.enabled`` is on); ``drop_late_rows``: drop
-    rows behind the watermark as Spark's operator does in event-time modes. ``tasks``: Spark
-    tasks per batch, each running a contiguous run of subtasks (None: one per core of the
-    cluster, ``SparkContext.defaultParallelism``, at most ``parallelism``). ``changelog_service``:
-    the Python workers of a host write the log through one changelog service process
-    (``dstl.service``), so the tasks an executor runs at once share one file per flush."""
+    rows behind the watermark as Spark's operator does in event-time modes. ``event_time_column``:
+    the output column that carries the input's watermark on to the operators after this one (Spark's
+    ``eventTimeColumnName``): it gets the watermark delay as its metadata, as Spark's
+    ``UpdateEventTimeWatermarkColumn`` gives it, and the watermark itself passes through as it does
+    through any operator Spark does not know is stateful. ``routing``: without a
+    ``checkpoint_location``, the operator's state directory is bound when its query starts
+    (``backend.spark.routing``). ``tasks``: Spark tasks per batch, each running a contiguous run of
+    subtasks (None: one per core of the cluster, ``SparkContext.defaultParallelism``, at most
+    ``parallelism``). ``changelog_service``: the Python workers of a host write the log through one
+    changelog service process (``dstl.service``), so the tasks an executor runs at once share one
+    file per flush."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import StructType
 
-    if not checkpoint_location:
+    if not checkpoint_location and routing is None:
         raise ConfigurationError("checkpoint_location is required: the DFS directory (URL) of this operator's state")
+    if not operator_uid and routing is not None:
+        operator_uid = routing.uid()
     if not operator_uid:
         raise ConfigurationError("operator_uid is required: it maps the state in checkpoints to this operator")
     check_max_parallelism(max_parallelism)
@@ -150,8 +205,8 @@ def build(
         )
     df = grouped._df
     spark = df.sparkSession
-    if not df.isStreaming:
-        raise ConfigurationError("this backend runs stateful processors on streaming DataFrames only")
+    if not df.isStreaming:  # backend.spark.api runs a batch DataFrame on Spark's own operator
+        raise ConfigurationError("this backend keeps the state of streaming DataFrames only")
     _check_session(spark)
     if isinstance(output_schema, str):
         output_schema = spark._parse_ddl(output_schema)
@@ -167,7 +222,8 @@ def build(
     watermark = find_watermark(df)
     if watermark is not None and watermark[0] not in df.columns:
         raise ConfigurationError(f"the watermark's event time column {watermark[0]!r} is not a column of the input")
-    location = checkpoint_location.rstrip("/")
+    route = None if checkpoint_location else uuid.uuid4().hex
+    location = checkpoint_location.rstrip("/") if checkpoint_location else f"unbound-{route}"
     base = changelog_config or ChangelogConfig(base_path=location)
     cfg = OperatorConfig(
         job_dir=location, uid=operator_uid, parallelism=parallelism, max_parallelism=max_parallelism,
@@ -178,15 +234,24 @@ def build(
         no_data_batches=no_data_batches if _no_data_batches_enabled(spark) else None,
         strict_state_types=strict_state_types, max_records_per_batch=_max_records_per_batch(spark), tasks=tasks,
         max_bytes_per_batch=_max_bytes_per_batch(spark),
-        changelog_service=changelog_service,
+        changelog_service=changelog_service, route=route,
     )  # fmt: skip
-    coordinator_for(spark, cfg, num_retained)
-    process = make_process(cfg, keys)
+    operator = make_operator(keys)
+
+    def bind(bound: OperatorConfig) -> None:
+        coordinator_for(spark, bound, num_retained)
+        if operator.prepare is not None:
+            operator.prepare(bound)
+
+    if routing is not None and route is not None:
+        routing.defer(cfg, bind)
+    else:
+        bind(cfg)
     kg = F.pmod(F.hash(*[F.col(k) for k in keys]), F.lit(max_parallelism))
     # the Spark task of a key group: that of its subtask (OperatorConfig.task_of_subtask)
     subtask = F.floor(F.col(KEY_GROUP) * F.lit(parallelism) / F.lit(max_parallelism))
     task_index = F.floor(subtask * F.lit(cfg.task_count) / F.lit(parallelism)).cast("int")
-    route = F.element_at(F.array(*[F.lit(v) for v in route_values(cfg.task_count)]), task_index + F.lit(1))
+    to_task = F.element_at(F.array(*[F.lit(v) for v in route_values(cfg.task_count)]), task_index + F.lit(1))
     if watermark is not None:  # microseconds: Spark compares event times with the watermark in them
         df = df.withColumn(EVENT_TIME, F.unix_micros(F.col(watermark[0]).cast("timestamp")))
     keyed = df.withColumn(KEY_GROUP, kg.cast("int"))
@@ -194,15 +259,47 @@ def build(
         keyed = _with_ticks(spark, cfg, keyed)
     prepared = (
         keyed.withColumn(BATCH_TIME, F.unix_millis(F.current_timestamp()))
-        .withColumn(_ROUTE, route)
+        .withColumn(_ROUTE, to_task)
         .repartition(cfg.task_count, F.col(_ROUTE))
         .drop(_ROUTE)
     )
 
     def task(frames: Iterator[Any]) -> Iterator[Any]:
-        yield from run_partition(cfg, frames, process)
+        yield from run_partition(cfg, frames, operator.process)
 
-    return prepared.mapInPandas(task, output_schema)
+    if route is not None:  # how backend.spark.routing finds the operator in the plan of a query it starts
+        task.__name__ = task.__qualname__ = routed_task_name(route)
+    out = prepared.mapInPandas(task, output_schema)
+    if event_time_column is not None and watermark is not None:
+        out = _with_event_time(out, event_time_column, watermark[1])
+    return out
+
+
+def routed_task_name(route: str) -> str:
+    """The name of a routed operator's function in the plan (``MapInPandas``)."""
+    return f"dstl_route_{route}"
+
+
+def output_column(names: list[str], column: str) -> str | None:
+    """The output column ``eventTimeColumnName`` names (Spark resolves it ignoring case)."""
+    return column if column in names else next((n for n in names if n.lower() == column.lower()), None)
+
+
+def _with_event_time(out: Any, column: str, delay_ms: int) -> Any:
+    """``out`` with ``column`` marked as its event time with the input's watermark delay."""
+    from pyspark.sql import functions as F
+
+    names = [f.name for f in out.schema.fields]
+    target = output_column(names, column)
+    if target is None:
+        raise ConfigurationError(f"eventTimeColumnName {column!r} is not a column of the output {names}")
+    columns = []
+    for field in out.schema.fields:
+        col = F.col("`" + field.name.replace("`", "``") + "`")
+        if field.name == target:
+            col = col.alias(field.name, metadata={**field.metadata, WATERMARK_DELAY_KEY: delay_ms})
+        columns.append(col)
+    return out.select(*columns)
 
 
 def _max_records_per_batch(spark: Any) -> int:
@@ -255,7 +352,14 @@ def run_partition(cfg: OperatorConfig, frames: Iterator[Any], process: Callable[
     batch_id = context.getLocalProperty("streaming.sql.batchId") if context is not None else None
     if context is None or batch_id is None:
         raise RuntimeError("backend.spark operators run inside a streaming query only (no micro-batch id)")
+    cfg = cfg.for_task(context.getLocalProperty)
     task = context.partitionId()
+    if task >= cfg.task_count:
+        raise RuntimeError(
+            f"operator {cfg.uid!r} runs in Spark partition {task} of its {cfg.task_count}: its output reaches the "
+            "sink through an operator that renumbers partitions (a union in which it is not the first input, a "
+            "coalesce), which the drop-in does not support"
+        )
     query_id = context.getLocalProperty("sql.streaming.queryId") or ""
     subtasks = cfg.subtasks_of_task(task)
     data: dict[int, list[Any]] = {subtask: [] for subtask in subtasks}
@@ -285,7 +389,7 @@ def run_partition(cfg: OperatorConfig, frames: Iterator[Any], process: Callable[
         rows = data[subtask]
         if cfg.drop_late_rows and watermarks is not None:
             rows = [kept for f in rows if len(kept := f[~(f[EVENT_TIME] <= watermarks.late_ms * 1000)])]
-        return process(backend, rows, now, int(batch_id), None if watermarks is None else watermarks.eviction_ms)
+        return process(cfg, backend, rows, now, int(batch_id), watermarks)
 
     outputs, _ = run_subtasks(cfg, subtasks, int(batch_id), query_id, now_ms, body, max_event)
     yield from coalesced(outputs, cfg.max_records_per_batch)  # one Arrow conversion per run, not per key

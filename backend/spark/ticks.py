@@ -72,6 +72,7 @@ class TickDecider:
     def latest(self) -> tuple[int, list[dict[str, Any]]] | None:
         """The latest batch with a complete set of records, and the records."""
         if self.storage is None:
+            self.cfg = self.cfg.on_driver()  # a routed operator: the state directory its query bound it to
             self.storage = StateChangelogStorage(self.cfg.changelog, owns_files=False)
         for batch in pending_batches(self.storage, self.cfg):
             records = self.records.get(batch)

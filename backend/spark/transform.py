@@ -7,8 +7,9 @@ order, ``handleInitialState`` for each initial-state chunk (first batch only) an
 ``handleInputRows(key, rows, timerValues)`` with all of the key's rows of the partition; then
 every timer that expired (processing-time timers before the batch timestamp, event-time timers
 up to the watermark, inclusive as Spark 4.3 does) once, in timestamp order, each deleted after its
-``handleExpiredTimer``; then ``close()``. The clock reads the batch timestamp throughout
-(``backend.spark.batch.BatchClock``).
+``handleExpiredTimer`` (called with keyword arguments, as Spark's worker does); then ``close()``.
+The handle, ``TimerValues`` and ``ExpiredTimerInfo`` are pyspark's classes (``backend.spark.handle``).
+The clock reads the batch timestamp throughout (``backend.spark.batch.BatchClock``).
 
 The function is a generator: outputs are yielded as the user's iterators produce them, and the
 run (state updates, timers, ``close``) completes only when the generator is exhausted.
@@ -38,7 +39,7 @@ from backend.spark.handle import (
     DATA_PROCESSED,
     INITIALIZED,
     TIMER_PROCESSED,
-    SparkStateHandle,
+    new_handle,
     normalize_time_mode,
 )
 from backend.spark.keys import timer_key
@@ -47,37 +48,6 @@ if TYPE_CHECKING:
     from backend.state.keyed_backend import ChangelogKeyedStateBackend
 
 __all__ = ["run_transform_with_state"]
-
-
-class _TimerValues:
-    """pyspark's TimerValues, for when pyspark cannot be imported."""
-
-    def __init__(self, currentProcessingTimeInMs: int = -1, currentWatermarkInMs: int = -1) -> None:
-        self._processing, self._watermark = currentProcessingTimeInMs, currentWatermarkInMs
-
-    def getCurrentProcessingTimeInMs(self) -> int:
-        return self._processing
-
-    def getCurrentWatermarkInMs(self) -> int:
-        return self._watermark
-
-
-class _ExpiredTimerInfo:
-    """pyspark's ExpiredTimerInfo, for when pyspark cannot be imported."""
-
-    def __init__(self, expiryTimeInMs: int = -1) -> None:
-        self._expiry = expiryTimeInMs
-
-    def getExpiryTimeInMs(self) -> int:
-        return self._expiry
-
-
-def _timer_classes() -> tuple[Any, Any]:
-    try:
-        from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, TimerValues
-    except ImportError:  # pragma: no cover - pyspark is installed wherever processors run
-        return _TimerValues, _ExpiredTimerInfo
-    return TimerValues, ExpiredTimerInfo
 
 
 def run_transform_with_state(
@@ -121,10 +91,11 @@ def run_transform_with_state(
     (timestamps aware in the session time zone, maps as lists of pairs); without them the types are
     what pyarrow infers from the frames.
     """
+    from pyspark.sql.streaming.stateful_processor import ExpiredTimerInfo, TimerValues
+
     mode = normalize_time_mode(time_mode)
-    timer_values_cls, expired_cls = _timer_classes()
-    timer_values = timer_values_cls(-1, -1) if mode == "none" else timer_values_cls(batch_timestamp_ms, watermark_ms)
-    handle = SparkStateHandle(backend, mode, strict_types)
+    timer_values = TimerValues(-1, -1) if mode == "none" else TimerValues(batch_timestamp_ms, watermark_ms)
+    handle = new_handle(backend, mode, strict_types)
     row_types = init_types = None
     if not use_pandas:
         row_types = None if input_schema is None else RowTypes.of(input_schema, session_timezone)
@@ -172,7 +143,9 @@ def run_transform_with_state(
             for bkey, key_group, timestamp in handle.collect_expired_timers(threshold):
                 handle.set_implicit_key(bkey, key_group)
                 key_row = make_row(key_columns, timer_key(bkey))
-                result = processor.handleExpiredTimer(key_row, timer_values, expired_cls(timestamp))
+                result = processor.handleExpiredTimer(  # by keyword, as Spark's worker calls it
+                    key=key_row, timerValues=timer_values, expiredTimerInfo=ExpiredTimerInfo(timestamp)
+                )
                 yield from outputs(result, use_pandas, "handleExpiredTimer")
                 handle.set_implicit_key(bkey, key_group)
                 handle.finish_timer(timestamp)

@@ -31,8 +31,12 @@ TOTAL = ValueStateDescriptor("total", Int64Serializer())
 
 
 def make_process(fault_dir: str) -> Callable[..., Any]:
-    def factory(cfg: Any, keys: list[str]) -> Callable[..., list[Any]]:
-        def process(backend: Any, frames: list[Any], now_ms: int, batch_id: int, watermark: Any) -> list[Any]:
+    from backend.spark.plan import Operator
+
+    def factory(keys: list[str]) -> Operator:
+        def process(
+            cfg: Any, backend: Any, frames: list[Any], now_ms: int, batch_id: int, watermarks: Any
+        ) -> list[Any]:
             import pandas as pd
             from pyspark import TaskContext
 
@@ -57,7 +61,7 @@ def make_process(fault_dir: str) -> Callable[..., Any]:
                     os.kill(os.getpid(), signal.SIGKILL)
             return [pd.DataFrame(rows, columns=["user", "total"])] if rows else []
 
-        return process
+        return Operator(process)
 
     return factory
 
@@ -96,7 +100,7 @@ def start(spark: Any, sc: Scenario, parallelism: int, sink: Callable[[Any, int],
 
     df = spark.readStream.schema("user string, v long").json(str(sc.root / "in"))
     out = build(
-        df.groupBy("user"), "user string, total long", make_process(str(sc.root / "faults")), None, False,
+        df.groupBy("user"), "user string, total long", make_process(str(sc.root / "faults")), None, False, None, None,
         checkpoint_location=str(sc.root / "state"), operator_uid="totals", parallelism=parallelism,
         local_dir=str(sc.root / "local"),
     )  # fmt: skip

@@ -1,6 +1,8 @@
-"""``use_for_session``: every routed operator gets its own uid and state directory, and two queries
-never share one silently (issue: a second routed ``applyInPandasWithState`` query landed in the
-first one's directory, because every plain function's uid was "function")."""
+"""``use_for_session``: a routed operator's state follows the query that runs it, as Spark's own
+operators' state follows the query's checkpointLocation: two queries of one program, even of one
+function, keep their own state; a query restarted under its checkpoint resumes it, one started under
+another checkpoint starts empty. Each operator of a query gets its own uid (its function's or
+class's qualified name)."""
 
 from __future__ import annotations
 
@@ -34,10 +36,12 @@ def sum_values(key: Any, frames: Iterator[Any], state: Any) -> Iterator[Any]:
 
 
 def run_routed(spark: Any, root: Path, name: str, func: Any, rows: list[str]) -> Counter[tuple[Any, ...]]:
-    """One routed applyInPandasWithState query over its own input and Spark checkpoint; its output."""
-    (root / f"in-{name}").mkdir()
+    """One routed applyInPandasWithState query over the input directory ``in-<name>`` (one more file
+    per round) and the Spark checkpoint ``spark-<name>``; its output."""
+    source = root / f"in-{name}"
+    source.mkdir(exist_ok=True)
     out = (
-        spark.readStream.schema("user string, v long").json(str(root / f"in-{name}"))
+        spark.readStream.schema("user string, v long").json(str(source))
         .groupBy("user").applyInPandasWithState(func, "user string, n long", "n long", "Update", "NoTimeout")
     )  # fmt: skip
     seen: Counter[tuple[Any, ...]] = Counter()
@@ -46,8 +50,8 @@ def run_routed(spark: Any, root: Path, name: str, func: Any, rows: list[str]) ->
         .option("checkpointLocation", str(root / f"spark-{name}")).start()
     )  # fmt: skip
     try:
-        for index, text in enumerate(rows):
-            publish(root / f"in-{name}" / f"{index:04d}.json", text)
+        for text in rows:
+            publish(source / f"{len(list(source.iterdir())):04d}.json", text)
             query.processAllAvailable()
     finally:
         query.stop()
@@ -71,7 +75,11 @@ def test_two_routed_functions_keep_their_own_state(spark: Any, routed: Path) -> 
     one = '{"user": "a", "v": 5}\n{"user": "a", "v": 7}\n'
     assert run_routed(spark, routed, "count", count_rows, [one, one]) == Counter({("a", 2): 1, ("a", 4): 1})
     assert run_routed(spark, routed, "sum", sum_values, [one, one]) == Counter({("a", 12): 1, ("a", 24): 1})
-    assert {p.name for p in (routed / "states").iterdir()} == {"count_rows", "sum_values"}
+    # under the root: a directory per query (named after its checkpoint location), one per operator in it
+    layout = {
+        (query.name.rsplit("-", 1)[0], op.name) for query in (routed / "states").iterdir() for op in query.iterdir()
+    }
+    assert layout == {("spark-count", "count_rows"), ("spark-sum", "sum_values")}
 
 
 def test_a_function_without_a_name_of_its_own_needs_an_operator_uid(spark: Any, routed: Path) -> None:
@@ -83,8 +91,46 @@ def test_a_function_without_a_name_of_its_own_needs_an_operator_uid(spark: Any, 
             df.groupBy("user").applyInPandasWithState(nameless, "user string, n long", "n long", "Update", "NoTimeout")
 
 
-def test_two_queries_routed_to_one_state_directory_are_refused(spark: Any, routed: Path) -> None:
+def test_the_state_follows_the_querys_checkpoint_location(spark: Any, tmp_path: Path) -> None:
+    """One function in two queries, one of them restarted: as Spark's own operator, the state is
+    the query's (under its checkpointLocation without a checkpoint_root)."""
+    from backend.spark import driver
+    from backend.spark.api import use_for_session
+
+    driver.forget_all()
+    restore = use_for_session(local_dir=str(tmp_path / "local"))
     one = '{"user": "a", "v": 5}\n'
-    run_routed(spark, routed, "first", count_rows, [one])
-    with pytest.raises(Exception, match="belongs to another streaming query"):
-        run_routed(spark, routed, "second", count_rows, [one])  # the same function, another query
+    try:
+        assert run_routed(spark, tmp_path, "first", count_rows, [one]) == Counter({("a", 1): 1})
+        assert run_routed(spark, tmp_path, "first", count_rows, [one]) == Counter({("a", 2): 1})  # restarted
+        # another query of the same function (Spark: another checkpoint is another query): its own state
+        second = run_routed(spark, tmp_path, "second", count_rows, [one, one])
+    finally:
+        restore()
+    assert second == Counter({("a", 1): 1, ("a", 2): 1})
+    for checkpoint in ("spark-first", "spark-second"):
+        assert (tmp_path / checkpoint / "dstl" / "count_rows" / "_query.json").is_file()
+
+
+def test_the_checkpoint_location_is_the_one_spark_chooses(spark: Any, tmp_path: Path) -> None:
+    from backend.spark.routing import _checkpoint_location
+
+    (tmp_path / "in").mkdir()
+    df = spark.readStream.schema("user string, v long").json(str(tmp_path / "in"))
+    writer = df.writeStream.option("checkpointLocation", str(tmp_path / "given"))
+    assert _checkpoint_location(writer, spark, {"checkpointlocation": str(tmp_path / "given")}, None) == str(
+        tmp_path / "given"
+    )
+    spark.conf.set("spark.sql.streaming.checkpointLocation", str(tmp_path / "default"))
+    try:
+        named = _checkpoint_location(df.writeStream, spark, {}, "q1")
+        unnamed_writer = df.writeStream
+        unnamed = _checkpoint_location(unnamed_writer, spark, {}, None)
+    finally:
+        spark.conf.unset("spark.sql.streaming.checkpointLocation")
+    assert named == f"{tmp_path / 'default'}/q1"
+    # Spark would choose a random name: the one chosen is set as the query's option
+    assert unnamed.startswith(f"{tmp_path / 'default'}/") and unnamed_writer._dstl_options == {
+        "checkpointlocation": unnamed
+    }
+    assert Path(_checkpoint_location(df.writeStream, spark, {}, None)).name.startswith("dstl-temporary-")

@@ -1,0 +1,358 @@
+"""``use_for_session``: Spark's own ``GroupedData`` methods on this backend, each operator's state
+bound to the query that runs it.
+
+The routed methods take exactly Spark's parameters (names, defaults, order; positional or keyword)
+plus our options, keyword-only, and call ``backend.spark.api``'s functions.
+
+**Where a routed operator's state lives.** Spark keeps an operator's state under its query's
+``checkpointLocation``: two queries of one program have their own, a query restarted under the same
+checkpoint resumes it, one started under another checkpoint starts empty. A routed operator does the
+same: its state directory is ``<checkpointLocation>/dstl/<uid>``, or, with a ``checkpoint_root``,
+``<checkpoint_root>/<name of the checkpointLocation>/<uid>`` (the last path component of the
+location and a digest of it). The uid is the processor's class or the function (``routed_uid``),
+unique among the routed operators of one query (a query with two of one uid is refused at start).
+
+**When it is bound.** A routed method returns its DataFrame before anything says which query will
+run it, so the operator is built unbound (``OperatorConfig.route``) and bound when its query
+starts: ``use_for_session`` also wraps ``DataStreamWriter.start`` and ``toTable``. The wrapper
+finds the routed operators in the plan of the DataFrame being started (their function's name in
+the ``MapInPandas`` node, ``plan.routed_task_name``), works out the query's checkpoint location as
+Spark does (the ``checkpointLocation`` option; else ``spark.sql.streaming.checkpointLocation``
+joined with the query name, and without a name with a random one the wrapper chooses and sets as
+the option, as Spark would have chosen one; else, as Spark, a temporary directory, kept after the
+query stops), and binds each operator before the query's first batch can run: the driver's
+coordinator (its recovery) and the initial state directly; the tasks through a local property set
+on the starting thread while ``start`` runs (Spark's query thread copies the starting thread's
+local properties, and each of its tasks sees them); the no-data batch source through a file on the
+driver's host (``config.route_file``). pyspark keeps the writer's options in the JVM only, so the
+wrapper also records them as they are set (``option``, ``options``, ``queryName``).
+
+A routed DataFrame runs in one query at a time: starting it under another checkpoint while its last
+query is active is refused (its no-data batch source could not tell the two apart). Its operators
+may feed a union as its first input only (a union renumbers the partitions of the others, and a
+task knows its part of the state by its partition id): refused at start otherwise. The writer
+hooks stay after ``restore()``: a DataFrame built while routing was on may be started later, and one
+without routed operators starts as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from backend.spark.config import ROUTE_PROPERTY, OperatorConfig, route_file
+from backend.spark.plan import routed_task_name
+from dstl import ConfigurationError
+
+__all__ = ["SessionRouting", "route_session", "routed_uid"]
+
+_ROUTED = ("transformWithStateInPandas", "transformWithState", "applyInPandasWithState")
+_TASK_PREFIX = routed_task_name("")
+#: where a DataStreamWriter's options are recorded (lower-case keys, as Spark reads them)
+_RECORDED = "_dstl_options"
+
+
+@dataclass
+class _Routed:
+    """A routed operator of this driver: its unbound config, how to bind it, where its query's
+    state goes, and the query it last ran in."""
+
+    cfg: OperatorConfig
+    bind: Callable[[OperatorConfig], None]
+    root: str | None
+    job_dir: str | None = None
+    query: Any = None
+
+
+_OPERATORS: dict[str, _Routed] = {}
+_LOCK = threading.Lock()
+_HOOKED: list[bool] = []
+
+
+def routed_uid(target: Any) -> str:
+    """The operator uid ``use_for_session`` derives for a processor (its class) or a function:
+    the qualified name, which tells apart the functions and classes of one module. A lambda, a
+    ``functools.partial`` or a callable object has no name of its own: it needs ``operator_uid``."""
+    from pyspark.sql.streaming.stateful_processor import StatefulProcessor
+
+    named = type(target) if isinstance(target, StatefulProcessor) else target
+    name = getattr(named, "__qualname__", None) if callable(named) else None
+    plain = isinstance(named, type) or hasattr(named, "__code__")  # a class or a def, not a partial/object
+    if not plain or not isinstance(name, str) or "<lambda>" in name:
+        raise ConfigurationError(
+            f"cannot derive an operator uid for {target!r}: pass operator_uid=... (a name unique among the "
+            "stateful operators of its query)"
+        )
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", name.replace(".<locals>.", "."))
+
+
+@dataclass
+class SessionRouting:
+    """``backend.spark.plan.Routing`` for one routed call: the uid from the processor or function,
+    the state directory from the query that starts it."""
+
+    root: str | None
+    target: Any
+
+    def uid(self) -> str:
+        return routed_uid(self.target)
+
+    def defer(self, cfg: OperatorConfig, bind: Callable[[OperatorConfig], None]) -> None:
+        if cfg.route is None:
+            raise ConfigurationError(f"operator {cfg.uid!r} is bound already")
+        with _LOCK:
+            _OPERATORS[cfg.route] = _Routed(cfg, bind, self.root)
+
+
+def route_session(
+    checkpoint_root: str | None, defaults: dict[str, Any], targets: dict[str, Callable[..., Any]]
+) -> Callable[[], None]:
+    """``backend.spark.api.use_for_session``: route ``GroupedData``'s methods to ``targets`` (the
+    API's functions, by method name), hook the writer."""
+    from pyspark.sql.group import GroupedData
+
+    saved = {name: GroupedData.__dict__.get(name) for name in _ROUTED}
+    for name, method in _methods(checkpoint_root, defaults, targets).items():
+        method.__doc__ = getattr(GroupedData, name).__doc__
+        setattr(GroupedData, name, method)
+    _hook_writer()
+
+    def restore() -> None:
+        for name, method in saved.items():
+            if method is None:
+                delattr(GroupedData, name)  # pyspark's own, inherited from its mixin
+            else:
+                setattr(GroupedData, name, method)
+
+    return restore
+
+
+def _methods(
+    root: str | None, defaults: dict[str, Any], targets: dict[str, Callable[..., Any]]
+) -> dict[str, Callable[..., Any]]:
+    def routed(target: Any, options: dict[str, Any]) -> dict[str, Any]:
+        """The call's options: our defaults, its own, and the routing (the uid where none is given;
+        the state directory where no checkpoint_location is)."""
+        return {**defaults, **options, "routing": SessionRouting(root, target)}
+
+    def transformWithStateInPandas(
+        self: Any,
+        statefulProcessor: Any,
+        outputStructType: Any,
+        outputMode: str,
+        timeMode: str,
+        initialState: Any = None,
+        eventTimeColumnName: str = "",
+        **options: Any,
+    ) -> Any:
+        return targets["transformWithStateInPandas"](
+            self, statefulProcessor, outputStructType, outputMode, timeMode, initialState, eventTimeColumnName,
+            **routed(statefulProcessor, options),
+        )  # fmt: skip
+
+    def transformWithState(
+        self: Any,
+        statefulProcessor: Any,
+        outputStructType: Any,
+        outputMode: str,
+        timeMode: str,
+        initialState: Any = None,
+        eventTimeColumnName: str = "",
+        **options: Any,
+    ) -> Any:
+        return targets["transformWithState"](
+            self, statefulProcessor, outputStructType, outputMode, timeMode, initialState, eventTimeColumnName,
+            **routed(statefulProcessor, options),
+        )  # fmt: skip
+
+    def applyInPandasWithState(
+        self: Any,
+        func: Callable[..., Any],
+        outputStructType: Any,
+        stateStructType: Any,
+        outputMode: str,
+        timeoutConf: str,
+        **options: Any,
+    ) -> Any:
+        return targets["applyInPandasWithState"](
+            self, func, outputStructType, stateStructType, outputMode, timeoutConf, **routed(func, options)
+        )
+
+    return {
+        "transformWithStateInPandas": transformWithStateInPandas,
+        "transformWithState": transformWithState,
+        "applyInPandasWithState": applyInPandasWithState,
+    }
+
+
+# -- binding at start ----------------------------------------------------------------------------
+
+
+def _hook_writer() -> None:
+    """Wrap ``DataStreamWriter``'s option setters (to record them) and its two starts (to bind the
+    routed operators of the DataFrame being started), once per process."""
+    from pyspark.sql.streaming.readwriter import DataStreamWriter
+
+    with _LOCK:
+        if _HOOKED:
+            return
+        _HOOKED.append(True)
+    option, options, query_name = DataStreamWriter.option, DataStreamWriter.options, DataStreamWriter.queryName
+    start, to_table = DataStreamWriter.start, DataStreamWriter.toTable
+
+    def hooked_option(self: Any, key: str, value: Any) -> Any:
+        _record(self, {key: value})
+        return option(self, key, value)
+
+    def hooked_options(self: Any, **given: Any) -> Any:
+        _record(self, given)
+        return options(self, **given)
+
+    def hooked_query_name(self: Any, queryName: str) -> Any:
+        _record(self, {"queryName": queryName})
+        return query_name(self, queryName)
+
+    def hooked_start(
+        self: Any, path: Any = None, format: Any = None, outputMode: Any = None, partitionBy: Any = None,
+        queryName: Any = None, **given: Any,
+    ) -> Any:  # fmt: skip
+        return _start_bound(
+            self, queryName, given, lambda: start(self, path, format, outputMode, partitionBy, queryName, **given)
+        )
+
+    def hooked_to_table(
+        self: Any, tableName: str, format: Any = None, outputMode: Any = None, partitionBy: Any = None,
+        queryName: Any = None, **given: Any,
+    ) -> Any:  # fmt: skip
+        return _start_bound(
+            self, queryName, given,
+            lambda: to_table(self, tableName, format, outputMode, partitionBy, queryName, **given),
+        )  # fmt: skip
+
+    for name, hooked, original in (
+        ("option", hooked_option, option), ("options", hooked_options, options),
+        ("queryName", hooked_query_name, query_name), ("start", hooked_start, start),
+        ("toTable", hooked_to_table, to_table),
+    ):  # fmt: skip
+        hooked.__doc__, hooked.__name__ = original.__doc__, original.__name__
+        setattr(DataStreamWriter, name, hooked)
+
+
+def _record(writer: Any, given: dict[str, Any]) -> None:
+    from pyspark.sql.utils import to_str
+
+    recorded = writer.__dict__.setdefault(_RECORDED, {})
+    for key, value in given.items():
+        recorded[key.lower()] = to_str(value)
+
+
+def _start_bound(writer: Any, query_name: str | None, given: dict[str, Any], start: Callable[[], Any]) -> Any:
+    """Bind the routed operators of ``writer``'s DataFrame to its query, then ``start`` it."""
+    routed = _routed_in(writer._df)
+    if not routed:
+        return start()
+    _record(writer, given)
+    recorded = writer.__dict__[_RECORDED]
+    spark = writer._df.sparkSession
+    location = _checkpoint_location(writer, spark, recorded, query_name or recorded.get("queryname"))
+    twice = sorted(uid for uid, n in Counter(r.cfg.uid for r in routed).items() if n > 1)
+    if twice:
+        raise ConfigurationError(
+            f"this query has more than one routed stateful operator with uid {twice}: pass operator_uid=... to "
+            "tell them apart (their state directories would be one)"
+        )
+    properties: dict[str, str] = {}
+    for op in routed:
+        job_dir = _state_dir(op.root, location, op.cfg.uid)
+        if op.query is not None and op.job_dir != job_dir and bool(op.query.isActive):
+            raise ConfigurationError(
+                f"the routed operator {op.cfg.uid!r} runs in query {op.query.id} (state {op.job_dir}): a DataFrame "
+                "with routed stateful operators runs in one query at a time; build it again for another query"
+            )
+        op.bind(op.cfg.bound(job_dir))
+        _write_route_file(op.cfg, job_dir)
+        op.job_dir = job_dir
+        properties[ROUTE_PROPERTY + str(op.cfg.route)] = job_dir
+    context = spark.sparkContext
+    previous = {key: context.getLocalProperty(key) for key in properties}
+    for key, value in properties.items():
+        context.setLocalProperty(key, value)  # the query's thread, created by start, copies them
+    try:
+        query = start()
+    finally:
+        for key, value in previous.items():
+            context.setLocalProperty(key, value)
+    for op in routed:
+        op.query = query
+    return query
+
+
+def _routed_in(df: Any) -> list[_Routed]:
+    """The routed operators of this driver in ``df``'s plan. One that feeds a union other than as
+    its first input is refused: its tasks know their partition by Spark's partition id, which a
+    union renumbers for every input after the first."""
+    found: dict[str, _Routed] = {}
+    pending = [(df._jdf.queryExecution().analyzed(), False)]
+    while pending:
+        node, renumbered = pending.pop()
+        kind = node.getClass().getSimpleName()
+        if kind == "MapInPandas":
+            name = str(node.functionExpr().name())
+            if name.startswith(_TASK_PREFIX):
+                key = name[len(_TASK_PREFIX) :]
+                with _LOCK:
+                    op = _OPERATORS.get(key)
+                if op is None:
+                    raise ConfigurationError(f"the routed operator {name} was not built in this driver")
+                if renumbered:
+                    raise ConfigurationError(
+                        f"the routed stateful operator {op.cfg.uid!r} is an input of a union other than its first: "
+                        "the drop-in's output can be the first input of a union only (write the others first)"
+                    )
+                found[key] = op
+        children = node.children()
+        pending.extend((children.apply(i), renumbered or (kind == "Union" and i > 0)) for i in range(children.size()))
+    return list(found.values())
+
+
+def _checkpoint_location(writer: Any, spark: Any, recorded: dict[str, Any], query_name: str | None) -> str:
+    """The query's checkpoint location, as Spark's ``StreamingQueryManager`` will choose it."""
+    location = recorded.get("checkpointlocation")
+    if location:
+        return str(location)
+    default = spark.conf.get("spark.sql.streaming.checkpointLocation", None)
+    if default:
+        if query_name:
+            return f"{default.rstrip('/')}/{query_name}"
+        chosen = f"{default.rstrip('/')}/{uuid.uuid4()}"  # Spark would choose a random name: choose it for Spark
+        writer.option("checkpointLocation", chosen)
+        _record(writer, {"checkpointLocation": chosen})
+        return chosen
+    return tempfile.mkdtemp(prefix="dstl-temporary-")
+
+
+def _state_dir(root: str | None, location: str, uid: str) -> str:
+    location = location.rstrip("/")
+    if root is None:
+        return f"{location}/dstl/{uid}"
+    tail = re.sub(r"[^A-Za-z0-9_.-]", "-", location.rsplit("/", 1)[-1]) or "query"
+    digest = hashlib.sha256(location.encode()).hexdigest()[:12]
+    return f"{root.rstrip('/')}/{tail}-{digest}/{uid}"
+
+
+def _write_route_file(cfg: OperatorConfig, job_dir: str) -> None:
+    import json
+
+    path = route_file(cfg.local_root, str(cfg.route))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    tmp.write_text(json.dumps({"job_dir": job_dir}))
+    os.replace(tmp, path)
