@@ -207,6 +207,14 @@ class ChangelogService:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _close_listener_if_idle(self) -> bool:
+        with self._lock:
+            if self._connections or self._closing:
+                return False
+            self._closing = True  # connections accepted from now on are closed at once
+        self._stop_listening()
+        return True
+
     def _stop_listening(self) -> None:
         listener, self._listener = self._listener, None
         if listener is None:
@@ -344,16 +352,21 @@ class ChangelogService:
                 return
 
     def _exit_if_idle(self) -> bool:
+        """Exit if no client is connected. The start lock keeps a client from connecting while the
+        service exits; when the lock's directory was removed (a /tmp cleaner, a harness deleting
+        its temporary directory), no client can find this service any more, so it exits without
+        the lock instead of lingering."""
         try:
             with start_lock(self.socket_path, LOCK_WAIT_S):
-                with self._lock:
-                    if self._connections or self._closing:
-                        return False
-                    self._closing = True  # connections accepted from now on are closed at once
-                self._stop_listening()
+                if not self._close_listener_if_idle():
+                    return False
         except ServiceUnavailableError as exc:
             _log.warning("changelog service %s could not exit idle: %s", self.socket_path, exc)
             return False
+        except FileNotFoundError:
+            _log.warning("changelog service %s: its directory was removed; exiting once idle", self.socket_path)
+            if not self._close_listener_if_idle():
+                return False
         _log.info("changelog service %s idle for %s ms: exiting", self.socket_path, self._idle_timeout_ms)
         with contextlib.suppress(Exception):  # logged, and kept in close_error
             self.close()

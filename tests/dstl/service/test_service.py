@@ -12,6 +12,7 @@ that stops answering).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -357,6 +358,22 @@ def test_the_service_exits_once_idle_after_the_last_client_left(tmp_path: Path, 
     reader = harness.client(config)  # starts a new service: the old one is gone for good
     assert reader.service_epoch == storage.service_epoch + 1
     assert list(reader.read(handle)) == records
+
+
+def test_a_service_whose_socket_directory_was_removed_still_exits_once_idle(tmp_path: Path, harness: Harness) -> None:
+    """A /tmp cleaner or a harness removing its temporary directory takes the socket and the start
+    lock away: no client can reach the service any more, so once idle it exits, never lingers."""
+    config = local_config(tmp_path)
+    storage = harness.client(config, idle_timeout_ms=200)
+    proc = storage.service_process
+    assert proc is not None
+    writer = storage.create_writer("op", KeyGroupRange(0, 3))
+    append_all(writer, make_records(range(4), "gone", 10))
+    writer.persist_durably(0).result(WAIT_S)
+    storage.close()
+    shutil.rmtree(harness.socket_dir)
+
+    assert proc.wait(WAIT_S) == 0
 
 
 def test_sigterm_stops_the_service_cleanly_and_a_bad_config_is_refused(tmp_path: Path, harness: Harness) -> None:
