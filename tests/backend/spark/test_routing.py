@@ -109,7 +109,7 @@ def test_the_state_follows_the_querys_checkpoint_location(spark: Any, tmp_path: 
         restore()
     assert second == Counter({("a", 1): 1, ("a", 2): 1})
     for checkpoint in ("spark-first", "spark-second"):
-        assert (tmp_path / checkpoint / "dstl" / "count_rows" / "_query.json").is_file()
+        assert sorted((tmp_path / checkpoint / "dstl" / "count_rows").glob("chk-*/_metadata"))  # its checkpoints
 
 
 def test_the_checkpoint_location_is_the_one_spark_chooses(spark: Any, tmp_path: Path) -> None:
