@@ -263,8 +263,10 @@ def build(
         .drop(_ROUTE)
     )
 
+    process = operator.process  # only this is shipped: ``prepare`` holds driver-side objects
+
     def task(frames: Iterator[Any]) -> Iterator[Any]:
-        yield from run_partition(cfg, frames, operator.process)
+        yield from run_partition(cfg, frames, process)
 
     if route is not None:  # how backend.spark.routing finds the operator in the plan of a query it starts
         task.__name__ = task.__qualname__ = routed_task_name(route)
