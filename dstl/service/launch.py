@@ -17,7 +17,7 @@ Why it is shaped so:
 - *Start on demand.* If nothing listens, ``python -m dstl.service`` is spawned in a session of
   its own (signals to a worker's process group do not reach it), the configuration on its stdin (it may hold S3
   secrets; the command line holds none), its stderr appended to ``<socket>.log`` (mode 600); the
-  starter reads its stdout lines until ``READY`` for at most ``start_timeout_ms`` (30 s by
+  starter reads its stdout lines until ``READY`` for at most ``start_timeout_ms`` (120 s by
   default: a cold interpreter importing the storage's dependencies, not a DFS call) and
   otherwise kills it and raises ``ServiceUnavailableError`` with the log's tail. A thread reaps
   the child when it exits.
@@ -64,7 +64,7 @@ SOCKET_PATH_MAX = 107
 _LOG_TAIL_LINES = 20
 _LOG_MAX_BYTES = 1 << 20
 #: how long a service started on demand may take to print READY, by default
-START_TIMEOUT_MS = 30_000
+START_TIMEOUT_MS = 120_000  # an interpreter importing the storage stack takes tens of seconds on a loaded host
 
 _log = logging.getLogger(__name__)
 
