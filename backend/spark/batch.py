@@ -41,8 +41,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from backend.spark.codecs import make_row
 from backend.spark.keys import backend_key
+from backend.spark.rows import make_row
 from backend.spark.schema import SparkType, input_type
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ import logging
 import math
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from backend.core.serializers import (
@@ -51,47 +51,21 @@ from backend.core.serializers import (
 )
 from backend.spark.errors import StateValueError, UnsupportedSchemaError
 from backend.spark.jvm_values import LONG_END, LONG_MIN, java_string, pyspark_error, shown
+from backend.spark.rows import make_row, plain_value
 from backend.spark.schema import SparkType, parse_schema, simple_string
 
 __all__ = [
     "Codec",
     "StructCodec",
     "codec_for",
-    "make_row",
-    "plain_value",
     "serializer_for_schema",
     "struct_codec",
 ]
 
 log = logging.getLogger(__name__)
 
-_ROW_CLASS: Any = None
 #: (state, field) pairs already warned about: one warning per state and field and process
 _WARNED: set[tuple[str, str]] = set()
-
-
-def make_row(names: Sequence[str], values: Sequence[Any]) -> Any:
-    """``pyspark.sql.Row`` with these field names (what Spark hands out), or a tuple without pyspark."""
-    global _ROW_CLASS
-    if _ROW_CLASS is None:
-        try:
-            from pyspark.sql import Row
-
-            _ROW_CLASS = Row
-        except ImportError:  # pragma: no cover - pyspark is installed wherever processors run
-            _ROW_CLASS = False
-    if _ROW_CLASS is False:
-        return tuple(values)
-    return _ROW_CLASS(*names)(*values)
-
-
-def plain_value(value: Any) -> Any:
-    """numpy and pandas scalars -> Python ones, as pyspark's ``_normalize_state_value`` does."""
-    if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
-        return value.item()
-    if hasattr(value, "to_pydatetime"):
-        return value.to_pydatetime()
-    return value
 
 
 _INT_BITS = {"long": 64, "int": 32, "short": 16, "byte": 8}

@@ -34,9 +34,10 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, StateTtl, ValueStateDescriptor
-from backend.spark.codecs import StructCodec, plain_value, struct_codec
+from backend.spark.codecs import StructCodec, struct_codec
 from backend.spark.errors import StateOperationError
 from backend.spark.keys import backend_key, set_key
+from backend.spark.rows import plain_value
 from backend.spark.unsafe_row import map_key_order
 from backend.state.timers import EVENT_TIME, PROCESSING_TIME
 from dstl import ConfigurationError

@@ -26,7 +26,7 @@ import decimal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from backend.spark.codecs import plain_value
+from backend.spark.rows import plain_value
 
 if TYPE_CHECKING:
     from backend.state.keyed_backend import ChangelogKeyedStateBackend

@@ -33,7 +33,6 @@ from backend.spark.batch import (
     outputs,
     read_ahead,
 )
-from backend.spark.codecs import make_row
 from backend.spark.handle import (
     CLOSED,
     DATA_PROCESSED,
@@ -43,6 +42,7 @@ from backend.spark.handle import (
     normalize_time_mode,
 )
 from backend.spark.keys import timer_key
+from backend.spark.rows import make_row
 
 if TYPE_CHECKING:
     from backend.state.keyed_backend import ChangelogKeyedStateBackend
