@@ -40,6 +40,11 @@ _ACTIONS: dict[str, list[tuple[Action, float]]] = {
 _OBJECT = re.compile(r"chk-\d+|_metadata|_aborted|dstl/|shared/|\.chunk|faulty://")
 
 
+#: how long a stalled call waits when nothing abandons it: far past any call's bound (``call_bound_s``
+#: with the tests' slack), so a call without a deadline is told apart from one slowed by a loaded host
+STALL_LIMIT_S = 120.0
+
+
 class RandomFaults(FaultPlan):
     """Faults ``rate`` of the calls (seeded), ``hot_rate`` of those whose path matches the glob
     ``hot`` (so that a part of the protocol fails often enough for its rarer paths to be taken:
@@ -57,7 +62,7 @@ class RandomFaults(FaultPlan):
         deadline_s: float,
         hot: str | None = None,
         hot_rate: float = 0.7,
-        stall_limit_s: float = 10.0,
+        stall_limit_s: float = STALL_LIMIT_S,
     ) -> None:
         super().__init__(stall_limit_s=stall_limit_s)
         self.rng = random.Random(seed)

@@ -65,8 +65,10 @@ T = TypeVar("T")
 DEADLINE_MS = 200  # dfs_timeout_ms and upload_timeout_ms: small, so deadlines are reached
 ATTEMPTS = 3
 RETRY_DELAY_MS = 10
-CALL_SLACK_S = 3.0  # a bound check, not a timing: generous for a loaded 2-core machine
-OPERATION_SLACK_S = 10.0
+#: the slack over a call's (an operation's) deadlines and backoff. Not a timing: a call without a
+#: deadline waits for its stall's end (``STALL_LIMIT_S``), far beyond; a loaded host stays far below
+CALL_SLACK_S = 30.0
+OPERATION_SLACK_S = 45.0
 RESTART_TRIES = 4  # restarts under faults before the DFS heals (the last try has no faults)
 #: where a crash may hit inside the checkpoint protocol ("": between operations)
 CRASH_POINTS = [
