@@ -31,7 +31,7 @@ from dstl import format as format_module
 from dstl.errors import UploadFailedError, WriterClosedError
 from dstl.uploaders.fsspec import FsspecUploader
 from dstl.writer import ChangelogWriter
-from tests import polling
+from tests.support import polling
 
 RANGE = KeyGroupRange(0, 15)
 WAIT_S = 60.0

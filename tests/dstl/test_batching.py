@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from dstl import ChangelogHandle, KeyGroupRange, StateChangelogStorage, WriterClosedError
-from tests.fake_uploader import MemoryUploader, barrier, fake_storage
+from tests.dstl.fake_uploader import MemoryUploader, barrier, fake_storage
 
 WAIT = 10.0
 NEVER = 60_000  # ms: a persist delay no test waits for

@@ -6,7 +6,7 @@ A scripted in-memory ``Uploader`` takes the behaviour of each ``put`` from a scr
 timeout), ``("hang",)`` never returns. With ``store_first=True`` every put stores its object *before*
 sleeping, like a request whose bytes reached the store although the caller gave up on it: a
 cancelled, failed or timed-out attempt then leaves an object that the executor must delete.
-All time is virtual (``tests.virtual_time``): every latency below is exact and nothing sleeps.
+All time is virtual (``tests.dstl.virtual_time``): every latency below is exact and nothing sleeps.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dstl.config import ChangelogConfig, HedgingPolicy
 from dstl.errors import UploadFailedError
 from dstl.hedging import HedgeBudget, HedgeDelay, UploadExecutor, UploadOutcome
 from dstl.metrics import ChangelogMetrics
-from tests.virtual_time import VirtualTimeDeadlock, VirtualTimeLoop, elapse, run_virtual, virtual_now
+from tests.dstl.virtual_time import VirtualTimeDeadlock, VirtualTimeLoop, elapse, run_virtual, virtual_now
 
 Step = tuple[str, float] | tuple[str]
 

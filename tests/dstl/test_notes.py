@@ -18,7 +18,7 @@ import pytest
 from dstl import HedgingPolicy, KeyGroupRange, Note, StateChangelogStorage
 from dstl.errors import ConfigurationError, CorruptChangelogError
 from dstl.format import FILE_HEADER, NOTES_HEADER
-from tests.fake_uploader import MemoryUploader, fake_storage
+from tests.dstl.fake_uploader import MemoryUploader, fake_storage
 
 WAIT = 10.0
 NEVER = 600_000

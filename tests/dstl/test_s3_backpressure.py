@@ -24,7 +24,7 @@ from benchmarks.support.fault_plan import Fault, FaultPlan
 from benchmarks.support.fault_proxy import FaultProxy
 from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, create_bucket, start_s3_server
 from dstl import ChangelogConfig, HedgingPolicy, KeyGroupRange, S3Options, StateChangelogStorage, StateChangelogWriter
-from tests import polling
+from tests.support import polling
 
 pytestmark = pytest.mark.s3
 

@@ -23,7 +23,7 @@ from dstl import (
     WriterClosedError,
 )
 from dstl.format import ChangeSet, encode_file
-from tests.fake_uploader import MemoryUploader, barrier, fake_storage
+from tests.dstl.fake_uploader import MemoryUploader, barrier, fake_storage
 
 WAIT = 10.0
 RANGE = KeyGroupRange(0, 15)

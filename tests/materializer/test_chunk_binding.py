@@ -27,7 +27,7 @@ from backend.core.serializers import Int64Serializer, serialize_key
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, CorruptDataError, KeyGroupRange
 from materializer.periodic import PeriodicMaterializer, restore
-from tests.backend_world import BackendWorld
+from tests.support.backend_world import BackendWorld
 
 MAX_P = 4
 FULL = KeyGroupRange(0, MAX_P - 1)

@@ -38,7 +38,7 @@ from tests.materializer.test_materializer import (
     environment,
     writer,
 )
-from tests.materializer_crash_child import Model, batch_a, batch_b, batch_c
+from tests.support.materializer_crash_child import Model, batch_a, batch_b, batch_c
 
 B = Any
 

@@ -41,7 +41,7 @@ from backend.core.serializers import Int64Serializer, serialize_key
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, ChangelogWriter, ConfigurationError, KeyGroupRange, StateChangelogStorage
 from materializer.periodic import MaterializationError, PeriodicMaterializer, restore
-from tests.materializer_crash_child import (
+from tests.support.materializer_crash_child import (
     LIST,
     MAP,
     MAX_P,
@@ -54,7 +54,7 @@ from tests.materializer_crash_child import (
     batch_b,
     checkpoint_1_model,
 )
-from tests.state_models import apply_list_op
+from tests.support.state_models import apply_list_op
 
 WAIT_S = 30.0
 FULL = KeyGroupRange(0, MAX_P - 1)
@@ -754,7 +754,8 @@ def test_failure_restores_the_size_trigger(env: Env) -> None:
 def run_crashing_child(tmp: Path) -> tuple[KeyedStateHandle, str]:
     """Run the child until it hangs in its upload, SIGKILL it; return its handle and partial chunk."""
     handle_path, marker = tmp / "checkpoint-1.json", tmp / "uploading"
-    cmd = [sys.executable, "-m", "tests.materializer_crash_child", str(tmp / "child"), str(handle_path), str(marker)]
+    cmd = [sys.executable, "-m", "tests.support.materializer_crash_child"]
+    cmd += [str(tmp / "child"), str(handle_path), str(marker)]
     proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60.0

@@ -34,7 +34,7 @@ from tests.materializer.test_materializer import (
     model_keys,
     owner,
 )
-from tests.materializer_crash_child import LIST, MAP, VALUE, Model, apply_to_model, batch_a, batch_b
+from tests.support.materializer_crash_child import LIST, MAP, VALUE, Model, apply_to_model, batch_a, batch_b
 
 B = Any
 

@@ -1,6 +1,6 @@
 """A ``LocalJob`` killed with SIGKILL at every step of the checkpoint protocol, then restarted.
 
-Each test runs ``tests.checkpoint_crash_child`` in a subprocess that kills itself at one step
+Each test runs ``tests.support.checkpoint_crash_child`` in a subprocess that kills itself at one step
 (appending, uploading a log file or a chunk, writing ``_metadata``, before and after the commit,
 subsuming, deleting files, after a materialization), checks that it died by SIGKILL, then restarts
 the job on the same directory (recovery: registry rebuilt, orphans deleted) and checks:
@@ -35,7 +35,7 @@ from backend.checkpointing.job import LocalJob
 from backend.checkpointing.metadata import METADATA_NAME, SnapshotMetadata, metadata_path
 from backend.core.errors import StateRestoreError
 from tests.backend.checkpointing.test_checkpoints import files_on_dfs
-from tests.checkpoint_crash_child import (
+from tests.support.checkpoint_crash_child import (
     CHECKPOINT_EVERY,
     JOB_ID,
     NOT_REACHED,
@@ -45,7 +45,7 @@ from tests.checkpoint_crash_child import (
     open_job,
     read_state,
 )
-from tests.checkpoint_crash_child import apply as process
+from tests.support.checkpoint_crash_child import apply as process
 
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
 CHILD_TIMEOUT_S = 120.0
@@ -54,7 +54,7 @@ CHILD_TIMEOUT_S = 120.0
 @dataclass(frozen=True)
 class Case:
     id: str
-    crash: str  # a step of tests.checkpoint_crash_child.CRASHES
+    crash: str  # a step of tests.support.checkpoint_crash_child.CRASHES
     k: int  # its occurrence
     num_retained: int = 1
     #: the ``events`` of the latest checkpoint that must survive, when the crash step fixes it
@@ -147,7 +147,7 @@ RESCALED = ["after-metadata", "during-file-deletion-retain-2", "chunk-put-after-
 
 
 def run_child(root: Path, local: Path, *args: object) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "tests.checkpoint_crash_child", str(root), str(local), *map(str, args)]
+    cmd = [sys.executable, "-m", "tests.support.checkpoint_crash_child", str(root), str(local), *map(str, args)]
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
     return subprocess.run(
         cmd, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False

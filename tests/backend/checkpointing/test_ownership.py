@@ -12,7 +12,7 @@ job killed with SIGKILL, even right after writing its claim, locks nothing.
 
 The jobs are real ``LocalJob``s in this process (each with its own local directory), on a local
 directory, on the ``faulty://`` file system (to hold a write while the other job starts) and on
-S3 (moto); the killed job is a child process (``tests.checkpoint_crash_child``).
+S3 (moto); the killed job is a child process (``tests.support.checkpoint_crash_child``).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from tests.backend.checkpointing.test_checkpoint_crash import crash
 from tests.backend.checkpointing.test_checkpoints import NEVER, Workload, materialize, read_state
 from tests.backend.checkpointing.test_commit_faults import State, snapshot_of
 from tests.backend.checkpointing.test_commit_faults_s3 import S3Root, direct, moto, s3
-from tests.checkpoint_crash_child import model
-from tests.checkpoint_crash_child import open_job as open_crash_job
-from tests.checkpoint_crash_child import read_state as read_crash_state
+from tests.support.checkpoint_crash_child import model
+from tests.support.checkpoint_crash_child import open_job as open_crash_job
+from tests.support.checkpoint_crash_child import read_state as read_crash_state
 
 __all__ = ["direct", "moto", "s3"]  # the S3 fixtures, used here by name
 

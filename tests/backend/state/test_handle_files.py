@@ -21,7 +21,7 @@ from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from dstl import ChangelogConfig, KeyGroupRange
 from materializer.periodic import PeriodicMaterializer, restore
-from tests.backend_world import BackendWorld
+from tests.support.backend_world import BackendWorld
 
 WAIT_S = 30.0
 MAX_P = 8

@@ -28,7 +28,7 @@ from backend.core.handles import KeyedStateHandle
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, StateChangelogStorage
 from materializer.periodic import restore
-from tests.backend.state.local_disk import (
+from tests.support.local_disk_child import (
     CACHE_LIMIT,
     KEYS,
     NO_SPILL,
@@ -141,7 +141,7 @@ def test_a_short_write_at_commit_fails_the_write_and_the_backend_goes_on_when_th
     out = tmp_path / "out.json"
     local = tmp_path / "local"
     args = [tmp_path / "dfs", local, ROOM, cache_limit, out]
-    cmd = [sys.executable, "-m", "tests.backend.state.local_disk", *map(str, args)]
+    cmd = [sys.executable, "-m", "tests.support.local_disk_child", *map(str, args)]
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr

@@ -41,7 +41,7 @@ from backend.core.serializers import Int64Serializer, StrSerializer, serialize_k
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from backend.state.timers import EVENT_TIME, PROCESSING_TIME
 from dstl import ChangelogConfig, StateChangelogStorage
-from tests.state_models import apply_list_op
+from tests.support.state_models import apply_list_op
 
 WAIT_S = 30.0
 MAX_P = 128

@@ -30,7 +30,7 @@ from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Serve
 from dstl import ChangelogConfig, S3Options
 from dstl.service import ChangelogService, RemoteChangelogStorage, service_socket_path
 from dstl.service.protocol import Hello, Welcome, encode, read_message
-from tests import polling
+from tests.support import polling
 
 WAIT_S = 30.0
 #: appends of 100 bytes after which a flood that met no backpressure fails its test (bounded memory)

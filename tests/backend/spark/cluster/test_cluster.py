@@ -1,7 +1,7 @@
 """Exactly-once on a multi-executor cluster: an executor JVM killed mid-batch, a wiped local state
 directory, a killed changelog service, a restart at another parallelism.
 
-One child process (``tests.backend.spark.cluster.child``, whose docstring describes the phases)
+One child process (``tests.support.spark_cluster_child``, whose docstring describes the phases)
 starts ``local-cluster[2,1,1024]`` once and runs the phases in order on one query; each test
 below checks one phase: it ran without error, it did what it claims (the executor JVM it killed,
 where the state of the next batch came from), and every batch's output up to the end of the phase
@@ -50,7 +50,7 @@ class Run:
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     root = tmp_path_factory.mktemp("cluster")
     child = subprocess.run(
-        [sys.executable, "-m", "tests.backend.spark.cluster.child", str(root)],
+        [sys.executable, "-m", "tests.support.spark_cluster_child", str(root)],
         cwd=ROOT, capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip
     log = f"child exit code {child.returncode}; executor logs: {root / 'executor-logs'}\n{child.stderr}"

@@ -1,6 +1,6 @@
 """Child process of the materializer crash test: killed (SIGKILL) in the middle of a chunk upload.
 
-``python -m tests.materializer_crash_child DIR HANDLE MARKER`` (cwd: the project root):
+``python -m tests.support.materializer_crash_child DIR HANDLE MARKER`` (cwd: the project root):
 
 1. builds state (batch A) in a backend whose DFS is ``DIR/dfs`` and materializes it;
 2. changes more (batch B), completes checkpoint 1 (chunks of A + the log of B) and writes its

@@ -1,6 +1,6 @@
 """Child process of the checkpoint crash tests: a ``LocalJob`` killed with SIGKILL at one step.
 
-``python -m tests.checkpoint_crash_child ROOT LOCAL CRASH [K] [NUM_RETAINED] [PARALLELISM]`` (cwd:
+``python -m tests.support.checkpoint_crash_child ROOT LOCAL CRASH [K] [NUM_RETAINED] [PARALLELISM]`` (cwd:
 the project root) runs the job ``JOB_ID`` on the DFS root ``ROOT`` (local LMDB directories under
 ``LOCAL``), resuming from its latest checkpoint if it has one (a job crashed before), processes
 the next ``CHILD_EVENTS`` events of the deterministic stream ``events()`` and checkpoints every

@@ -2,7 +2,7 @@
 ``local-cluster[2,1,1024]`` master (a driver and two executor JVMs of one core each), with faults
 injected at deterministic points.
 
-    python -m tests.backend.spark.cluster.child DIR      (cwd: the project root)
+    python -m tests.support.spark_cluster_child DIR      (cwd: the project root)
 
 The query is ``transform_with_state_in_pandas`` over a JSON file source with one input file per
 micro-batch (``maxFilesPerTrigger=1``); the processor keeps a running count and total per key in

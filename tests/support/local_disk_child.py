@@ -1,7 +1,7 @@
 """Fill the local state directory until a write of the local tables fails (issue 25).
 
 Shared by ``test_local_disk_full`` and the child process it runs under a file size limit:
-``python -m tests.backend.state.local_disk DFS LOCAL LIMIT_BYTES CACHE_LIMIT OUT`` (cwd: the
+``python -m tests.support.local_disk_child DFS LOCAL LIMIT_BYTES CACHE_LIMIT OUT`` (cwd: the
 project root) opens a backend over the local directory ``LOCAL`` and the DFS directory ``DFS``
 (its caches of ``CACHE_LIMIT`` changes), limits the
 size of every file it writes to ``LIMIT_BYTES`` (``RLIMIT_FSIZE``: LMDB's write past it comes
