@@ -1,4 +1,5 @@
-"""Shared test configuration: hypothesis profiles and a local changelog storage fixture.
+"""Shared test configuration: hypothesis profiles, a local changelog storage, the session's Spark
+and moto S3 server fixtures.
 
 ``HYPOTHESIS_PROFILE=slow`` (``tox -e slow``) runs thousands of examples per property; the
 default ``ci`` profile keeps the suite fast.
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+from benchmarks.support.s3_server import S3Server, s3_server
 from dstl import ChangelogConfig, StateChangelogStorage
 
 settings.register_profile(
@@ -73,3 +75,11 @@ def spark() -> Iterator[object]:
     driver.detach(session)  # no progress callback into this process while it shuts down
     driver.forget_all()
     session.stop()
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[S3Server]:
+    """The moto S3 server (``tests.support.s3``): started on first use, one for the whole session;
+    each test makes its own bucket (``tests.support.s3.new_bucket``)."""
+    with s3_server() as server:
+        yield server

@@ -1,7 +1,8 @@
 """The S3 fault proxy in front of moto: every action on every operation, through our S3Uploader.
 
-One moto server, proxy and pair of uploaders serve the module; each test gets a fresh plan. HEAD ("exists") is
-sent with a plain botocore client, since the uploader has no existence check of its own.
+The session's moto server (``tests/conftest.py``); one proxy and pair of uploaders serve the
+module; each test gets a fresh plan. HEAD ("exists") is sent with a plain botocore client, since
+the uploader has no existence check of its own.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from benchmarks.support.s3_server import (
     SECRET_KEY,
     S3Server,
     create_bucket,
-    start_s3_server,
 )
 from dstl import S3Options
 from dstl.uploaders import S3Uploader
@@ -77,8 +77,8 @@ def botocore_client(endpoint_url: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def env() -> Iterator[Env]:
-    moto = start_s3_server()
+def env(moto_server: S3Server) -> Iterator[Env]:
+    moto = moto_server
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="fault-proxy-test-client", daemon=True)
     thread.start()
@@ -107,7 +107,6 @@ def env() -> Iterator[Env]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(WAIT_S)
         loop.close()
-        moto.stop()
 
 
 @pytest.fixture

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterator
 
 import pytest
 
-from benchmarks.support.s3_server import REGION, S3Server, create_bucket, start_s3_server
+from benchmarks.support.s3_server import REGION, S3Server, create_bucket
 from dstl import ChangelogConfig, S3Options, StateChangelogStorage
 
 pytestmark = pytest.mark.s3
@@ -20,15 +19,6 @@ pytestmark = pytest.mark.s3
 ACCESS_KEY = "AKIAREDACTIONTEST01"
 SECRET_KEY = "secret-key-that-must-not-be-logged"
 SESSION_TOKEN = "FwoGZXIvYXdzEXAMPLEsessiontokenMUSTNOTBELOGGED"
-
-
-@pytest.fixture(scope="module")
-def moto_server() -> Iterator[S3Server]:
-    server = start_s3_server()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def test_debug_logging_of_requests_shows_no_credential(moto_server: S3Server, caplog: pytest.LogCaptureFixture) -> None:

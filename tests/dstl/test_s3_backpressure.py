@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import os
 import threading
-import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
 
 from benchmarks.support.fault_plan import Fault, FaultPlan
 from benchmarks.support.fault_proxy import FaultProxy
-from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, create_bucket, start_s3_server
+from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server
 from dstl import ChangelogConfig, HedgingPolicy, KeyGroupRange, S3Options, StateChangelogStorage, StateChangelogWriter
 from tests.support import polling
+from tests.support.s3 import new_bucket
 
 pytestmark = pytest.mark.s3
 
@@ -37,15 +36,6 @@ PAYLOAD = 1000
 #: what an operator may append before its append blocks: the bound, plus what it appends in the
 #: interval between two looks of the loop thread (a few milliseconds), with room for a loaded machine
 ALLOWED = 2 * LIMIT
-
-
-@pytest.fixture(scope="module")
-def moto() -> Iterator[S3Server]:
-    server = start_s3_server()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @dataclass
@@ -76,10 +66,9 @@ class Operator:
             self.done.set()
 
 
-def test_appends_on_a_fresh_s3_storage_stop_at_the_bound(moto: S3Server) -> None:
-    bucket = f"cold-{uuid.uuid4().hex[:20]}"
-    create_bucket(moto.endpoint_url, bucket)
-    with FaultPlan() as plan, FaultProxy(moto.endpoint_url, plan, base=f"{bucket}/job1") as proxy:
+def test_appends_on_a_fresh_s3_storage_stop_at_the_bound(moto_server: S3Server) -> None:
+    bucket = new_bucket(moto_server, "cold")
+    with FaultPlan() as plan, FaultProxy(moto_server.endpoint_url, plan, base=f"{bucket}/job1") as proxy:
         plan.add(Fault(op="put", action="stall"))
         s3 = S3Options(endpoint_url=proxy.url, region=REGION, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY)
         config = ChangelogConfig(

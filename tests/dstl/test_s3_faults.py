@@ -4,7 +4,7 @@ defects 7 and 8), with the faults injected over HTTP by ``benchmarks.support.fau
 ``tests/dstl/test_deadlines.py`` proves the same on the ``faulty://`` file system; here the calls go
 through aiobotocore to the moto server, so what is checked is also what botocore does with a
 trickled body (each socket read is quick: its read timeout never fires), a 503 SlowDown and a
-reset connection. One moto server serves the module; each test gets its own bucket, proxy and plan.
+reset connection. One moto server serves the test session; each test gets its own bucket, proxy and plan.
 ``WAIT_S`` only bounds a hang: a passing test never waits that long.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,24 +20,16 @@ import pytest
 
 from benchmarks.support.fault_plan import Fault, FaultPlan
 from benchmarks.support.fault_proxy import FaultProxy
-from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, create_bucket, start_s3_server
+from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server
 from dstl import ChangelogConfig, HedgingPolicy, S3Options, StateChangelogStorage
 from dstl.errors import DeadlineExceededError, StorageError
+from tests.support.s3 import faulted_bucket
 
 pytestmark = pytest.mark.s3
 
 WAIT_S = 30.0
 PATH = "chk-1/_metadata"
 Call = Callable[[StateChangelogStorage], Any]
-
-
-@pytest.fixture(scope="module")
-def moto() -> Iterator[S3Server]:
-    server = start_s3_server()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @dataclass
@@ -83,11 +74,8 @@ class S3Env:
 
 
 @pytest.fixture
-def s3(moto: S3Server) -> Iterator[S3Env]:
-    bucket = f"s3faults-{uuid.uuid4().hex[:20]}"
-    create_bucket(moto.endpoint_url, bucket)
-    plan = FaultPlan()
-    with FaultProxy(moto.endpoint_url, plan, base=f"{bucket}/job1") as proxy:
+def s3(moto_server: S3Server) -> Iterator[S3Env]:
+    with faulted_bucket(moto_server, "s3faults", under="job1") as (bucket, proxy, plan):
         env = S3Env(bucket, proxy, plan, [])
         try:
             yield env

@@ -1,6 +1,6 @@
 """The DSTL against a real S3 HTTP endpoint (moto's server mode), directly and through a fault proxy.
 
-One moto server runs for the whole module; each test gets its own bucket. The fault tests put
+One moto server runs for the whole test session; each test gets its own bucket. The fault tests put
 ``benchmarks.support.latency_proxy.LatencyProxy`` between aiobotocore and moto. The proxy runs on its own event
 loop in a background thread (the storage's loop thread is the HTTP client), and the client uses
 ``force_close`` so that each upload attempt is exactly one proxied TCP connection: scripting the
@@ -13,12 +13,10 @@ import asyncio
 import dataclasses
 import re
 import threading
-import uuid
 from collections.abc import Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
 import aiohttp
-import botocore.session
 import pytest
 
 from benchmarks.support.latency_proxy import Behavior, LatencyProxy
@@ -27,9 +25,7 @@ from benchmarks.support.s3_server import (
     REGION,
     SECRET_KEY,
     S3Server,
-    create_bucket,
     list_keys,
-    start_s3_server,
 )
 from dstl import (
     ChangelogConfig,
@@ -43,6 +39,7 @@ from dstl import (
     UploadFailedError,
 )
 from dstl.uploaders import USER_AGENT
+from tests.support.s3 import botocore_client, new_bucket
 
 pytestmark = pytest.mark.s3
 
@@ -59,20 +56,9 @@ Records = list[tuple[int, bytes]]
 # -- fixtures and helpers -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def moto_server() -> Iterator[S3Server]:
-    server = start_s3_server()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.fixture
 def bucket(moto_server: S3Server) -> str:
-    name = f"dstl-{uuid.uuid4().hex[:20]}"
-    create_bucket(moto_server.endpoint_url, name)
-    return name
+    return new_bucket(moto_server, "dstl")
 
 
 def s3_config(endpoint_url: str, bucket: str, *, force_close: bool = False, **overrides: Any) -> ChangelogConfig:
@@ -90,14 +76,7 @@ def s3_config(endpoint_url: str, bucket: str, *, force_close: bool = False, **ov
 
 
 def object_sizes(endpoint_url: str, bucket: str) -> dict[str, int]:
-    client = botocore.session.get_session().create_client(
-        "s3",
-        endpoint_url=endpoint_url,
-        region_name=REGION,
-        aws_access_key_id=ACCESS_KEY,
-        aws_secret_access_key=SECRET_KEY,
-    )
-    response = client.list_objects_v2(Bucket=bucket)
+    response = botocore_client(endpoint_url).list_objects_v2(Bucket=bucket)
     return {obj["Key"]: obj["Size"] for obj in response.get("Contents", [])}
 
 

@@ -1,5 +1,5 @@
 """The README's command 1 (the Spark demo) must pass: on the embedded default (a local directory),
-against an S3 endpoint given by flag (moto's server, started here) and on a multi-executor master
+against an S3 endpoint given by flag (the session's moto server) and on a multi-executor master
 (``--master local-cluster[2,1,1024]``). Each run is a fresh Python process (the demo starts and
 SIGKILLs its own Spark drivers). Its output is for people: no stack trace, no ERROR line."""
 
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, create_bucket, list_keys, s3_server
+from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, list_keys
+from tests.support.s3 import new_bucket
 
 pytestmark = pytest.mark.spark
 pytest.importorskip("pyspark")
@@ -41,13 +42,12 @@ def test_demo_passes_on_a_local_directory(tmp_path: Path) -> None:
     assert list((tmp_path / "state").glob("chk-*/_metadata"))
 
 
-def test_demo_passes_against_s3(tmp_path: Path) -> None:
-    with s3_server() as server:
-        create_bucket(server.endpoint_url, "demo")
-        env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
-                   AWS_DEFAULT_REGION=REGION)  # fmt: skip
-        out = run_demo(tmp_path, "--s3", "s3://demo/state", "--s3-endpoint", server.endpoint_url, env=env)
-        keys = list_keys(server.endpoint_url, "demo", "state/")
+def test_demo_passes_against_s3(tmp_path: Path, moto_server: S3Server) -> None:
+    bucket = new_bucket(moto_server, "demo")
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
+               AWS_DEFAULT_REGION=REGION)  # fmt: skip
+    out = run_demo(tmp_path, "--s3", f"s3://{bucket}/state", "--s3-endpoint", moto_server.endpoint_url, env=env)
+    keys = list_keys(moto_server.endpoint_url, bucket, "state/")
     assert "PASS" in out
     assert any(k.endswith("/_metadata") for k in keys)
     assert any("/pending/" in k and k.endswith(".dstl") for k in keys)  # the log, the records in it
