@@ -28,7 +28,7 @@ from dstl.service import RemoteChangelogStorage, ServiceUnavailableError, servic
 from dstl.service.configjson import dumps_config
 from dstl.service.protocol import Error, OpenWriter, encode, read_message
 from dstl.uploaders.fsspec import FsspecUploader
-from tests.dstl.service.conftest import (
+from tests.dstl.service.harness import (
     WAIT_S,
     Harness,
     accept_hello,

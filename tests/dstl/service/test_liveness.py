@@ -26,7 +26,7 @@ from dstl.errors import WriterClosedError
 from dstl.service import Liveness, RemoteChangelogStorage, ServiceUnavailableError, service_socket_path
 from dstl.service.protocol import OpenWriter, read_message
 from dstl.storage import StateChangelogStorage
-from tests.dstl.service.conftest import FLOOD_CAP, WAIT_S, Harness, accept_hello, local_config, wait_until
+from tests.dstl.service.harness import FLOOD_CAP, WAIT_S, Harness, accept_hello, local_config, wait_until
 
 
 def test_closing_the_storage_fails_every_outstanding_persist_exactly_once(

@@ -54,7 +54,7 @@ from dstl.service.protocol import (
     error_reply,
     read_message,
 )
-from tests.dstl.service.conftest import WAIT_S, Harness, append_all, local_config, make_records
+from tests.dstl.service.harness import WAIT_S, Harness, append_all, local_config, make_records
 
 HANDLE = ChangelogHandle(
     "op.e3-0-9-0123456789ab",

@@ -29,7 +29,7 @@ from dstl.errors import ConfigurationError, WriterClosedError
 from dstl.service import FencedWriterError, ServiceUnavailableError
 from dstl.service.configjson import dumps_config
 from dstl.writer import ChangelogWriter
-from tests.dstl.service.conftest import (
+from tests.dstl.service.harness import (
     FLOOD_CAP,
     WAIT_S,
     Harness,

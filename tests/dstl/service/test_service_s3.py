@@ -19,7 +19,7 @@ from benchmarks.support.fault_plan import Fault
 from benchmarks.support.s3_server import list_keys
 from dstl import HedgingPolicy, KeyGroupRange
 from dstl.service import ServiceUnavailableError
-from tests.dstl.service.conftest import WAIT_S, Harness, S3Env, append_all, make_records
+from tests.dstl.service.harness import WAIT_S, Harness, S3Env, append_all, make_records
 
 pytestmark = pytest.mark.s3
 
