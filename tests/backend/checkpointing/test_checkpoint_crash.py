@@ -21,10 +21,6 @@ waits by sleeping: the child runs to its crash.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,11 +30,11 @@ import pytest
 from backend.checkpointing.job import LocalJob
 from backend.checkpointing.metadata import METADATA_NAME, SnapshotMetadata, metadata_path
 from backend.core.errors import StateRestoreError
-from tests.backend.checkpointing.test_checkpoints import files_on_dfs
+from tests.backend.checkpointing.crashes import crash
+from tests.backend.checkpointing.workloads import files_on_dfs
 from tests.support.checkpoint_crash_child import (
     CHECKPOINT_EVERY,
     JOB_ID,
-    NOT_REACHED,
     PARALLELISM,
     force_materialization,
     model,
@@ -46,9 +42,6 @@ from tests.support.checkpoint_crash_child import (
     read_state,
 )
 from tests.support.checkpoint_crash_child import apply as process
-
-PROJECT_ROOT = Path(__file__).resolve().parents[3]
-CHILD_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -144,21 +137,6 @@ RESCALED = ["after-metadata", "during-file-deletion-retain-2", "chunk-put-after-
 
 
 # -- helpers --------------------------------------------------------------------------------------
-
-
-def run_child(root: Path, local: Path, *args: object) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "tests.support.checkpoint_crash_child", str(root), str(local), *map(str, args)]
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
-    return subprocess.run(
-        cmd, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False
-    )
-
-
-def crash(root: Path, local: Path, step: str, k: int, num_retained: int, parallelism: int = PARALLELISM) -> None:
-    proc = run_child(root, local, step, k, num_retained, parallelism)
-    if proc.returncode == NOT_REACHED:
-        pytest.fail(f"the child never reached its crash step: {proc.stderr}")
-    assert proc.returncode == -signal.SIGKILL, f"child exited with {proc.returncode}: {proc.stderr}"
 
 
 def checkpoints_on_dfs(job_dir: Path) -> list[SnapshotMetadata]:

@@ -11,26 +11,20 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.checkpointing.metadata import aborted_path, metadata_path
 from backend.core.errors import CheckpointError
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
-from tests.backend.checkpointing.test_checkpoints import NEVER, Workload, files_on_dfs, materialize, read_state
-
-State = dict[str, tuple[int, list[int], dict[str, int]]]
-
-
-def make_job(root: str | Path, local: Path, **options: Any) -> LocalJob:
-    options.setdefault("materialization", MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None))
-    return LocalJob(root, "job", [OperatorSpec("op", 2)], local, JobOptions(**options))
-
-
-def snapshot_of(work: Workload) -> State:
-    return {k: (t, list(s), dict(m)) for k, (t, s, m) in work.model.items()}
+from tests.backend.checkpointing.workloads import (
+    Workload,
+    files_on_dfs,
+    make_job,
+    materialize,
+    read_state,
+    snapshot_of,
+)
 
 
 @pytest.fixture

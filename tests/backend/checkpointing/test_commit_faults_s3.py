@@ -5,100 +5,22 @@ moto server behind ``benchmarks.support.fault_proxy``, so the faults are the one
 gives: a 503 SlowDown, and a ``_metadata`` PUT that the client gave up on and that the store
 completes afterwards. What is checked is what a user relies on: ``checkpoint()`` reports success
 only for a checkpoint a restart resumes, and a restart resumes the last one reported complete.
-One moto server serves the module; each test gets its own bucket, proxy and plan.
+One moto server serves the test session; each test gets its own bucket, proxy and plan.
 """
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import botocore.session
 import pytest
 
-from backend.checkpointing.job import LocalJob
 from backend.checkpointing.metadata import aborted_path, metadata_path
 from backend.core.errors import CheckpointError
-from benchmarks.support.fault_plan import Fault, FaultPlan
-from benchmarks.support.fault_proxy import FaultProxy
-from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, create_bucket, start_s3_server
-from dstl import ChangelogConfig, S3Options
-from tests.backend.checkpointing.test_checkpoints import Workload, materialize, read_state
-from tests.backend.checkpointing.test_commit_faults import State, make_job, snapshot_of
+from benchmarks.support.fault_plan import Fault
+from tests.backend.checkpointing.s3_root import S3Root
+from tests.backend.checkpointing.workloads import State, Workload, materialize, read_state, snapshot_of
 
 pytestmark = pytest.mark.s3
-
-
-@pytest.fixture(scope="module")
-def moto() -> Iterator[S3Server]:
-    server = start_s3_server()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@dataclass
-class S3Root:
-    """A bucket holding the job directory ``job``, the proxy in front of it and the proxy's plan."""
-
-    bucket: str
-    proxy: FaultProxy
-    plan: FaultPlan
-    direct: Any  # plain botocore talking to moto itself: what is really stored
-
-    @property
-    def root(self) -> str:
-        return f"s3://{self.bucket}"
-
-    def changelog(self) -> ChangelogConfig:
-        """The storage settings of a job on the proxy: each DFS call gets 2 s per attempt
-        (botocore's read timeout is longer, so the deadline is what gives up on a request the proxy
-        holds) and 3 attempts."""
-        s3 = S3Options(
-            endpoint_url=self.proxy.url,
-            region=REGION,
-            access_key_id=ACCESS_KEY,
-            secret_access_key=SECRET_KEY,
-            read_timeout_ms=10_000,
-        )
-        return ChangelogConfig(base_path=self.root, s3=s3, dfs_timeout_ms=2000, max_attempts=3, retry_delay_ms=10)
-
-    def job(self, local: Path) -> LocalJob:
-        """A job on the proxy (``changelog``)."""
-        return make_job(self.root, local, changelog=self.changelog())
-
-    def stored(self, prefix: str = "job/") -> set[str]:
-        """The keys under ``prefix``, relative to the job directory, read from moto directly."""
-        pages = self.direct.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
-        return {obj["Key"].removeprefix("job/") for page in pages for obj in page.get("Contents", [])}
-
-
-@pytest.fixture(scope="module")
-def direct(moto: S3Server) -> Any:
-    """Plain botocore talking to moto itself (creating a client costs more than a test's requests)."""
-    return botocore.session.get_session().create_client(
-        "s3",
-        endpoint_url=moto.endpoint_url,
-        region_name=REGION,
-        aws_access_key_id=ACCESS_KEY,
-        aws_secret_access_key=SECRET_KEY,
-    )
-
-
-@pytest.fixture
-def s3(moto: S3Server, direct: Any) -> Iterator[S3Root]:
-    bucket = f"commit-{uuid.uuid4().hex[:20]}"
-    create_bucket(moto.endpoint_url, bucket)
-    plan = FaultPlan()
-    with FaultProxy(moto.endpoint_url, plan, base=bucket) as proxy:
-        try:
-            yield S3Root(bucket, proxy, plan, direct)
-        finally:
-            plan.close()
 
 
 def test_two_slow_downs_on_the_metadata_put_and_its_delete_are_not_reported_complete(

@@ -8,7 +8,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
-from tests.backend.checkpointing.test_checkpoints import Workload, materialize
+from tests.backend.checkpointing.workloads import Workload, materialize
 
 
 def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:

@@ -29,15 +29,12 @@ from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptio
 from backend.checkpointing.metadata import VOID_DIR, metadata_path
 from backend.checkpointing.ownership import DirectoryOwnedError, OwnershipLostError
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
-from tests.backend.checkpointing.test_checkpoint_crash import crash
-from tests.backend.checkpointing.test_checkpoints import NEVER, Workload, materialize, read_state
-from tests.backend.checkpointing.test_commit_faults import State, snapshot_of
-from tests.backend.checkpointing.test_commit_faults_s3 import S3Root, direct, moto, s3
+from tests.backend.checkpointing.crashes import crash
+from tests.backend.checkpointing.s3_root import S3Root
+from tests.backend.checkpointing.workloads import NEVER, State, Workload, materialize, read_state, snapshot_of
 from tests.support.checkpoint_crash_child import model
 from tests.support.checkpoint_crash_child import open_job as open_crash_job
 from tests.support.checkpoint_crash_child import read_state as read_crash_state
-
-__all__ = ["direct", "moto", "s3"]  # the S3 fixtures, used here by name
 
 
 def open_job(root: str | Path, local: Path, **options: Any) -> LocalJob:

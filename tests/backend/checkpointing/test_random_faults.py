@@ -57,8 +57,15 @@ from backend.core.errors import CheckpointError
 from benchmarks.support.faulty_fs import faulty_base_path
 from dstl import ChangelogConfig
 from tests.backend.checkpointing.random_faults import DeadlineMeter, RandomFaults, Tally, call_bound_s
-from tests.backend.checkpointing.test_checkpoints import NEVER, Workload, expected_files, files_on_dfs, read_state
-from tests.backend.checkpointing.test_commit_faults import State, snapshot_of
+from tests.backend.checkpointing.workloads import (
+    NEVER,
+    State,
+    Workload,
+    expected_files,
+    files_on_dfs,
+    read_state,
+    snapshot_of,
+)
 
 T = TypeVar("T")
 

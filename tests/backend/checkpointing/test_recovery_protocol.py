@@ -22,9 +22,14 @@ from backend.checkpointing.metadata import aborted_path, metadata_path, parse_id
 from backend.core.errors import CheckpointError
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from dstl import ChangelogConfig, StateChangelogStorage
-from tests.backend.checkpointing.test_checkpoints import Workload, files_on_dfs, read_state
-from tests.backend.checkpointing.test_commit_faults import make_job, snapshot_of
-from tests.backend.checkpointing.test_registry_bounds import _handle
+from tests.backend.checkpointing.workloads import (
+    Workload,
+    chunk_handle,
+    files_on_dfs,
+    make_job,
+    read_state,
+    snapshot_of,
+)
 
 
 @pytest.fixture
@@ -237,7 +242,7 @@ def faulty_coordinator(tmp_path: Path, plan: FaultPlan) -> Iterator[CheckpointCo
 
 def _checkpoint_naming(coordinator: CheckpointCoordinator, path: str) -> Any:
     cid = coordinator.trigger()
-    coordinator.acknowledge(cid, "op", 0, _handle(path))
+    coordinator.acknowledge(cid, "op", 0, chunk_handle(path))
     return coordinator.complete(cid)
 
 

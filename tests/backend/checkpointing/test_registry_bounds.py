@@ -15,18 +15,10 @@ import pytest
 from backend.checkpointing.coordinator import CheckpointCoordinator
 from backend.checkpointing.registry import REMEMBERED_COMPLETIONS
 from backend.core.errors import CheckpointError
-from backend.core.handles import KeyedStateHandle
 from dstl import ChangelogConfig, StateChangelogStorage
+from tests.backend.checkpointing.workloads import chunk_handle
 
 ROUNDS = 60
-
-
-def _handle(path: str) -> KeyedStateHandle:
-    chunk = {"path": path, "key_groups": [0, 127], "scope": [0, 127], "sqn": 0, "size": 1, "entries": 1}
-    return KeyedStateHandle.from_json(
-        {"version": 1, "operator_id": "op", "checkpoint_id": 1, "max_parallelism": 128, "key_group_range": [0, 127],
-         "states": {}, "materialized": [chunk], "changelog": []}
-    )  # fmt: skip
 
 
 @pytest.fixture
@@ -42,7 +34,7 @@ def coordinator(tmp_path: Path) -> Iterator[CheckpointCoordinator]:
 
 def checkpoint_naming(coordinator: CheckpointCoordinator, path: str) -> int:
     cid = coordinator.trigger()
-    coordinator.acknowledge(cid, "op", 0, _handle(path))
+    coordinator.acknowledge(cid, "op", 0, chunk_handle(path))
     coordinator.complete(cid)
     return cid
 

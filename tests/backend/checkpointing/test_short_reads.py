@@ -16,11 +16,8 @@ import pytest
 from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.checkpointing.metadata import metadata_path
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
-from tests.backend.checkpointing.test_checkpoints import NEVER, Workload, materialize, read_state
-from tests.backend.checkpointing.test_commit_faults import State, snapshot_of
-from tests.backend.checkpointing.test_commit_faults_s3 import S3Root, direct, moto, s3
-
-__all__ = ["direct", "moto", "s3"]  # the S3 fixtures, used here by name
+from tests.backend.checkpointing.s3_root import S3Root
+from tests.backend.checkpointing.workloads import NEVER, State, Workload, materialize, read_state, snapshot_of
 
 OLDER = f"job/{metadata_path(1)}"
 
