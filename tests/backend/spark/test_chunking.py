@@ -39,8 +39,7 @@ from backend.spark.group_state import GroupState, GroupStateTimeout  # noqa: E40
 from backend.spark.transform import run_transform_with_state  # noqa: E402
 from backend.state.keyed_backend import ChangelogKeyedStateBackend  # noqa: E402
 from dstl import KeyGroupRange  # noqa: E402
-from tests.backend.spark.test_types_parity import assert_same, both_sides  # noqa: E402
-from tests.backend.spark.test_types_parity import session_conf as session_conf  # noqa: E402  # the fixture
+from tests.backend.spark.side_by_side import assert_same, both_sides  # noqa: E402
 
 
 @pytest.fixture

@@ -29,9 +29,8 @@ from backend.spark.driver import DriverCoordinator
 from backend.spark.tasks import run_subtask
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from dstl import ChangelogConfig
-from tests.backend.spark.test_no_data_batches import config, timers_at
-from tests.backend.spark.test_parity import publish
-from tests.backend.spark.test_routing import count_rows
+from tests.backend.spark.queries import count_rows, publish
+from tests.backend.spark.timer_tasks import config, timers_at
 
 NOW = 1_000
 

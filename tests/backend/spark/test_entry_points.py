@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.backend.spark.test_parity import publish
+from tests.backend.spark.queries import publish
 
 pytestmark = pytest.mark.spark
 

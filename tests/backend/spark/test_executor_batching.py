@@ -16,9 +16,9 @@ import pytest
 from backend.spark import tasks
 from backend.spark.config import OperatorConfig
 from backend.spark.driver import DriverCoordinator
-from tests.backend.spark.test_tasks import KEYS, _clean_workers, appender, config, read_all
+from tests.backend.spark.appending_tasks import KEYS, appender, config, read_all
 
-__all__ = ["_clean_workers"]  # the autouse fixture of test_tasks: every test starts with no worker state
+pytestmark = pytest.mark.usefixtures("clean_workers")  # every test starts and ends with no worker state
 
 WAIT_S = 60
 

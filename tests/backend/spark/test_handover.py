@@ -31,11 +31,11 @@ from backend.spark.driver import DriverCoordinator
 from backend.spark.tasks import run_subtask
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from dstl import ChangelogConfig
-from tests.backend.spark.test_tasks import KEYS, SEEN, _key_group, appender, config, other_worker, run_tasks
+from tests.backend.spark.appending_tasks import KEYS, SEEN, appender, config, key_group, other_worker, run_tasks
 
 #: the chunks of a materialization of the whole state at parallelism 1: one per non-empty key group,
 #: all in one file (a pack) unless the config says otherwise
-CHUNKS = len({_key_group(k) for k in KEYS})
+CHUNKS = len({key_group(k) for k in KEYS})
 #: chunk puts, relative to the faulty base path
 CHUNK_PUTS = "state/shared/*"
 

@@ -19,8 +19,7 @@ from typing import Any
 import pytest
 
 from backend.spark.keys import backend_key, timer_key
-from tests.backend.spark.test_types_parity import OUT, assert_same, both_sides, describe
-from tests.backend.spark.test_types_parity import session_conf as session_conf  # the fixture
+from tests.backend.spark.side_by_side import OUT, assert_same, both_sides, describe
 
 pd = pytest.importorskip("pandas")
 pytest.importorskip("pyspark")

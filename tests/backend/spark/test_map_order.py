@@ -16,8 +16,7 @@ import pytest
 
 from backend.spark.codecs import struct_codec
 from backend.spark.unsafe_row import map_key_order
-from tests.backend.spark.test_types_parity import OUT, assert_same, both_sides, describe
-from tests.backend.spark.test_types_parity import session_conf as session_conf  # the fixture
+from tests.backend.spark.side_by_side import OUT, assert_same, both_sides, describe
 
 D, Dec = datetime.datetime, decimal.Decimal
 

@@ -20,19 +20,10 @@ from backend.spark.config import EVENT, PROCESSING, OperatorConfig, Watermarks
 from backend.spark.driver import DriverCoordinator
 from backend.spark.tasks import run_subtask
 from backend.spark.ticks import TickDecider, needs_batch
-from backend.state.timers import EVENT_TIME, PROCESSING_TIME
-from dstl import ChangelogConfig
+from backend.state.timers import EVENT_TIME
+from tests.backend.spark.timer_tasks import config, timers_at
 
-KEYS = [(f"k{i}",) for i in range(20)]
 NOW = 10_000  # the batches' processing time
-
-
-def config(root: Path, parallelism: int = 2, **kw: Any) -> OperatorConfig:
-    job = str(root / "state")
-    return OperatorConfig(
-        job_dir=job, uid="op", parallelism=parallelism, max_parallelism=128, local_root=str(root / "local"),
-        changelog=ChangelogConfig(base_path=job), materialization_interval_ms=10**12, **kw,
-    )  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -44,24 +35,6 @@ def _clean_workers() -> Iterator[None]:
     for storage in tasks._STORAGES.values():
         storage.close()
     tasks._STORAGES.clear()
-
-
-def timers_at(timestamp: int | None, domain: int = PROCESSING_TIME) -> Any:
-    """A task body: fires the processing-time timers due at the batch's time, then gives the first
-    key of the subtask a timer at ``timestamp`` (None: no timer); records the watermarks it ran with."""
-    seen: list[Watermarks | None] = []
-
-    def process(backend: Any, now: int, watermarks: Watermarks | None) -> list[Any]:
-        seen.append(watermarks)
-        backend.advance_processing_time(now, lambda key, ts: None)
-        if timestamp is not None:
-            key = next(k for k in KEYS if backend.key_group_of(k) in backend.key_group_range)
-            backend.set_current_key(key)
-            backend.timers.register(domain, timestamp)
-        return []
-
-    process.seen = seen  # type: ignore[attr-defined]
-    return process
 
 
 def run(cfg: OperatorConfig, batch: int, body: Any, max_event: int | None = None, subtasks: Any = None) -> None:

@@ -9,11 +9,12 @@ processing time fires in the next batch, whenever that runs; a 1 ms TTL has expi
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.backend.spark.queries import publish
 
 pytestmark = pytest.mark.spark
 
@@ -75,15 +76,6 @@ def processor_class() -> Any:
             return None
 
     return Sessions
-
-
-def publish(path: Path, text: str) -> None:
-    """Write an input file atomically under a name Spark's file source ignores until the rename
-    (it lists every file not starting with "." or "_": a visible temporary name could become an
-    extra batch)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def run_pair(tmp_path: Path, ours: Any, theirs: Any, files: list[str]) -> dict[str, dict[int, list[Any]]]:

@@ -14,17 +14,9 @@ from typing import Any
 
 import pytest
 
-from tests.backend.spark.test_parity import publish
+from tests.backend.spark.queries import count_rows, publish
 
 pytestmark = pytest.mark.spark
-
-
-def count_rows(key: Any, frames: Iterator[Any], state: Any) -> Iterator[Any]:
-    import pandas as pd
-
-    total = (state.get[0] if state.exists else 0) + sum(len(f) for f in frames)
-    state.update((total,))
-    yield pd.DataFrame({"user": [key[0]], "n": [total]})
 
 
 def sum_values(key: Any, frames: Iterator[Any], state: Any) -> Iterator[Any]:

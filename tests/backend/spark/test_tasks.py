@@ -7,97 +7,35 @@ replaced Spark checkpoint, and pending records the next batch may still need.
 
 from __future__ import annotations
 
-import concurrent.futures
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from backend.checkpointing.metadata import SnapshotMetadata, metadata_path
-from backend.core.descriptors import ListStateDescriptor
 from backend.core.errors import CheckpointError
-from backend.core.keygroups import assign_key_group
-from backend.core.serializers import Int64Serializer
-from backend.core.serializers.keys import serialize_key
 from backend.spark import tasks
 from backend.spark.config import OperatorConfig
 from backend.spark.driver import DriverCoordinator
 from backend.spark.tasks import run_subtask
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from dstl import ChangelogConfig
+from tests.backend.spark.appending_tasks import (
+    KEYS,
+    SEEN,
+    appender,
+    config,
+    key_group,
+    other_worker,
+    read_all,
+    run_tasks,
+)
 
-SEEN = ListStateDescriptor("seen", Int64Serializer())
-KEYS = [(f"k{i}",) for i in range(60)]
-
-
-def config(root: Path, parallelism: int, uid: str = "op", host: str = "a", **kw: Any) -> OperatorConfig:
-    job = str(root / "state")
-    kw.setdefault("materialization_interval_ms", 10**12)
-    return OperatorConfig(
-        job_dir=job, uid=uid, parallelism=parallelism, max_parallelism=128, local_root=str(root / host),
-        changelog=ChangelogConfig(base_path=job), **kw,
-    )  # fmt: skip
-
-
-def appender(value: int) -> Any:
-    """A task body: append ``value`` to the list state of every key the subtask owns."""
-
-    def process(backend: Any, now: int, watermark: Any) -> list[Any]:
-        for key in KEYS:
-            if backend.key_group_of(key) in backend.key_group_range:
-                backend.set_current_key(key)
-                backend.get_state(SEEN).add(value)
-        return []
-
-    return process
+pytestmark = pytest.mark.usefixtures("clean_workers")  # every test starts and ends with no worker state
 
 
 def run_batch(cfg: OperatorConfig, batch: int, value: int, subtasks: Any = None) -> list[dict[str, Any]]:
     return [run_subtask(cfg, i, batch, "q", 1, appender(value))[1] for i in subtasks or range(cfg.parallelism)]
-
-
-def other_worker(finish_uploads: bool = True) -> None:
-    """The next task of every subtask runs in another Python worker of the host. A materialization
-    this worker still uploads finishes first (as in a worker that lives on, or exits normally: the
-    interpreter waits for the upload thread); with ``finish_uploads=False`` the worker drops its
-    backends at once, as a worker that runs the subtask again after another one did: the upload
-    fails at its next read of the closed tables, or finishes if it read them all."""
-    for kept in tasks._KEPT.values():
-        running = kept.materializer.in_flight
-        if finish_uploads and running is not None:
-            concurrent.futures.wait([running])
-        tasks._discard(kept)
-    tasks._KEPT.clear()
-
-
-def read_all(cfg: OperatorConfig, batch: int) -> dict[tuple[str], list[int]]:
-    """The state after ``batch`` as a fresh worker would restore it."""
-    other_worker()
-    seen: dict[tuple[str], list[int]] = {}
-
-    def collect(backend: Any, now: int, watermark: Any) -> list[Any]:
-        for key in KEYS:
-            if backend.key_group_of(key) in backend.key_group_range:
-                backend.set_current_key(key)
-                seen[key] = backend.get_state(SEEN).get()
-        return []
-
-    probe = config(Path(cfg.job_dir).parent, cfg.parallelism, cfg.uid, host="probe")
-    for i in range(cfg.parallelism):
-        run_subtask(probe, i, batch + 1, "q", 1, collect)
-    other_worker()
-    return seen
-
-
-@pytest.fixture(autouse=True)
-def _clean_workers() -> Iterator[None]:
-    other_worker()
-    yield
-    other_worker()
-    for storage in tasks._STORAGES.values():
-        storage.close()
-    tasks._STORAGES.clear()
 
 
 def test_a_subtask_that_changes_worker_every_batch_still_materializes(tmp_path: Path) -> None:
@@ -254,15 +192,6 @@ def test_a_fenced_checkpoint_whose_metadata_landed_does_not_lose_its_batch(tmp_p
         plan.close()
 
 
-def run_tasks(cfg: OperatorConfig, batch: int, value: int) -> list[dict[str, Any]]:
-    """Every Spark task of ``batch`` as ``backend.spark.plan`` runs it: its subtasks in one call."""
-    stats: list[dict[str, Any]] = []
-    for task in range(cfg.task_count):
-        subtasks = cfg.subtasks_of_task(task)
-        stats += tasks.run_subtasks(cfg, subtasks, batch, "q", 1, lambda _, *a: appender(value)(*a))[1]
-    return stats
-
-
 def test_a_task_of_several_subtasks_persists_them_and_their_records_in_one_file(tmp_path: Path) -> None:
     cfg = config(tmp_path, 8, tasks=2)
     driver = DriverCoordinator(cfg)
@@ -325,7 +254,7 @@ def test_attempts_that_group_subtasks_into_tasks_differently_mix_by_last_write(t
     meta = driver.complete_batch(1, "q")
     assert meta is not None
     rerun = range(cfg.key_group_range(1).start, cfg.key_group_range(2).end + 1)
-    expected = {k: [0, 10 if _key_group(k) in rerun else 1] for k in KEYS}
+    expected = {k: [0, 10 if key_group(k) in rerun else 1] for k in KEYS}
     assert read_all(config(tmp_path, 4, tasks=2), 1) == expected
     stats = run_tasks(config(tmp_path, 4, tasks=1), 2, 2)  # host a: tables of 1 and 2 are superseded
     assert [s["source"] for s in stats] == ["local", "dfs", "dfs", "local"]
@@ -348,10 +277,6 @@ def test_a_failing_subtask_fails_its_task_and_the_retry_starts_from_the_previous
     stats = run_tasks(cfg, 1, 1)  # the retry, in the same worker
     assert {s["source"] for s in stats} == {"dfs"}  # no table touched by the failed attempt is trusted
     assert read_all(cfg, 1) == {k: [0, 1] for k in KEYS}
-
-
-def _key_group(key: tuple[str]) -> int:
-    return assign_key_group(serialize_key(key), 128)
 
 
 def test_a_query_restarted_in_the_same_driver_at_another_parallelism_completes_its_batches(tmp_path: Path) -> None:

@@ -1,0 +1,44 @@
+"""Fixtures of the Spark tests (the session itself, ``spark``, is in ``tests/conftest.py``):
+``clean_workers`` for the tests that run ``backend.spark``'s tasks in this process, and
+``session_conf`` for the side-by-side tests (``side_by_side.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from backend.spark import tasks
+from tests.backend.spark.appending_tasks import other_worker
+
+
+@pytest.fixture
+def clean_workers() -> Iterator[None]:
+    """No worker state before and after the test: no kept backends (``other_worker``), no open
+    storages (``backend.spark.tasks``' per-process caches)."""
+    other_worker()
+    yield
+    other_worker()
+    for storage in tasks._STORAGES.values():
+        storage.close()
+    tasks._STORAGES.clear()
+
+
+@pytest.fixture
+def session_conf(spark: Any) -> Iterator[Any]:
+    """Batches only when a file arrives (Spark's ProcessingTime timers would otherwise run batches
+    without input and processAllAvailable would not return); one partition, so that a batch's rows
+    meet in one Arrow batch on both sides (transformWithStateInPandas takes an int column with a
+    null as float for a whole Arrow batch) and each batch is one task; the session's conf restored
+    after."""
+    keys = ("spark.sql.session.timeZone", "spark.sql.streaming.noDataMicroBatches.enabled",
+            "spark.sql.shuffle.partitions")  # fmt: skip
+    saved = {k: spark.conf.get(k) for k in keys}
+    spark.conf.set("spark.sql.streaming.noDataMicroBatches.enabled", "false")
+    spark.conf.set("spark.sql.shuffle.partitions", "1")
+    try:
+        yield spark
+    finally:
+        for key, value in saved.items():
+            spark.conf.set(key, value)
