@@ -24,21 +24,26 @@ import pytest
 from backend.core.errors import BackendClosedError
 from dstl import KeyGroupRange
 from materializer.periodic import MaterializationResult, PeriodicMaterializer
-from tests.materializer.test_materializer import (
+from tests.materializer.backends import (
     FULL,
-    MAX_P,
     NEVER,
     WAIT_S,
     Env,
     GatedUpload,
-    apply_to_backend,
-    apply_to_model,
     check_restores,
     checkpoint,
     environment,
     writer,
 )
-from tests.support.materializer_crash_child import Model, batch_a, batch_b, batch_c
+from tests.support.materializer_crash_child import (
+    MAX_P,
+    Model,
+    apply_to_backend,
+    apply_to_model,
+    batch_a,
+    batch_b,
+    batch_c,
+)
 
 B = Any
 

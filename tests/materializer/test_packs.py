@@ -22,8 +22,7 @@ from backend.core.keygroups import key_group_ranges
 from dstl import ConfigurationError, CorruptDataError, StateChangelogStorage
 from materializer.packs import SharedPack
 from materializer.periodic import PeriodicMaterializer, restore
-from tests.materializer.test_materializer import (
-    MAX_P,
+from tests.materializer.backends import (
     NEVER,
     WAIT_S,
     Env,
@@ -34,7 +33,7 @@ from tests.materializer.test_materializer import (
     model_keys,
     owner,
 )
-from tests.support.materializer_crash_child import LIST, MAP, VALUE, Model, apply_to_model, batch_a, batch_b
+from tests.support.materializer_crash_child import LIST, MAP, MAX_P, VALUE, Model, apply_to_model, batch_a, batch_b
 
 B = Any
 
