@@ -1,4 +1,8 @@
-"""Keys: every key type is distinct and round-trips, the canonical encoding, key-group ownership."""
+"""The keyed backend's current key (``ChangelogKeyedStateBackend.set_current_key``): every key type
+is distinct and round-trips through state, timers and a restore, the backend's fast path encodes a
+key exactly as ``backend.core``'s canonical serializer does, and a key outside the backend's
+key-group range or of an unsupported type is refused. (The serializer and the key-group assignment
+themselves are tested in tests/backend/core.)"""
 
 from __future__ import annotations
 
