@@ -19,6 +19,7 @@ def publish(path: Path, text: str) -> None:
 
 
 def count_rows(key: Any, frames: Iterator[Any], state: Any) -> Iterator[Any]:
+    """Per key, the running count of its rows in its GroupState; outputs ``user`` and ``n``."""
     import pandas as pd
 
     total = (state.get[0] if state.exists else 0) + sum(len(f) for f in frames)
