@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.checkpointing.job import LocalJob
 from backend.checkpointing.metadata import METADATA_NAME, SnapshotMetadata, metadata_path
 from backend.core.errors import StateRestoreError
+from backend.job import LocalJob
 from tests.backend.checkpointing.test_checkpoints import files_on_dfs
 from tests.checkpoint_crash_child import (
     CHECKPOINT_EVERY,

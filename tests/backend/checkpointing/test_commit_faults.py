@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.checkpointing.metadata import aborted_path, metadata_path
 from backend.core.errors import CheckpointError
+from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from tests.backend.checkpointing.test_checkpoints import NEVER, Workload, files_on_dfs, materialize, read_state
 

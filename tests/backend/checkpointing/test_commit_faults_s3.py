@@ -19,9 +19,9 @@ from typing import Any
 import botocore.session
 import pytest
 
-from backend.checkpointing.job import LocalJob
 from backend.checkpointing.metadata import aborted_path, metadata_path
 from backend.core.errors import CheckpointError
+from backend.job import LocalJob
 from benchmarks.support.fault_plan import Fault, FaultPlan
 from benchmarks.support.fault_proxy import FaultProxy
 from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server, create_bucket, start_s3_server
