@@ -24,8 +24,8 @@ from typing import Any, cast
 
 from benchmarks.support.faulty_fs import Action, Fault, FaultPlan, Op
 from dstl import ChangelogConfig
-from dstl.storage.files import RetryingDfsFiles
 from dstl.errors import ChangelogError
+from dstl.storage.files import RetryingDfsFiles
 
 __all__ = ["DeadlineMeter", "RandomFaults", "Tally", "call_bound_s", "names_an_object"]
 
