@@ -3,7 +3,7 @@
 Knows bytes, key groups and sequence numbers; knows nothing of state types or Spark.
 """
 
-from dstl.api import StateChangelogWriter, WriterStorage
+from dstl.api import ChangelogStorage, DfsFiles, StateChangelogWriter
 from dstl.config import ChangelogConfig, HedgingPolicy, S3Options
 from dstl.errors import (
     ChangelogError,
@@ -18,16 +18,18 @@ from dstl.errors import (
 from dstl.storage import StateChangelogStorage
 from dstl.types import ChangelogHandle, KeyGroupRange, Note, NotedHandle, SegmentRef, SequenceNumber
 from dstl.uploaders import Uploader, make_uploader
-from dstl.writer import ChangelogWriter
+from dstl.writer import ChangelogWriter, WriterStorage
 
 __all__ = [
     "ChangelogConfig",
     "ChangelogError",
     "ChangelogHandle",
+    "ChangelogStorage",
     "ChangelogWriter",
     "ConfigurationError",
     "CorruptChangelogError",
     "CorruptDataError",
+    "DfsFiles",
     "HedgingPolicy",
     "KeyGroupRange",
     "Note",

@@ -1,26 +1,36 @@
-"""The log's interfaces under FLIP-158's names: the writer, and the storage as its writers see it.
+"""The log's interfaces under FLIP-158's names: the writer, the storage, and the files beside the log.
 
-FLIP-158 (and Flink's ``flink-dstl``) puts ``StateChangelogWriter`` in the runtime, apart from its
-DFS implementation, so that state backends depend on the interface only. The same line runs here:
-``StateChangelogWriter`` is what the keyed backend and the materializer call, ``WriterStorage`` is
-the little a ``ChangelogWriter`` needs from the storage that created it (its upload scheduler,
-in-flight bytes and file registry). The writer depends on this module, not on
-``dstl.storage``, which composes the implementations and hands itself to its writers.
+FLIP-158 (and Flink's ``flink-dstl``) puts ``StateChangelogWriter`` and ``StateChangelogStorage``
+in the runtime, apart from their DFS implementation, so that state backends depend on the
+interfaces only; Flink's ``StateChangeUploader`` is the file side apart from the storage. The same
+lines run here, as three structural protocols (``typing.Protocol``: implementations do not
+inherit from them) and no implementation import:
 
-Both are structural (``typing.Protocol``): implementations do not inherit from them.
+- ``StateChangelogWriter``: one operator subtask's log, what the keyed backend and the
+  materializer call;
+- ``ChangelogStorage``: a process's log, which creates writers and reads handles and notes back
+  (``dstl.storage.StateChangelogStorage`` in the process, ``dstl.service.RemoteChangelogStorage``
+  through the executor's changelog service); the keyed backend depends on it;
+- ``DfsFiles``: the files under the storage's base path (chunks, ``_metadata``, claims, pending
+  records, log files), ``storage.files``, with a deadline and retries on every call; checkpointing,
+  the materializer and the tools need only these.
+
+What a writer needs from the storage that created it is the writer's business
+(``dstl.writer.WriterStorage``), not part of this module.
 """
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures
-import threading
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from dstl.config import ChangelogConfig
-from dstl.scheduler import UploadEntry
-from dstl.types import ChangelogHandle, KeyGroupRange, Note, SequenceNumber
+from dstl.metrics import ChangelogMetrics
+from dstl.types import ChangelogHandle, KeyGroupRange, Note, NotedHandle, SequenceNumber
 
-__all__ = ["StateChangelogWriter", "WriterStorage"]
+__all__ = ["ChangelogStorage", "DfsFiles", "StateChangelogWriter"]
 
 
 class StateChangelogWriter(Protocol):
@@ -51,52 +61,83 @@ class StateChangelogWriter(Protocol):
     def close(self) -> None: ...
 
 
-class WriterStorage(Protocol):
-    """What a writer calls on its storage. Calls come from the writer's (operator) thread, except
-    where the storage's loop thread drives the writer (pre-emptive persists, backpressure)."""
+class DfsFiles(Protocol):
+    """The files under a storage's base path (Flink's ``StateChangeUploader`` side).
+
+    Paths are relative to the base path; one leaving it raises ``ConfigurationError``. Each call
+    has a deadline per attempt and retries (``dstl.retry``) and fails with a ``StorageError``
+    naming the operation, the path and the attempts, except that a missing file stays
+    ``FileNotFoundError``. ``timeout`` (seconds) bounds the caller's wait on top.
+    """
+
+    def put(self, path: str, data: bytes, timeout: float | None = None) -> None:
+        """Write a whole file."""
+        ...
+
+    def get(self, path: str, timeout: float | None = None) -> bytes:
+        """Read a whole file; a missing file raises ``FileNotFoundError``."""
+        ...
+
+    def read_range(self, path: str, offset: int, length: int, timeout: float | None = None) -> bytes:
+        """Read part of a file; a missing file raises ``FileNotFoundError``."""
+        ...
+
+    def delete(self, path: str, timeout: float | None = None) -> None:
+        """Delete a file now (a missing one is not an error)."""
+        ...
+
+    def delete_later(self, path: str, on_done: Callable[[bool], None] | None = None) -> None:
+        """Delete a file in the background, retried; never raises. ``flush`` and ``close`` of the
+        storage wait for it; a failure is left to the orphan scan (``undeleted`` lists it).
+        ``on_done(deleted)`` runs once the outcome is known; not when the storage is closing and
+        skips the deletion."""
+        ...
+
+    def remove_empty_directory(self, path: str) -> bool:
+        """Remove an empty directory (local base paths; object stores have none); whether it is
+        gone now (False: it still holds something)."""
+        ...
+
+    def undeleted(self) -> builtins.list[str]:
+        """Files whose background deletion failed for good, left to the next recovery's orphan scan."""
+        ...
+
+    def list(self, prefix: str = "") -> builtins.list[str]:
+        """The paths of every file under ``prefix`` (every file if empty), sorted."""
+        ...
+
+
+class ChangelogStorage(Protocol):
+    """A process's log (FLIP-158's ``StateChangelogStorage``): writers, reading back, its files."""
 
     @property
     def config(self) -> ChangelogConfig: ...
     @property
-    def lock(self) -> threading.Lock:
-        """Guards the writer's ``entries`` and their upload state against the loop thread."""
+    def files(self) -> DfsFiles:
+        """The files under the base path, the log's included."""
         ...
 
-    def wait_for_capacity(self, writer: StateChangelogWriter) -> None:
-        """Block an append of ``writer`` while more bytes than the bound are not yet durable."""
+    @property
+    def owns_files(self) -> bool:
+        """Whether this storage deletes the log files its writers no longer need (False: another
+        process, e.g. the Spark driver's registry, decides when files die)."""
         ...
 
-    def reserve_in_flight(self, writer: StateChangelogWriter, size: int, retried: int) -> None:
-        """Count ``size`` new bytes about to be uploaded, first waiting while they would pass the
-        bound, and ``retried`` bytes of failed uploads as uploading again."""
+    @property
+    def metrics(self) -> ChangelogMetrics: ...
+
+    def create_writer(self, operator_id: str, key_group_range: KeyGroupRange) -> StateChangelogWriter: ...
+
+    def read(self, handle: ChangelogHandle, key_groups: KeyGroupRange | None = None) -> Iterator[tuple[int, bytes]]:
+        """The changes of ``handle`` in SQN order, restricted to ``key_groups`` (all if None)."""
         ...
 
-    def submit_persist(
-        self,
-        writer: StateChangelogWriter,
-        entries: list[UploadEntry],
-        new: list[UploadEntry],
-        after: int,
-        upto: int,
-        result: concurrent.futures.Future[ChangelogHandle],
-        note: Note | None = None,
-    ) -> None:
-        """Upload ``new`` (a subset of ``entries``), then resolve ``result`` with the handle of
-        ``entries`` (SQNs ``after < sqn <= upto``) once every one of them is durable, and the
-        file carrying ``note`` too."""
+    def read_notes(self, path: str, timeout: float | None = None) -> list[NotedHandle]:
+        """The notes of the changelog file at ``path`` with their persists' handles."""
         ...
 
-    def truncate_entries(self, entries: dict[int, UploadEntry], before: int) -> None:
-        """Drop the entries with SQN < ``before`` from ``entries``, releasing their files."""
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until what was handed over so far is done (uploads, background deletions)."""
         ...
 
-    def expect_persist(self, writer: StateChangelogWriter) -> None:
-        """``writer`` will persist soon: flushes may wait for it (``dstl.scheduler``, rule c)."""
-        ...
-
-    def confirm_handle(self, handle: ChangelogHandle) -> None: ...
-    def release_handle(self, handle: ChangelogHandle) -> None: ...
-    def close_writer(self, writer: StateChangelogWriter) -> None:
-        """Hand over every handle of the writer not yet confirmed or released (its files are kept,
-        as a confirmed handle's) and forget it (its entries are truncated first)."""
-        ...
+    def close(self, timeout: float | None = 60.0) -> None: ...

@@ -12,7 +12,8 @@ of a hedge can be deleted without touching the winner's object):
 3. A hedge timer fires while an attempt runs: if attempts remain and the budget has a token,
    start one more attempt (the running ones keep running; the first to finish wins).
 4. An attempt fails (error, or its per-attempt timeout): when nothing else is running and
-   attempts remain, start another one after ``retry_delay_ms * 2**(failures-1)``. When no attempt
+   attempts remain, start another one after the policy's ``delay_after(failures)``
+   (``dstl.retry``: ``retry_delay_ms`` doubled per failure, as every DFS call). When no attempt
    remains, the upload fails at once with ``UploadFailedError`` and every object tried is deleted
    in the background (``drain`` waits for that); a
    timed-out *last* attempt fails the upload too (Flink's FLINK-26396 did not).
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 from dstl.config import ChangelogConfig, HedgingPolicy
 from dstl.errors import UploadFailedError
 from dstl.metrics import ChangelogMetrics
+from dstl.retry import RetryPolicy, describe_attempt
 from dstl.uploaders.base import Uploader
 
 
@@ -140,20 +142,20 @@ class UploadExecutor:
         self._new_name = name_factory
         self.hedge_delay = HedgeDelay(config.hedging)
         self.budget = HedgeBudget(config.hedging)
-        # asyncio takes seconds: the config's milliseconds are converted once, not per attempt
-        self._attempt_timeout = config.upload_timeout_ms / 1000
-        self._retry_delay = config.retry_delay_ms / 1000
+        #: each attempt's deadline (``upload_timeout_ms``), the backoff and the bound on attempts
+        self.retry = RetryPolicy.for_uploads(config)
         self._cleanups: set[asyncio.Task[None]] = set()
 
-    async def _attempt(self, path: str, data: bytes) -> None:
-        deadline = asyncio.timeout(self._attempt_timeout)
+    async def _attempt(self, path: str, data: bytes, attempt: int) -> None:
+        timeout = self.retry.timeout_for(attempt)
+        deadline = asyncio.timeout(timeout)
         start = asyncio.get_running_loop().time()
         try:
             async with deadline:
                 await self._uploader.put(path, data)
         except TimeoutError as exc:
             if deadline.expired():
-                raise AttemptTimedOut(f"no answer within {self._attempt_timeout * 1000:g} ms") from None
+                raise AttemptTimedOut(f"no answer within {timeout * 1000:g} ms") from None
             raise _raised_after(exc, start) from exc
         except Exception as exc:
             raise _raised_after(exc, start) from exc
@@ -163,7 +165,7 @@ class UploadExecutor:
         (a file readers find by listing its directory must never appear twice: its attempts
         write the same bytes over each other, and there are no losers to delete)."""
         loop = asyncio.get_running_loop()
-        cfg, metrics, policy = self._config, self._metrics, self._config.hedging
+        metrics, policy, retry = self._metrics, self._config.hedging, self.retry
         start = loop.time()
         self.budget.earn()
         metrics.upload_requests += 1
@@ -179,7 +181,7 @@ class UploadExecutor:
         def launch() -> asyncio.Task[None]:
             path = name or self._new_name()
             tried.append(path)
-            task = asyncio.ensure_future(self._attempt(path, data))
+            task = asyncio.ensure_future(self._attempt(path, data, len(tried)))
             running[task] = path
             metrics.upload_attempts += 1
             return task
@@ -209,7 +211,7 @@ class UploadExecutor:
                 if hedge_times and now >= hedge_times[0]:
                     while hedge_times and now >= hedge_times[0]:  # after a stalled loop: one hedge, not two at once
                         del hedge_times[0]
-                    if running and len(tried) < cfg.max_attempts:
+                    if running and len(tried) < retry.attempts:
                         if self.budget.try_take():
                             hedge_tasks.add(launch())
                             hedged = True
@@ -220,8 +222,8 @@ class UploadExecutor:
                     retry_at = None
                     launch()
                     metrics.retries += 1
-                if not running and retry_at is None and len(tried) < cfg.max_attempts:
-                    retry_at = now + self._retry_delay * 2 ** (len(errors) - 1)
+                if not running and retry_at is None and len(tried) < retry.attempts:
+                    retry_at = now + retry.delay_after(len(errors))
             metrics.upload_failures += 1
             metrics.attempts_per_upload.observe(len(tried))
             self._cleanup_later([], list(dict.fromkeys(tried)))  # off the failure path; drain() waits for it
@@ -292,7 +294,7 @@ class UploadExecutor:
         for path in paths:
             # Best effort (an executor used alone): the orphan cleanup removes what remains.
             with contextlib.suppress(Exception):
-                async with asyncio.timeout(max(self._attempt_timeout, 5.0)):
+                async with asyncio.timeout(max(self.retry.timeout_for(1), 5.0)):
                     await self._uploader.delete(path)
                 self._metrics.deleted_orphans += 1
 
@@ -340,9 +342,7 @@ class AttemptFailed(Exception):
 
 
 def _raised_after(exc: BaseException, start: float) -> AttemptFailed:
-    elapsed_ms = (asyncio.get_running_loop().time() - start) * 1000
-    error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    return AttemptFailed(f"{error} (raised after {elapsed_ms:.0f} ms)")
+    return AttemptFailed(describe_attempt(exc, asyncio.get_running_loop().time() - start))
 
 
 def _describe(exc: BaseException) -> str:

@@ -31,15 +31,16 @@ import concurrent.futures
 import sys
 import threading
 from array import array
-from typing import Any
+from typing import Any, Protocol
 
-from dstl.api import WriterStorage
+from dstl.api import StateChangelogWriter
+from dstl.config import ChangelogConfig
 from dstl.errors import ConfigurationError, WriterClosedError
 from dstl.format import ChangeSet
 from dstl.scheduler import UploadEntry
 from dstl.types import ChangelogHandle, KeyGroupRange, Note, SequenceNumber
 
-__all__ = ["ChangelogWriter"]
+__all__ = ["ChangelogWriter", "WriterStorage"]
 
 _GIL_ENABLED = getattr(sys, "_is_gil_enabled", lambda: True)()
 #: a ``truncate_entries`` bound above every SQN a writer can reach
@@ -61,7 +62,7 @@ class _BackpressureGate:
 
 
 class ChangelogWriter:
-    """The ``dstl.api.StateChangelogWriter`` of one operator subtask, on a ``WriterStorage``."""
+    """The ``dstl.api.StateChangelogWriter`` of one operator subtask, on a ``WriterStorage`` (below)."""
 
     def __init__(self, storage: WriterStorage, log_id: str, key_group_range: KeyGroupRange) -> None:
         self.log_id = log_id
@@ -255,3 +256,57 @@ class ChangelogWriter:
         self._records = self._active
         self._storage.truncate_entries(self.entries, _EVERY_SQN)
         self._storage.close_writer(self)
+
+
+class WriterStorage(Protocol):
+    """What a writer calls on the storage that created it (its upload scheduler, in-flight bytes
+    and file registry): the writer's view, so that this module depends on no storage module
+    (``dstl.storage`` composes the implementations and hands itself to its writers). Calls come
+    from the writer's (operator) thread, except where the storage's loop thread drives the writer
+    (pre-emptive persists, backpressure)."""
+
+    @property
+    def config(self) -> ChangelogConfig: ...
+    @property
+    def lock(self) -> threading.Lock:
+        """Guards the writer's ``entries`` and their upload state against the loop thread."""
+        ...
+
+    def wait_for_capacity(self, writer: StateChangelogWriter) -> None:
+        """Block an append of ``writer`` while more bytes than the bound are not yet durable."""
+        ...
+
+    def reserve_in_flight(self, writer: StateChangelogWriter, size: int, retried: int) -> None:
+        """Count ``size`` new bytes about to be uploaded, first waiting while they would pass the
+        bound, and ``retried`` bytes of failed uploads as uploading again."""
+        ...
+
+    def submit_persist(
+        self,
+        writer: StateChangelogWriter,
+        entries: list[UploadEntry],
+        new: list[UploadEntry],
+        after: int,
+        upto: int,
+        result: concurrent.futures.Future[ChangelogHandle],
+        note: Note | None = None,
+    ) -> None:
+        """Upload ``new`` (a subset of ``entries``), then resolve ``result`` with the handle of
+        ``entries`` (SQNs ``after < sqn <= upto``) once every one of them is durable, and the
+        file carrying ``note`` too."""
+        ...
+
+    def truncate_entries(self, entries: dict[int, UploadEntry], before: int) -> None:
+        """Drop the entries with SQN < ``before`` from ``entries``, releasing their files."""
+        ...
+
+    def expect_persist(self, writer: StateChangelogWriter) -> None:
+        """``writer`` will persist soon: flushes may wait for it (``dstl.scheduler``, rule c)."""
+        ...
+
+    def confirm_handle(self, handle: ChangelogHandle) -> None: ...
+    def release_handle(self, handle: ChangelogHandle) -> None: ...
+    def close_writer(self, writer: StateChangelogWriter) -> None:
+        """Hand over every handle of the writer not yet confirmed or released (its files are kept,
+        as a confirmed handle's) and forget it (its entries are truncated first)."""
+        ...

@@ -54,7 +54,9 @@ from prometheus_client import CollectorRegistry
 from backend.core.handles import CHUNK_HASH, KeyedStateHandle, chunk_digest
 from backend.core.tablekeys import key_group_prefix
 from backend.state.keyed_backend import ChangelogKeyedStateBackend, MaterializationPoint
-from dstl import ChangelogError, ConfigurationError, KeyGroupRange, StateChangelogStorage
+from dstl.api import ChangelogStorage
+from dstl.errors import ChangelogError, ConfigurationError
+from dstl.types import KeyGroupRange
 from materializer.binding import bound_chunk_sections
 from materializer.chunks import encode_chunk
 from materializer.metrics import MaterializationMetrics
@@ -132,8 +134,8 @@ class PeriodicMaterializer:
         self.max_failures_allowed = max_failures_allowed
         self.compression_level = compression_level
         self._clock_ms = clock_ms
-        self._upload = upload or backend.storage.put_file
-        self._delete = backend.storage.delete_file
+        self._upload = upload or backend.storage.files.put
+        self._delete = backend.storage.files.delete
         self._on_result = on_result
         jitter = (rng or random.Random()).uniform(0.5, 1.0)  # jittered first run
         self._due = clock_ms() + interval_ms * jitter
@@ -324,7 +326,7 @@ def restore(
     backend: ChangelogKeyedStateBackend,
     handles: Iterable[KeyedStateHandle],
     progress: Callable[[int], None] | None = None,
-    source: StateChangelogStorage | None = None,
+    source: ChangelogStorage | None = None,
 ) -> int:
     """``backend.restore`` that can read materialized chunks (the backend does not import us)."""
     return backend.restore(handles, progress=progress, load_chunk=bound_chunk_sections, source=source)

@@ -26,7 +26,7 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 #: packages whose options classes (frozen dataclasses named ``*Options``, ``*Config`` or ``*Policy``)
 #: are user-facing; backend.spark is left out: its ``OperatorConfig`` is what a task is shipped,
 #: its user-facing options are the keywords of the operator functions (checked below)
-OPTION_PACKAGES = ("dstl", "backend.core", "backend.state", "backend.checkpointing", "materializer")
+OPTION_PACKAGES = ("dstl", "backend.core", "backend.state", "backend.checkpointing", "backend.job", "materializer")
 OPTION_SUFFIXES = ("Options", "Config", "Policy")
 
 #: keyword-only parameters that are test seams, not options a user sets
@@ -108,7 +108,7 @@ def test_every_field_of_an_options_class_is_in_the_configuration_reference() -> 
 def _entry_points() -> dict[str, Any]:
     """The constructors, functions and options classes a user passes options to (located by import,
     so a move fails here by name instead of silently checking nothing)."""
-    from backend.checkpointing.job import LocalJob, OperatorSpec
+    from backend.job import LocalJob, OperatorSpec
     from backend.spark.plan import build
     from backend.state.keyed_backend import ChangelogKeyedStateBackend
     from materializer.periodic import PeriodicMaterializer

@@ -26,7 +26,7 @@ from backend import (
     StrSerializer,
     ValueStateDescriptor,
 )
-from backend.checkpointing.job import JobOptions, LocalJob, OperatorSpec
+from backend.job import JobOptions, LocalJob, OperatorSpec
 from backend.tools.cli import main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "e01875d"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from backend.core.handles import KeyedStateHandle
-from dstl import StateChangelogStorage
+from dstl.api import ChangelogStorage
 
 PREFIXES = ("dstl", "shared")
 
@@ -27,14 +27,14 @@ def referenced_files(handles: Iterable[KeyedStateHandle]) -> set[str]:
     return paths
 
 
-def delete_unreferenced(storage: StateChangelogStorage, retained: Iterable[KeyedStateHandle]) -> list[str]:
+def delete_unreferenced(storage: ChangelogStorage, retained: Iterable[KeyedStateHandle]) -> list[str]:
     """Delete every file under ``dstl/`` and ``shared/`` that ``retained`` does not reference;
     returns the deleted paths."""
     keep = referenced_files(retained)
     deleted = []
     for prefix in PREFIXES:
-        for path in storage.list_all(prefix):
+        for path in storage.files.list(prefix):
             if path not in keep:
-                storage.delete_file(path)
+                storage.files.delete(path)
                 deleted.append(path)
     return deleted

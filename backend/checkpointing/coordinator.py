@@ -51,7 +51,8 @@ from backend.checkpointing.registry import SharedStateRegistry
 from backend.checkpointing.store import CompletedCheckpointStore, Protect, StepHook
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
-from dstl import StateChangelogStorage, StorageClosedError
+from dstl.api import ChangelogStorage
+from dstl.errors import StorageClosedError
 
 __all__ = ["CheckpointCoordinator", "CheckpointRetention", "CommitOutcomeUnknownError", "PendingCheckpoint"]
 
@@ -83,7 +84,7 @@ class PendingCheckpoint:
 class CheckpointCoordinator:
     """Triggers, collects, completes and subsumes the checkpoints of one job directory.
 
-    Standalone use (``backend.checkpointing.job.LocalJob``) and the Spark driver both drive it: ``trigger`` a
+    Standalone use (``backend.job.LocalJob``) and the Spark driver both drive it: ``trigger`` a
     checkpoint id, ``acknowledge`` every subtask's handle, ``complete`` (or ``abort``). Call
     ``recover`` once before the first trigger. ``ownership``: the run's, if its storage's uploader
     is guarded by it (``Ownership.guard``); otherwise one is made.
@@ -91,7 +92,7 @@ class CheckpointCoordinator:
 
     def __init__(
         self,
-        storage: StateChangelogStorage,
+        storage: ChangelogStorage,
         *,
         job_id: str = "",
         num_retained: int = 1,
@@ -246,13 +247,13 @@ class CheckpointCoordinator:
         ``CheckpointError`` says what is known of the outcome."""
         path = metadata_path(checkpoint_id)
         try:
-            self.storage.put_file(path, data)
+            self.storage.files.put(path, data)
         except StorageClosedError:
             raise  # refused before it started: certainly not written
         except Exception as exc:
             fenced = self._fence(checkpoint_id)
             try:
-                self.storage.delete_file(path)
+                self.storage.files.delete(path)
                 removed = ""
             except Exception as delete_exc:
                 removed = f"; deleting {path} failed too ({delete_exc})"
@@ -275,7 +276,7 @@ class CheckpointCoordinator:
         marker = json.dumps({"checkpoint_id": checkpoint_id, "reason": "_metadata write failed"}).encode()
         path = aborted_path(checkpoint_id)
         try:
-            self.storage.put_file(path, marker)
+            self.storage.files.put(path, marker)
         except Exception as exc:
             _log.warning("checkpoint %d: writing its fence %s failed: %s", checkpoint_id, path, exc)
             self.unfenced.add(checkpoint_id)

@@ -35,7 +35,7 @@ from typing import Any
 
 from backend.core.errors import CheckpointError, StateRestoreError
 from backend.core.handles import KeyedStateHandle
-from dstl import StateChangelogStorage
+from dstl.api import ChangelogStorage
 from dstl.paths import check_relative
 
 __all__ = [
@@ -315,10 +315,10 @@ class SnapshotMetadata:
         return meta
 
 
-def read_snapshot(storage: StateChangelogStorage, where: str = METADATA_NAME) -> SnapshotMetadata:
+def read_snapshot(storage: ChangelogStorage, where: str = METADATA_NAME) -> SnapshotMetadata:
     """Read the ``_metadata`` at ``where`` in ``storage`` (whose base path is the snapshot's directory)."""
     try:
-        data = storage.get_file(where)
+        data = storage.files.get(where)
     except FileNotFoundError:
         raise CheckpointError(
             f"no {METADATA_NAME} in {storage.config.base_path}: not a checkpoint or savepoint"

@@ -65,7 +65,7 @@ from typing import Any
 
 from backend.checkpointing.metadata import OWNER_DIR
 from backend.core.errors import CheckpointError
-from dstl import StateChangelogStorage
+from dstl.api import ChangelogStorage
 from dstl.uploaders import Uploader
 
 __all__ = [
@@ -113,10 +113,10 @@ class _Claim:
     key: str  # the run's id, or the hash of the bound identity
 
 
-def _claims(storage: StateChangelogStorage) -> list[_Claim]:
+def _claims(storage: ChangelogStorage) -> list[_Claim]:
     """Every claim under ``_owner/``, by epoch (runs after bindings at one epoch)."""
     found = []
-    for path in storage.list_all(OWNER_DIR):
+    for path in storage.files.list(OWNER_DIR):
         match = _CLAIM.match(path)
         if match is not None:
             found.append(_Claim(path, int(match.group(1)), match.group(2), match.group(3)))
@@ -132,13 +132,13 @@ def _holder() -> str:
     return f"host {socket.gethostname()}, pid {os.getpid()}, started {started}"
 
 
-def _read(storage: StateChangelogStorage, path: str) -> dict[str, Any] | None:
+def _read(storage: ChangelogStorage, path: str) -> dict[str, Any] | None:
     """A claim's body, or None if it is gone; read again while it does not parse (a short body),
     ``CheckpointError`` naming it if it never does."""
     problem = ""
     for _ in range(_READS):
         try:
-            value = json.loads(storage.get_file(path))
+            value = json.loads(storage.files.get(path))
         except FileNotFoundError:
             return None
         except ValueError as exc:
@@ -150,7 +150,7 @@ def _read(storage: StateChangelogStorage, path: str) -> dict[str, Any] | None:
     raise CheckpointError(f"the ownership claim {path} cannot be read ({problem}, on each of {_READS} reads)")
 
 
-def _describe(storage: StateChangelogStorage, claim: _Claim) -> str:
+def _describe(storage: ChangelogStorage, claim: _Claim) -> str:
     """Who holds ``claim``, for messages (never raises)."""
     try:
         body = _read(storage, claim.path) or {}
@@ -160,18 +160,18 @@ def _describe(storage: StateChangelogStorage, claim: _Claim) -> str:
     return f"epoch {claim.epoch}, {who} ({claim.path})"
 
 
-def _put(storage: StateChangelogStorage, path: str, body: dict[str, Any]) -> None:
-    storage.put_file(path, json.dumps(body, sort_keys=True).encode())
+def _put(storage: ChangelogStorage, path: str, body: dict[str, Any]) -> None:
+    storage.files.put(path, json.dumps(body, sort_keys=True).encode())
 
 
-def _withdraw(storage: StateChangelogStorage, path: str) -> None:
+def _withdraw(storage: ChangelogStorage, path: str) -> None:
     try:
-        storage.delete_file(path)
+        storage.files.delete(path)
     except Exception as exc:  # a claim left behind loses to the next epoch; the caller's error says more
         _log.warning("withdrawing the ownership claim %s failed: %s", path, exc)
 
 
-def _bound(storage: StateChangelogStorage, claims: Sequence[_Claim]) -> tuple[str, str] | None:
+def _bound(storage: ChangelogStorage, claims: Sequence[_Claim]) -> tuple[str, str] | None:
     """``(identity, where it is recorded)`` the directory is bound to, or None: the newest
     confirmed binding or identity a run claim carries forward, else an earlier version's file."""
     for claim in reversed(claims):
@@ -182,7 +182,7 @@ def _bound(storage: StateChangelogStorage, claims: Sequence[_Claim]) -> tuple[st
         if isinstance(identity, str) and identity and (claim.kind == "run" or body.get("confirmed") is True):
             return identity, claim.path
     try:
-        legacy = json.loads(storage.get_file(LEGACY_OWNER_FILE))
+        legacy = json.loads(storage.files.get(LEGACY_OWNER_FILE))
     except FileNotFoundError:
         return None
     except ValueError as exc:
@@ -202,7 +202,7 @@ class Ownership:
         self.run = uuid.uuid4().hex
         self.holder = _holder()
         self.epoch = 0  # not claimed yet
-        self._storage: StateChangelogStorage | None = None
+        self._storage: ChangelogStorage | None = None
         #: why this run writes no more, once known (a newer run's claim, or ``relinquish``): from
         #: then on every check fails at once and the guarded uploader refuses writes and deletions
         self.lost_to: str | None = None
@@ -211,7 +211,7 @@ class Ownership:
     def lost(self) -> bool:
         return self.lost_to is not None
 
-    def claim(self, storage: StateChangelogStorage) -> None:
+    def claim(self, storage: ChangelogStorage) -> None:
         """Claim the directory ``storage`` is based on with the next epoch; ``DirectoryOwnedError``
         if another run claimed it at the same time."""
         epoch = max((c.epoch for c in _claims(storage)), default=0) + 1
@@ -290,6 +290,9 @@ class _GuardedUploader:
         self._refuse(f"deleting {path}")
         await self._inner.delete(path)
 
+    def remove_empty_directory(self, path: str) -> bool:  # an empty directory holds nothing to guard
+        return self._inner.remove_empty_directory(path)
+
     async def list(self, prefix: str = "") -> list[str]:
         return await self._inner.list(prefix)
 
@@ -300,7 +303,7 @@ class _GuardedUploader:
         return getattr(self._inner, name)
 
 
-def bind_identity(storage: StateChangelogStorage, identity: str, where: str, *, what: str, hint: str = "") -> None:
+def bind_identity(storage: ChangelogStorage, identity: str, where: str, *, what: str, hint: str = "") -> None:
     """Make sure the directory's state belongs to ``identity`` (a ``what``, e.g. "streaming query"):
     bind it if nothing is bound yet; ``DirectoryOwnedError`` naming the owner if another is."""
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]

@@ -29,7 +29,7 @@ from collections import Counter, deque
 from collections.abc import Iterable
 
 from backend.core.errors import CheckpointError
-from dstl import ConfigurationError
+from dstl.errors import ConfigurationError
 
 __all__ = ["REMEMBERED_COMPLETIONS", "RecentlyDeleted", "SharedStateRegistry"]
 

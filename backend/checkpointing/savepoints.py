@@ -47,7 +47,8 @@ from backend.core.handles import (
     chunk_digest,
 )
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
-from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
+from dstl.api import ChangelogStorage
+from dstl.types import KeyGroupRange
 from materializer.chunks import encode_chunk
 from materializer.periodic import read_sections
 
@@ -58,22 +59,14 @@ class RestoreMode(enum.Enum):
     LEGACY = "LEGACY"
 
 
-def open_directory(url: str, config: ChangelogConfig | None = None) -> StateChangelogStorage:
-    """A storage whose base path is ``url`` (a job, checkpoint or savepoint directory)."""
-    base = replace(config, base_path=url) if config is not None else ChangelogConfig(base_path=url)
-    return StateChangelogStorage(base)
-
-
-def copy_files(
-    source: StateChangelogStorage, target: StateChangelogStorage, paths: Sequence[str], progress: Progress
-) -> int:
+def copy_files(source: ChangelogStorage, target: ChangelogStorage, paths: Sequence[str], progress: Progress) -> int:
     copied = 0
     for i, path in enumerate(sorted(paths)):
         try:
-            data = source.get_file(path)
+            data = source.files.get(path)
         except FileNotFoundError:
             raise CheckpointError(f"{source.config.base_path}/{path} is missing: the snapshot is incomplete") from None
-        target.put_file(path, data)
+        target.files.put(path, data)
         copied += len(data)
         progress("copy", i + 1, len(paths))
     return copied
@@ -81,8 +74,8 @@ def copy_files(
 
 def write_native_savepoint(
     checkpoint: SnapshotMetadata,
-    source: StateChangelogStorage,
-    target: StateChangelogStorage,
+    source: ChangelogStorage,
+    target: ChangelogStorage,
     progress: Progress = no_progress,
 ) -> SnapshotMetadata:
     """Copy a checkpoint's files from ``source`` (its job directory) into ``target`` and write
@@ -92,13 +85,13 @@ def write_native_savepoint(
     _refuse_existing(target)
     copy_files(source, target, sorted(checkpoint.referenced_files()), progress)
     meta = replace(checkpoint, kind="savepoint")
-    target.put_file(METADATA_NAME, meta.dumps())
+    target.files.put(METADATA_NAME, meta.dumps())
     return meta
 
 
 def write_canonical_savepoint(
     operators: Mapping[str, Sequence[ChangelogKeyedStateBackend]],
-    target: StateChangelogStorage,
+    target: ChangelogStorage,
     *,
     checkpoint_id: int,
     job_id: str = "",
@@ -125,7 +118,7 @@ def write_canonical_savepoint(
             if sections:
                 data = encode_chunk(rng, 0, sections)
                 path = f"canonical/op-{index}/kg-{rng.start}-{rng.end}.chunk"
-                target.put_file(path, data)
+                target.files.put(path, data)
                 entries = sum(len(v) for v in sections.values())
                 files.append({"path": path, "key_groups": rng.to_json(), "size": len(data), "entries": entries,
                               CHUNK_HASH: chunk_digest(data)})  # fmt: skip
@@ -135,12 +128,12 @@ def write_canonical_savepoint(
     meta = SnapshotMetadata(
         checkpoint_id, parts, kind="savepoint", format="canonical", job_id=job_id, timestamp_ms=timestamp_ms
     )
-    target.put_file(METADATA_NAME, meta.dumps())
+    target.files.put(METADATA_NAME, meta.dumps())
     return meta
 
 
-def _refuse_existing(target: StateChangelogStorage) -> None:
-    if target.list_all(""):
+def _refuse_existing(target: ChangelogStorage) -> None:
+    if target.files.list(""):
         raise CheckpointError(f"{target.config.base_path} is not empty (it may hold a snapshot already)")
 
 
@@ -177,16 +170,16 @@ def check_operators(meta: SnapshotMetadata, uids: Sequence[str], allow_non_resto
         )
 
 
-def dispose_savepoint(directory: StateChangelogStorage, progress: Progress = no_progress) -> int:
+def dispose_savepoint(directory: ChangelogStorage, progress: Progress = no_progress) -> int:
     """Delete a savepoint: ``_metadata`` first (from then on it is gone, a crash leaves only
     unreferenced files), then every file it names. Returns the number of files deleted."""
     meta = read_snapshot(directory)
     if meta.kind != "savepoint":
         raise CheckpointError(f"{directory.config.base_path} is a checkpoint, not a savepoint: not disposing it")
     files = sorted(meta.referenced_files())
-    directory.delete_file(METADATA_NAME)
+    directory.files.delete(METADATA_NAME)
     for i, path in enumerate(files):
-        directory.delete_file(path)
+        directory.files.delete(path)
         progress("delete", i + 1, len(files))
     _remove_empty_dirs(directory.config.base_path)
     return len(files) + 1

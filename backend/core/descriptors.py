@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from backend.core.serializers import Serializer
-from dstl import ConfigurationError
+from dstl.errors import ConfigurationError
 
 V = TypeVar("V")
 K = TypeVar("K")

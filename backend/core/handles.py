@@ -36,8 +36,9 @@ from typing import Any
 
 from backend.core.errors import StateRestoreError
 from backend.core.keygroups import UPPER_BOUND_MAX_PARALLELISM
-from dstl import ChangelogHandle, CorruptChangelogError, KeyGroupRange, NotedHandle
-from dstl.types import MAX_SQN
+from dstl.api import DfsFiles
+from dstl.errors import CorruptChangelogError
+from dstl.types import MAX_SQN, ChangelogHandle, KeyGroupRange, NotedHandle
 
 HANDLE_VERSION = 3
 #: handles of this version (and up to HANDLE_VERSION) are read; before 2, chunks carry no hash
@@ -90,13 +91,13 @@ def check_chunk_entry(value: Any, version: int = HANDLE_VERSION) -> dict[str, An
     return value
 
 
-def read_chunk(reader: Any, entry: dict[str, Any], timeout: float | None = None) -> bytes:
-    """The bytes of the chunk ``entry`` names, from ``reader`` (a storage): a ranged read inside a
-    pack, the whole file otherwise. Raises what the storage raises (``FileNotFoundError``, ...)."""
+def read_chunk(files: DfsFiles, entry: dict[str, Any], timeout: float | None = None) -> bytes:
+    """The bytes of the chunk ``entry`` names, from ``files`` (a storage's): a ranged read inside a
+    pack, the whole file otherwise. Raises what the files raise (``FileNotFoundError``, ...)."""
     path = str(entry["path"])
     if "offset" in entry:
-        return bytes(reader.read_range(path, int(entry["offset"]), int(entry["size"]), timeout=timeout))
-    return bytes(reader.get_file(path, timeout=timeout))
+        return bytes(files.read_range(path, int(entry["offset"]), int(entry["size"]), timeout=timeout))
+    return bytes(files.get(path, timeout=timeout))
 
 
 def handle_version(chunks: Any) -> int:

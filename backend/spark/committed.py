@@ -29,7 +29,7 @@ from backend.checkpointing.ownership import bind_identity
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
 from backend.spark.config import OperatorConfig, Watermarks, watermark_after
-from dstl import StateChangelogStorage
+from dstl.api import ChangelogStorage
 
 __all__ = [
     "BatchState",
@@ -68,24 +68,24 @@ class BatchState:
         return Watermarks(eviction, self.watermark_ms if self.batch == batch - 1 else eviction)
 
 
-def read_checkpoint(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> SnapshotMetadata | None:
+def read_checkpoint(storage: ChangelogStorage, cfg: OperatorConfig, batch: int) -> SnapshotMetadata | None:
     """``chk-<batch>``, or None if there is none or it is fenced (its ``_metadata`` write failed:
     what landed of it is not a checkpoint, and the batch's pending handles are kept instead)."""
-    names = set(storage.list_all(checkpoint_dir(batch)))
+    names = set(storage.files.list(checkpoint_dir(batch)))
     if aborted_path(batch) in names or metadata_path(batch) not in names:
         return None
     try:
-        data = storage.get_file(metadata_path(batch))
+        data = storage.files.get(metadata_path(batch))
     except FileNotFoundError:
         return None
     return SnapshotMetadata.loads(data, f"{cfg.job_dir}/{metadata_path(batch)}")
 
 
-def read_pending(storage: StateChangelogStorage, uid: str, batch: int) -> list[dict[str, Any]] | None:
+def read_pending(storage: ChangelogStorage, uid: str, batch: int) -> list[dict[str, Any]] | None:
     """Every subtask record the tasks of ``batch`` left for operator ``uid``, or None if a file
     vanished while we read (the driver completed the batch meanwhile)."""
     records: list[dict[str, Any]] = []
-    for path in storage.list_all(pending_dir(batch, uid)):
+    for path in storage.files.list(pending_dir(batch, uid)):
         if parse_pending_path(path) is None:
             continue
         try:
@@ -95,12 +95,12 @@ def read_pending(storage: StateChangelogStorage, uid: str, batch: int) -> list[d
     return records
 
 
-def read_pending_file(storage: StateChangelogStorage, path: str) -> list[dict[str, Any]]:
+def read_pending_file(storage: ChangelogStorage, path: str) -> list[dict[str, Any]]:
     """The subtask records of one pending file: the notes of a changelog file (each the record
     of one subtask's snapshot, its handle rebuilt: ``backend.spark.tasks``), or the JSON records
     of an earlier version."""
     if not is_noted_pending(path):
-        return subtask_records(json.loads(storage.get_file(path)))
+        return subtask_records(json.loads(storage.files.get(path)))
     records = []
     for noted in storage.read_notes(path):
         record = dict(noted.payload)
@@ -136,7 +136,7 @@ def latest_per_subtask(records: list[dict[str, Any]], parallelism: int) -> dict[
     return chosen
 
 
-def pending_records(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> list[dict[str, Any]] | None:
+def pending_records(storage: ChangelogStorage, cfg: OperatorConfig, batch: int) -> list[dict[str, Any]] | None:
     """The complete set of this operator's pending records of ``batch``, or None. Records of an
     earlier attempt at another parallelism may linger (a re-run after a restart at another
     parallelism leaves them): of the parallelisms whose every subtask is present, the one
@@ -155,12 +155,12 @@ def pending_records(storage: StateChangelogStorage, cfg: OperatorConfig, batch: 
     return [last[i] for i in sorted(last)]
 
 
-def state_after(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> BatchState:
+def state_after(storage: ChangelogStorage, cfg: OperatorConfig, batch: int) -> BatchState:
     """The committed state after ``batch``: ``chk-<batch>`` or, if the driver has not completed it
     yet, the complete set of pending records (looked up twice: the driver may complete the
     checkpoint while we read). Refuses state that does not belong to this query's timeline."""
     if batch < 0:
-        ahead = [p for p in storage.list_all("") if in_checkpoint_dir(p)]
+        ahead = [p for p in storage.files.list("") if in_checkpoint_dir(p)]
         if ahead:
             raise CheckpointError(
                 f"{cfg.job_dir} holds checkpoints ({ahead[0].split('/')[0]}, ...) but the query starts at batch 0: "
@@ -184,13 +184,13 @@ def state_after(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int)
             stats = [r.get("stats", {}) for r in records]
             basis = max((int(s.get("event_time_basis_ms", 0)) for s in stats), default=0)
             return BatchState(handles, basis, batch, max((int(s.get("watermark_ms", 0)) for s in stats), default=0))
-    if not any(parse_pending_path(p) for p in storage.list_all(pending_dir(batch, cfg.uid))):
+    if not any(parse_pending_path(p) for p in storage.files.list(pending_dir(batch, cfg.uid))):
         # No task of this batch ran: Spark runs no task for a batch without rows (an empty file, a
         # fully filtered batch), so the state is that of the last batch that ran.
         earlier = _last_batch_with_state(storage, cfg, batch)
         if earlier is not None:
             return state_after(storage, cfg, earlier) if earlier >= 0 else BatchState([], 0)
-    later = sorted(c for p in storage.list_all("") if (c := parse_metadata_path(p)) is not None)
+    later = sorted(c for p in storage.files.list("") if (c := parse_metadata_path(p)) is not None)
     hint = f" (it holds checkpoints up to {later[-1]})" if later else ""
     raise CheckpointError(
         f"no state after batch {batch} in {cfg.job_dir}{hint} for operator {cfg.uid!r}: neither "
@@ -199,16 +199,16 @@ def state_after(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int)
     )
 
 
-def _last_batch_with_state(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> int | None:
+def _last_batch_with_state(storage: ChangelogStorage, cfg: OperatorConfig, batch: int) -> int | None:
     """The last batch before ``batch`` that left a checkpoint or pending records (-1: none, the
     query's batches so far had no rows)."""
-    batches = {int(p.split("/")[1]) for p in storage.list_all("pending") if p.split("/")[2:3] == [cfg.uid]}
-    batches |= {c for p in storage.list_all("") if (c := parse_metadata_path(p)) is not None}
+    batches = {int(p.split("/")[1]) for p in storage.files.list("pending") if p.split("/")[2:3] == [cfg.uid]}
+    batches |= {c for p in storage.files.list("") if (c := parse_metadata_path(p)) is not None}
     earlier = [b for b in batches if b < batch]
     return max(earlier) if earlier else -1
 
 
-def committed_handles(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> dict[int, Any]:
+def committed_handles(storage: ChangelogStorage, cfg: OperatorConfig, batch: int) -> dict[int, Any]:
     """Per subtask, the handle JSON it committed for ``batch`` (subtasks missing: unknown): local
     tables are only trusted if they hold exactly that state (not a superseded attempt, not another
     life). The pending records first (the driver may not have completed the checkpoint), then
@@ -230,18 +230,18 @@ def committed_handles(storage: StateChangelogStorage, cfg: OperatorConfig, batch
     return handles
 
 
-def pending_batches(storage: StateChangelogStorage, cfg: OperatorConfig) -> list[int]:
+def pending_batches(storage: ChangelogStorage, cfg: OperatorConfig) -> list[int]:
     """The batches with pending records of this operator, latest first (one listing of
     ``pending/``: the driver keeps only the batches after the latest checkpoint, and the latest
     batch's records stay until the next checkpoint)."""
-    batches = {p[0] for path in storage.list_all(PENDING_DIR) if (p := parse_pending_path(path)) and p[1] == cfg.uid}
+    batches = {p[0] for path in storage.files.list(PENDING_DIR) if (p := parse_pending_path(path)) and p[1] == cfg.uid}
     return sorted(batches, reverse=True)
 
 
 _CLAIMED: set[tuple[str, str]] = set()
 
 
-def claim_directory(storage: StateChangelogStorage, cfg: OperatorConfig, query_id: str) -> None:
+def claim_directory(storage: ChangelogStorage, cfg: OperatorConfig, query_id: str) -> None:
     """Make sure the state directory belongs to the Spark query ``query_id`` (its id is kept in
     Spark's checkpointLocation, the same in every run): bound by the first task that runs, and
     refused to any other query, so that two queries never share state, not even two started at

@@ -71,7 +71,7 @@ class DriverCoordinator:
         """The pending handles of batches after checkpoint ``latest`` (the latest the recovery
         accepted: a fenced or damaged ``chk-<b>`` is not one) and the files they name."""
         protect: set[str] = set()
-        for path in self.storage.list_all(PENDING_DIR):
+        for path in self.storage.files.list(PENDING_DIR):
             pending = parse_pending_path(path)
             if pending and pending[0] > latest:
                 protect.add(path)
@@ -146,16 +146,16 @@ class DriverCoordinator:
         now), except the changelog files a retained checkpoint references: the registry deletes
         those once no checkpoint does. Their directories are removed once empty."""
         registry = self.coordinator.registry
-        for path in self.storage.list_all(PENDING_DIR):
+        for path in self.storage.files.list(PENDING_DIR):
             pending = parse_pending_path(path)
             if pending and pending[0] < batch:
                 if registry.count(path) == 0:
-                    self.storage.delete_file(path)
+                    self.storage.files.delete(path)
                 self._pending_dirs.add(path.rsplit("/", 1)[0])
         for directory in sorted(self._pending_dirs, reverse=True):
-            if self.storage.remove_empty_directory(directory):
+            if self.storage.files.remove_empty_directory(directory):
                 self._pending_dirs.discard(directory)
-                self.storage.remove_empty_directory(directory.rsplit("/", 1)[0])
+                self.storage.files.remove_empty_directory(directory.rsplit("/", 1)[0])
 
     def close(self) -> None:
         self.storage.close()

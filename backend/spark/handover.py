@@ -39,7 +39,7 @@ from typing import Any
 
 from backend.core.handles import check_chunk_entry
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
-from dstl import KeyGroupRange, StateChangelogStorage
+from dstl import ChangelogStorage, KeyGroupRange
 from materializer.periodic import MaterializationResult
 
 __all__ = ["RESULT_PREFIX", "result_writer", "take_results"]
@@ -80,9 +80,7 @@ def result_writer(directory: Path, life: str) -> Callable[[MaterializationResult
     return write
 
 
-def take_results(
-    directory: Path, life: str, backend: ChangelogKeyedStateBackend, storage: StateChangelogStorage
-) -> bool:
+def take_results(directory: Path, life: str, backend: ChangelogKeyedStateBackend, storage: ChangelogStorage) -> bool:
     """Offer the results in ``directory`` to ``backend``, newest first; True if it took one. The
     caller holds the subtask's lock."""
     assert backend.writer is not None
@@ -125,12 +123,12 @@ def _typed(value: Any, kind: type) -> Any:
     return value
 
 
-def _on_the_dfs(storage: StateChangelogStorage, result: MaterializationResult) -> bool:
+def _on_the_dfs(storage: ChangelogStorage, result: MaterializationResult) -> bool:
     """Whether every chunk of ``result`` exists (one listing per directory of chunks)."""
     paths = {str(c["path"]) for c in result.chunks}
     try:
         for parent in {posixpath.dirname(p) for p in paths}:
-            paths -= set(storage.list_all(parent))
+            paths -= set(storage.files.list(parent))
     except Exception as exc:  # the result is an optimization: a DFS hiccup here must not fail the task
         _log.warning("cannot check the chunks of a materialization in %s: %s", storage.config.base_path, exc)
         return False

@@ -56,7 +56,7 @@ def write_initial_state(cfg: OperatorConfig, grouped: Any, keys: list[str]) -> b
     from pyspark.sql import functions as F
 
     storage = storage_for(cfg)
-    if any(in_checkpoint_dir(p) for p in storage.list_all("")):
+    if any(in_checkpoint_dir(p) for p in storage.files.list("")):
         return False
     df = grouped._df.withColumn(
         _KEY_GROUP, F.pmod(F.hash(*[F.col(k) for k in keys]), F.lit(cfg.max_parallelism)).cast("int")
@@ -64,7 +64,7 @@ def write_initial_state(cfg: OperatorConfig, grouped: Any, keys: list[str]) -> b
     table = pa.Table.from_pandas(df.toPandas(), preserve_index=False)
     buffer = io.BytesIO()
     pq.write_table(table, buffer)
-    storage.put_file(initial_state_path(cfg), buffer.getvalue())
+    storage.files.put(initial_state_path(cfg), buffer.getvalue())
     return True
 
 
@@ -74,7 +74,7 @@ def read_initial_state(cfg: OperatorConfig, subtask: int) -> Any:
 
     rng = cfg.key_group_range(subtask)
     try:
-        data = storage_for(cfg).get_file(initial_state_path(cfg))
+        data = storage_for(cfg).files.get(initial_state_path(cfg))
     except FileNotFoundError:
         raise CheckpointError(
             f"{cfg.job_dir}/{initial_state_path(cfg)} is missing: the initial state of the first batch is gone"

@@ -47,7 +47,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from backend.checkpointing.metadata import pending_dir
 from backend.core.errors import StateRestoreError
@@ -57,7 +57,7 @@ from backend.spark.config import OperatorConfig, Watermarks
 from backend.spark.handover import result_writer, take_results
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from backend.state.timers import EVENT_TIME, PROCESSING_TIME
-from dstl import ChangelogConfig, Note, StateChangelogStorage
+from dstl import ChangelogConfig, ChangelogStorage, Note, StateChangelogStorage
 from dstl.service import RemoteChangelogStorage
 from materializer.packs import SharedPack
 from materializer.periodic import PeriodicMaterializer, restore
@@ -77,14 +77,14 @@ class _Kept:
     handed_over: bool = False
 
 
-_STORAGES: dict[tuple[str, ChangelogConfig, bool], StateChangelogStorage] = {}
+_STORAGES: dict[tuple[str, ChangelogConfig, bool], ChangelogStorage] = {}
 _KEPT: dict[tuple[str, str, int, int], _Kept] = {}
 #: storages a worker keeps open (each holds a connection to a changelog service, or an event loop)
 MAX_STORAGES = 4
 _STORAGES_LOCK = threading.Lock()  # a worker runs one task at a time; tests run tasks on threads
 
 
-def storage_for(cfg: OperatorConfig) -> StateChangelogStorage:
+def storage_for(cfg: OperatorConfig) -> ChangelogStorage:
     """This worker's storage for the operator's log: a connection to the host's changelog service
     (``cfg.changelog_service``) or a storage of its own. A worker that served more state
     directories than ``MAX_STORAGES`` closes the least recently used one with its kept backends."""
@@ -96,15 +96,14 @@ def storage_for(cfg: OperatorConfig) -> StateChangelogStorage:
                 oldest = next(iter(_STORAGES))
                 _close_storage(oldest, _STORAGES[oldest])
             if cfg.changelog_service:
-                # duck-typed: it offers every call the backend, the materializer and the tasks make
-                storage = cast(StateChangelogStorage, RemoteChangelogStorage(cfg.changelog))
+                storage = RemoteChangelogStorage(cfg.changelog)
             else:
                 storage = StateChangelogStorage(cfg.changelog, owns_files=False)
         _STORAGES[key] = storage  # most recently used last
     return storage
 
 
-def _close_storage(key: tuple[str, ChangelogConfig, bool], storage: StateChangelogStorage) -> None:
+def _close_storage(key: tuple[str, ChangelogConfig, bool], storage: ChangelogStorage) -> None:
     _STORAGES.pop(key, None)
     for kept_key in [k for k, kept in _KEPT.items() if kept.backend.storage is storage]:
         _discard(_KEPT.pop(kept_key))
@@ -146,7 +145,7 @@ def _materializer(
     )  # fmt: skip
 
 
-def _fresh(cfg: OperatorConfig, storage: StateChangelogStorage, subtask: int, directory: Path) -> _Kept:
+def _fresh(cfg: OperatorConfig, storage: ChangelogStorage, subtask: int, directory: Path) -> _Kept:
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True, exist_ok=True)  # an upload of the old life may write into it meanwhile
     backend = ChangelogKeyedStateBackend(
@@ -162,7 +161,7 @@ class _Previous:
     the committed state (for a restore and the watermarks) and each subtask's committed handle
     (to trust local tables)."""
 
-    def __init__(self, storage: StateChangelogStorage, cfg: OperatorConfig, batch: int) -> None:
+    def __init__(self, storage: ChangelogStorage, cfg: OperatorConfig, batch: int) -> None:
         self.storage, self.cfg, self.batch = storage, cfg, batch
 
     @functools.cached_property
@@ -175,7 +174,7 @@ class _Previous:
 
 
 def acquire(
-    cfg: OperatorConfig, storage: StateChangelogStorage, subtask: int, batch: int, previous: _Previous
+    cfg: OperatorConfig, storage: ChangelogStorage, subtask: int, batch: int, previous: _Previous
 ) -> tuple[_Kept, str]:
     """A backend holding exactly the state after ``batch - 1``, and how it was obtained."""
     directory = cfg.local_dir(subtask)
@@ -207,7 +206,7 @@ def acquire(
 
 
 def _adopt(
-    cfg: OperatorConfig, storage: StateChangelogStorage, subtask: int, directory: Path, marker: dict[str, Any]
+    cfg: OperatorConfig, storage: ChangelogStorage, subtask: int, directory: Path, marker: dict[str, Any]
 ) -> _Kept | None:
     try:
         handle = KeyedStateHandle.from_json(marker["handle"])
@@ -239,7 +238,7 @@ def _discard(kept: _Kept) -> None:
         kept.backend.close()
 
 
-def existing_now_ms(storage: StateChangelogStorage, cfg: OperatorConfig, batch: int, subtasks: range) -> int | None:
+def existing_now_ms(storage: ChangelogStorage, cfg: OperatorConfig, batch: int, subtasks: range) -> int | None:
     """The processing time an earlier attempt of these subtasks used (for partitions without rows)."""
     for record in read_pending(storage, cfg.uid, batch) or []:
         try:
@@ -377,7 +376,7 @@ def start_materializations(materializers: list[PeriodicMaterializer]) -> None:
         for materializer in materializers:
             materializer.poll()
         return
-    pack = SharedPack(storage.put_file, materializers[0].pack_bytes)
+    pack = SharedPack(storage.files.put, materializers[0].pack_bytes)
     try:
         for materializer in materializers:
             materializer.poll(pack)

@@ -39,7 +39,7 @@ from typing import Any
 from backend.spark.committed import pending_batches, pending_records
 from backend.spark.config import EVENT, PROCESSING, OperatorConfig, watermark_after
 from backend.spark.launcher import launcher_for, register_data_source
-from dstl import StateChangelogStorage
+from dstl import ChangelogStorage, StateChangelogStorage
 
 __all__ = ["TICK", "needs_batch", "register_tick_source"]
 
@@ -66,7 +66,7 @@ class TickDecider:
 
     def __init__(self, cfg: OperatorConfig) -> None:
         self.cfg = cfg
-        self.storage: StateChangelogStorage | None = None
+        self.storage: ChangelogStorage | None = None
         self.records: dict[int, list[dict[str, Any]]] = {}
 
     def latest(self) -> tuple[int, list[dict[str, Any]]] | None:

@@ -25,7 +25,8 @@ from backend.core.serializers import KeySerializer, Serializer
 from backend.core.serializers.keys import INT_KEY_BYTES, INT_KEY_OFFSET, INT_KEY_TAG, pack_int_key, serialize_key
 from backend.core.tablekeys import CKEY_HEAD, MAX_KEY_BYTES, key_group_of, key_of
 from backend.state.lmdb_tables import LmdbTables
-from dstl import ConfigurationError, KeyGroupRange
+from dstl.errors import ConfigurationError
+from dstl.types import KeyGroupRange
 
 __all__ = ["KeyContext", "StateHost", "require_key"]
 

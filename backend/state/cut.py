@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend.core.errors import BackendClosedError
-from dstl import KeyGroupRange
+from dstl.types import KeyGroupRange
 
 __all__ = ["MaterializationPoint"]
 

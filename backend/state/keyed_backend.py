@@ -42,8 +42,9 @@ from backend.state.state_table import FlushStep, StateTable
 from backend.state.timers import EVENT_TIME, PROCESSING_TIME, TIMERS_DB, TimeDomain, TimerService
 from backend.state.truncation import SnapshotLineage
 from backend.state.value_table import ValueTable
-from dstl import ChangelogHandle, ConfigurationError, KeyGroupRange, Note, StateChangelogStorage, WriterClosedError
-from dstl.types import SequenceNumber
+from dstl.api import ChangelogStorage
+from dstl.errors import ConfigurationError, WriterClosedError
+from dstl.types import ChangelogHandle, KeyGroupRange, Note, SequenceNumber
 
 __all__ = ["DEFAULT_CACHE_LIMIT", "ChangelogKeyedStateBackend", "ChunkLoader", "MaterializationPoint"]
 
@@ -71,7 +72,7 @@ class ChangelogKeyedStateBackend(KeyContext):
         key_group_range: KeyGroupRange,
         local_dir: str | os.PathLike[str],
         *,
-        storage: StateChangelogStorage | None,
+        storage: ChangelogStorage | None,
         max_parallelism: int = DEFAULT_MAX_PARALLELISM,
         key_serializer: Serializer[Any] | None = None,
         clock: Callable[[], int] | None = None,
@@ -465,7 +466,7 @@ class ChangelogKeyedStateBackend(KeyContext):
         handles: Iterable[KeyedStateHandle],
         progress: Callable[[int], None] | None = None,
         load_chunk: ChunkLoader | None = None,
-        source: StateChangelogStorage | None = None,
+        source: ChangelogStorage | None = None,
     ) -> int:
         """Load the owned key groups of ``handles`` (any old parallelism); returns key changes applied.
 

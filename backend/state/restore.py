@@ -24,7 +24,9 @@ from backend.core.handles import CHUNK_HASH, KeyedStateHandle, chunk_digest, int
 from backend.core.records import Op
 from backend.state.lmdb_tables import LmdbTables
 from backend.state.timers import TIMERS_DB, TIMERS_SID
-from dstl import ChangelogHandle, CorruptChangelogError, KeyGroupRange, StateChangelogStorage
+from dstl.api import ChangelogStorage, DfsFiles
+from dstl.errors import CorruptChangelogError
+from dstl.types import ChangelogHandle, KeyGroupRange
 
 __all__ = [
     "ChunkLoader",
@@ -76,7 +78,7 @@ def load_materialized(
     loaded_chunks: list[dict[str, Any]],
     load_chunk: ChunkLoader | None,
     progress: Progress | None,
-    reader: StateChangelogStorage | None,
+    reader: ChangelogStorage | None,
 ) -> int:
     """Bulk-load the owned parts of the handles' materialized chunks, in key order (sorted appends).
 
@@ -104,7 +106,7 @@ def load_materialized(
         )
     loaded = 0
     ordered = sorted(parts, key=lambda p: p[0].start)
-    spans = _SpanReader(reader, [chunk for _, chunk in ordered])
+    spans = _SpanReader(reader.files, [chunk for _, chunk in ordered])
     for index, (rng, chunk) in enumerate(ordered):
         try:
             data = spans.read(index)
@@ -142,8 +144,8 @@ class _SpanReader:
     back to back in one pack with one ranged read (at most ``SPAN_BYTES``): a restore of a whole
     pack costs one request, not one per key group, and holds at most one span at a time."""
 
-    def __init__(self, reader: Any, chunks: list[dict[str, Any]]) -> None:
-        self.reader, self.chunks = reader, chunks
+    def __init__(self, files: DfsFiles, chunks: list[dict[str, Any]]) -> None:
+        self.files, self.chunks = files, chunks
         self.path: str | None = None
         self.start = 0
         self.span = b""
@@ -151,7 +153,7 @@ class _SpanReader:
     def read(self, index: int) -> bytes:
         chunk = self.chunks[index]
         if "offset" not in chunk:
-            return read_chunk(self.reader, chunk)
+            return read_chunk(self.files, chunk)
         path, offset, size = str(chunk["path"]), int(chunk["offset"]), int(chunk["size"])
         if path != self.path or not (self.start <= offset and offset + size <= self.start + len(self.span)):
             end = offset + size
@@ -164,14 +166,14 @@ class _SpanReader:
                     break
                 end += int(after["size"])
             self.path, self.start = None, offset
-            self.span = bytes(self.reader.read_range(path, offset, end - offset))
+            self.span = bytes(self.files.read_range(path, offset, end - offset))
             self.path = path
         return self.span[offset - self.start : offset - self.start + size]
 
 
 def replay_log(
     tables: LmdbTables,
-    storage: StateChangelogStorage,
+    storage: ChangelogStorage,
     log: ChangelogHandle,
     owned: KeyGroupRange,
     states: Mapping[str, Mapping[str, Any]],

@@ -20,7 +20,7 @@ from backend.core.records import Op
 from backend.core.tablekeys import key_group_of, parse_timer_user_key, split_table_key, timer_user_key
 from backend.state.context import StateHost, require_key
 from backend.state.state_table import Append, AppendMany, FlushStep, append_records
-from dstl import ConfigurationError
+from dstl.errors import ConfigurationError
 
 __all__ = ["EVENT_TIME", "PROCESSING_TIME", "TIMERS_DB", "TIMERS_SID", "TimeDomain", "TimerService"]
 

@@ -20,7 +20,7 @@ what can go:
 - A materialization another process finished for the same state (Spark: the previous batch's
   Python worker) replaces the carried log it covers (``adopt_materialization``), never the own
   log; its chunks, like a restore's, are not ours to delete.
-- Deletions here run in the background with retries (``StateChangelogStorage.delete_later``):
+- Deletions here run in the background with retries (``DfsFiles.delete_later``):
   they happen after a commit or a materialization, which a refused DELETE must not fail.
 
 The backend calls it under its lock; it never touches the local tables.
@@ -32,8 +32,9 @@ import dataclasses
 from typing import Any
 
 from backend.core.handles import LogEntry
-from dstl import ChangelogHandle, ConfigurationError, KeyGroupRange, StateChangelogStorage, StateChangelogWriter
-from dstl.types import SequenceNumber
+from dstl.api import ChangelogStorage, StateChangelogWriter
+from dstl.errors import ConfigurationError
+from dstl.types import ChangelogHandle, KeyGroupRange, SequenceNumber
 
 __all__ = ["SnapshotLineage"]
 
@@ -42,7 +43,7 @@ class SnapshotLineage:
     """The DFS files the next snapshot references, and the confirm/release/delete of the others."""
 
     def __init__(
-        self, writer: StateChangelogWriter | None, storage: StateChangelogStorage | None, num_retained: int
+        self, writer: StateChangelogWriter | None, storage: ChangelogStorage | None, num_retained: int
     ) -> None:
         if num_retained < 1:
             raise ConfigurationError(f"num_retained must be >= 1, got {num_retained}")
@@ -177,7 +178,7 @@ class SnapshotLineage:
     def _delete(self, paths: set[str]) -> None:
         if paths and self.storage is not None and self.storage.owns_files:
             for path in sorted(paths):
-                self.storage.delete_later(path)
+                self.storage.files.delete_later(path)
 
     def close(self) -> None:
         """Before the writer closes: hand over the files of the snapshots handed out and not yet

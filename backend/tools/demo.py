@@ -26,9 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.core.descriptors import MapStateDescriptor, ValueStateDescriptor
 from backend.core.serializers import Int64Serializer, StrSerializer
+from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 
 JOB = "demo-job"
 UID = "user-totals"

@@ -34,7 +34,7 @@ from backend.checkpointing.metadata import (
 from backend.checkpointing.savepoints import handles_of
 from backend.core.handles import KeyedStateHandle
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
-from dstl import ChangelogConfig, ChangelogError, StateChangelogStorage
+from dstl import ChangelogConfig, ChangelogError, ChangelogStorage, StateChangelogStorage
 from materializer.periodic import restore
 
 
@@ -71,7 +71,7 @@ def require_directory(url: str) -> None:
 
 
 @contextlib.contextmanager
-def open_storage(url: str) -> Iterator[StateChangelogStorage]:
+def open_storage(url: str) -> Iterator[ChangelogStorage]:
     storage = StateChangelogStorage(ChangelogConfig(base_path=url))
     try:
         yield storage
@@ -79,7 +79,7 @@ def open_storage(url: str) -> Iterator[StateChangelogStorage]:
         storage.close()
 
 
-def file_sizes(base: str, storage: StateChangelogStorage, paths: Sequence[str]) -> dict[str, int | None]:
+def file_sizes(base: str, storage: ChangelogStorage, paths: Sequence[str]) -> dict[str, int | None]:
     """Size of each file (relative to ``base``); None for a missing one. Remote files are read."""
     sizes: dict[str, int | None] = {}
     for path in paths:
@@ -87,7 +87,7 @@ def file_sizes(base: str, storage: StateChangelogStorage, paths: Sequence[str]) 
             if is_local(base):
                 sizes[path] = os.path.getsize(os.path.join(base, path))
             else:
-                sizes[path] = len(storage.get_file(path))
+                sizes[path] = len(storage.files.get(path))
         except FileNotFoundError:
             sizes[path] = None
     return sizes
@@ -107,7 +107,7 @@ def iso_time(timestamp_ms: int) -> str:
 class Snapshot:
     base: str  # the directory its paths are relative to
     where: str  # its _metadata, relative to base
-    storage: StateChangelogStorage  # base path: ``base``
+    storage: ChangelogStorage  # base path: ``base``
     meta: SnapshotMetadata
     metadata_size: int
 
@@ -141,7 +141,7 @@ def open_snapshot(path: str) -> Iterator[Snapshot]:
     require_directory(base)
     with open_storage(base) as storage:
         try:
-            data = storage.get_file(where)
+            data = storage.files.get(where)
         except (FileNotFoundError, IsADirectoryError):
             raise _not_a_snapshot(directory) from None
         meta = SnapshotMetadata.loads(data, f"{base}/{where}")
@@ -164,7 +164,7 @@ def list_checkpoints(job_dir: str) -> list[dict[str, Any]]:
             names = [n for n in os.listdir(url) if os.path.isfile(os.path.join(url, n, METADATA_NAME))]
             found = map(parse_checkpoint_dir, names)
         else:
-            found = map(parse_metadata_path, storage.list_all(""))
+            found = map(parse_metadata_path, storage.files.list(""))
         ids = sorted({i for i in found if i is not None})
         if not ids and is_local(url) and not {"dstl", "shared"} & set(os.listdir(url)):
             if os.path.isfile(os.path.join(url, METADATA_NAME)):
@@ -179,7 +179,7 @@ def list_checkpoints(job_dir: str) -> list[dict[str, Any]]:
                 out.append(entry)
                 continue
             try:
-                meta = SnapshotMetadata.loads(storage.get_file(where), f"{url}/{where}")
+                meta = SnapshotMetadata.loads(storage.files.get(where), f"{url}/{where}")
                 files = sorted(meta.referenced_files())
             except Exception as exc:  # reported per checkpoint; the others are still listed
                 entry["error"] = str(exc)
@@ -201,10 +201,10 @@ def list_checkpoints(job_dir: str) -> list[dict[str, Any]]:
         return out
 
 
-def _is_fenced(storage: StateChangelogStorage, checkpoint_id: int) -> bool:
+def _is_fenced(storage: ChangelogStorage, checkpoint_id: int) -> bool:
     """Whether the coordinator fenced this checkpoint (its ``_metadata`` may still be there)."""
     try:
-        storage.get_file(aborted_path(checkpoint_id))
+        storage.files.get(aborted_path(checkpoint_id))
     except FileNotFoundError:
         return False
     return True
@@ -302,7 +302,7 @@ def check_savepoint_target(target: str, source_base: str) -> None:
             raise CliError(f"{target} is not empty; choose a new or empty directory")
     elif not is_local(target):
         with open_storage(target) as storage:
-            if storage.list_all(""):
+            if storage.files.list(""):
                 raise CliError(f"{target} is not empty; choose a new or empty directory")
 
 
@@ -327,8 +327,8 @@ def remove_partial(target: str, created: bool) -> None:
     with contextlib.suppress(Exception):
         if not is_local(target):
             with open_storage(target) as storage:
-                for path in storage.list_all(""):
-                    storage.delete_file(path)
+                for path in storage.files.list(""):
+                    storage.files.delete(path)
         elif created:
             shutil.rmtree(target, ignore_errors=True)
         else:

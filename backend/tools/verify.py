@@ -60,7 +60,7 @@ def verify(snapshot: Snapshot, progress: Progress) -> VerifyResult:
         progress(path, done, len(paths))
         full = f"{snapshot.base}/{path}"
         try:
-            data = snapshot.storage.get_file(path)
+            data = snapshot.storage.files.get(path)
         except FileNotFoundError:
             result.problems.append((full, "missing"))
             continue

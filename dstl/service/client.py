@@ -1,11 +1,12 @@
 """``RemoteChangelogStorage``: what a Python worker uses when its executor's changelog service writes the log.
 
-It offers what the keyed backend, the materializer and the Spark tasks call on a
-``StateChangelogStorage``. Everything but writers is delegated to a local storage that never
-deletes log files (``owns_files=False``): reads and small files (chunks, metadata) go straight to
-the DFS, as before. ``create_writer`` returns a ``RemoteChangelogWriter``, whose changes travel to
-the service over one Unix-socket connection per storage (``connection``); the service's
-scheduler batches the changes of every worker into one file per flush.
+It is a ``dstl.api.ChangelogStorage``, as a ``StateChangelogStorage`` is (mypy checks both
+against the protocol where the Spark tasks pick one). Everything but writers is a local storage's
+that never deletes log files (``owns_files=False``): reads and ``files`` (chunks, metadata: the
+local storage's ``DfsFiles``) go straight to the DFS, as before. ``create_writer`` returns a
+``RemoteChangelogWriter``, whose changes travel to the service over one Unix-socket connection
+per storage (``connection``); the service's scheduler batches the changes of every worker into
+one file per flush.
 
 Why it is shaped so:
 
@@ -28,9 +29,10 @@ import logging
 import os
 import subprocess
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
+from dstl.api import DfsFiles
 from dstl.config import ChangelogConfig
 from dstl.errors import ChangelogError, ConfigurationError, WriterClosedError
 from dstl.metrics import ChangelogMetrics
@@ -263,32 +265,13 @@ class RemoteChangelogStorage:
     def read(self, handle: ChangelogHandle, key_groups: KeyGroupRange | None = None) -> Iterator[tuple[int, bytes]]:
         return self._local.read(handle, key_groups)
 
-    def put_file(self, path: str, data: bytes, timeout: float | None = None) -> None:
-        self._local.put_file(path, data, timeout)
-
-    def get_file(self, path: str, timeout: float | None = None) -> bytes:
-        return self._local.get_file(path, timeout)
+    @property
+    def files(self) -> DfsFiles:
+        """The local storage's files (reads and writes go straight to the DFS)."""
+        return self._local.files
 
     def read_notes(self, path: str, timeout: float | None = None) -> list[NotedHandle]:
         return self._local.read_notes(path, timeout)
-
-    def read_range(self, path: str, offset: int, length: int, timeout: float | None = None) -> bytes:
-        return self._local.read_range(path, offset, length, timeout)
-
-    def delete_file(self, path: str, timeout: float | None = None) -> None:
-        self._local.delete_file(path, timeout)
-
-    def delete_later(self, path: str, on_done: Callable[[bool], None] | None = None) -> None:
-        self._local.delete_later(path, on_done)
-
-    def undeleted_files(self) -> list[str]:
-        return self._local.undeleted_files()
-
-    def remove_empty_directory(self, path: str) -> bool:
-        return self._local.remove_empty_directory(path)
-
-    def list_all(self, prefix: str = "") -> list[str]:
-        return self._local.list_all(prefix)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for the local storage's background deletions (uploads are the service's)."""

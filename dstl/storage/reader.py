@@ -7,7 +7,7 @@ them on the caller's thread in SQN order. Anything inconsistent raises ``Corrupt
 naming the file: a path leaving the base directory, an SQN outside the handle, a byte range past
 the largest file there can be (``dstl.types.MAX_FILE_BYTES``: refused before it is fetched, as a
 parsed handle refuses it), a missing file, a segment whose key groups lie outside its index. Each
-fetch has the DFS calls' deadline and retries (``dstl.storage.calls``); one that fails for good
+fetch has the DFS calls' deadline and retries (``dstl.retry``); one that fails for good
 raises ``StorageError``.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dstl.errors import CorruptChangelogError
 from dstl.format import decode_segment, iter_records
 from dstl.paths import check_relative
-from dstl.storage.calls import CallPolicy, call_with_retries
+from dstl.retry import RetryPolicy, call_with_retries
 from dstl.storage.loop import StorageLoop
 from dstl.types import MAX_FILE_BYTES, MAX_KEY_GROUP, ChangelogHandle, KeyGroupRange, SegmentRef
 from dstl.uploaders import Uploader
@@ -34,7 +34,7 @@ READ_AHEAD = 4
 class HandleReader:
     """Reads handles through the storage's uploader, on the storage's loop."""
 
-    def __init__(self, loop: StorageLoop, uploader: Uploader, policy: CallPolicy) -> None:
+    def __init__(self, loop: StorageLoop, uploader: Uploader, policy: RetryPolicy) -> None:
         self._loop = loop
         self._uploader = uploader
         self._policy = policy

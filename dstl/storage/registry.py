@@ -1,4 +1,4 @@
-"""Which writers a storage has, and which uploaded files are still needed: reference counts, deletion.
+"""Which writers a storage has, and which uploaded files are still needed: reference counts.
 
 File ownership (the fix for Flink's FLINK-25511, where uploaded but never used files leaked; Flink's
 ``TaskChangelogRegistry`` plays this part): each uploaded file is reference counted by the
@@ -15,15 +15,9 @@ whatever closes first (the backend, or the storage closing every writer as a pro
 log down); the orphan scan of the next recovery removes them if no completed checkpoint names
 them. A handle released before the close (its checkpoint aborted or subsumed) is not held.
 
-Deletion runs in the background on the loop (``delete_later``, also used for superseded
-materialized chunks, and ``discard`` for the objects of upload attempts that lost: a failed
-attempt's that may have landed, a hedge's loser): a refused DELETE is retried with the DFS calls'
-policy (``max_attempts``, doubling backoff, a deadline per attempt: ``dstl.storage.calls``), and
-the storage's ``flush`` and ``close`` wait for the retries (close within its timeout). A file
-whose every attempt failed, or whose deletion close had to cancel, is unreferenced: it is counted
-(``deletions_failed``), logged, listed by ``undeleted`` (the most recent ``MAX_UNDELETED``; the
-log, not memory, keeps the rest) and left to the orphan scan of the next recovery, which deletes
-every file no retained checkpoint names.
+A file whose count drops to zero is deleted in the background by the storage's files
+(``dstl.storage.files.RetryingDfsFiles.delete_later``: retried, waited for by ``flush`` and
+``close``, left to the orphan scan of the next recovery if it never goes).
 
 The counts are touched from the loop thread (uploads finishing) and from writer threads
 (truncation, confirmation), always under ``lock``.
@@ -33,30 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
 import threading
-from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections import Counter
 from dataclasses import dataclass
 
 from dstl.api import StateChangelogWriter
 from dstl.errors import ChangelogError, StorageClosedError, WriterClosedError
-from dstl.hedging import UploadExecutor
-from dstl.metrics import ChangelogMetrics
 from dstl.scheduler import UploadEntry
-from dstl.storage.calls import CallPolicy, call_with_retries
-from dstl.storage.loop import StorageLoop
+from dstl.storage.files import RetryingDfsFiles
 from dstl.types import ChangelogHandle, SegmentRef
-from dstl.uploaders import Uploader
 from dstl.writer import ChangelogWriter
 
-__all__ = ["MAX_UNDELETED", "FileRegistry"]
-
-_log = logging.getLogger(__name__)
-
-#: how many paths whose deletion failed for good ``undeleted`` lists (the newest): a DFS refusing
-#: deletions for hours must not grow memory; every one is logged and counted anyway
-MAX_UNDELETED = 1000
+__all__ = ["FileRegistry"]
 
 
 @dataclass
@@ -68,27 +50,14 @@ class _FileState:
 class FileRegistry:
     """The writers of a storage and the reference counts of its uploaded files."""
 
-    def __init__(
-        self,
-        loop: StorageLoop,
-        uploader: Uploader,
-        executor: UploadExecutor,
-        metrics: ChangelogMetrics,
-        *,
-        owns_files: bool,
-        policy: CallPolicy,
-    ) -> None:
+    def __init__(self, files: RetryingDfsFiles, *, owns_files: bool) -> None:
+        """``files`` deletes what no one needs any more (unless ``owns_files`` is False)."""
         self.lock = threading.Lock()
         self.owns_files = owns_files
-        self._loop = loop
-        self._uploader = uploader
-        self._executor = executor
-        self._metrics = metrics
+        self._dfs = files
         self._files: dict[str, _FileState] = {}
         self._holds: Counter[ChangelogHandle] = Counter()
         self._writers: dict[str, ChangelogWriter] = {}
-        self._policy = policy
-        self._undeleted: OrderedDict[str, None] = OrderedDict()  # under ``lock``
 
     # -- writers --------------------------------------------------------------------------
 
@@ -183,22 +152,6 @@ class FileRegistry:
         with self.lock:
             self._drop_hold(handle)
 
-    def delete_later(self, path: str, on_done: Callable[[bool], None] | None = None) -> None:
-        """Delete ``path`` in the background with retries (any thread; see the module doc). Once the
-        storage is closing it is skipped and left to the orphan scan, as a failed deletion is.
-        ``on_done(deleted)`` runs on the loop once the outcome is known (not if skipped)."""
-        self._loop.call_or_drop(self._delete_soon, path, on_done)
-
-    def discard(self, path: str) -> None:
-        """On the loop: delete the object of an upload attempt that lost (``dstl.hedging``), as a
-        released file is deleted; counted in ``deleted_orphans`` once gone."""
-        self._delete_soon(path, orphan=True)
-
-    def undeleted(self) -> list[str]:
-        """Paths whose deletion failed for good (the newest ``MAX_UNDELETED``), oldest first."""
-        with self.lock:
-            return list(self._undeleted)
-
     def tracked_files(self) -> dict[str, tuple[int, bool]]:
         """Files still tracked: path -> (references, confirmed). For tests and tools."""
         with self.lock:
@@ -232,39 +185,4 @@ class FileRegistry:
         if state.refs <= 0:
             del self._files[path]
             if not state.confirmed and self.owns_files:
-                self.delete_later(path)
-
-    def _delete_soon(self, path: str, on_done: Callable[[bool], None] | None = None, orphan: bool = False) -> None:
-        """On the loop: delete ``path`` in the background, retried (``drain`` waits for it)."""
-        self._executor.track(asyncio.ensure_future(self._delete(path, on_done, orphan)))
-
-    async def _delete(self, path: str, on_done: Callable[[bool], None] | None = None, orphan: bool = False) -> None:
-        deleted = False
-        try:
-            await call_with_retries(self._policy, "delete", path, lambda: self._uploader.delete(path))
-        except asyncio.CancelledError:  # by a close whose timeout ran out
-            self._record_undeleted(path, "cancelled by close")
-            raise
-        except Exception as exc:
-            self._record_undeleted(path, str(exc))
-        else:
-            if orphan:
-                self._metrics.deleted_orphans += 1
-            else:
-                self._metrics.files_deleted += 1
-            deleted = True
-        finally:
-            if on_done is not None:
-                try:
-                    on_done(deleted)
-                except Exception:  # a caller's bookkeeping must not break the loop's housekeeping
-                    _log.exception("callback after deleting %s failed", path)
-
-    def _record_undeleted(self, path: str, why: str) -> None:
-        _log.warning("could not delete %s (left to the orphan scan of the next recovery): %s", path, why)
-        self._metrics.deletions_failed += 1
-        with self.lock:
-            self._undeleted[path] = None
-            self._undeleted.move_to_end(path)
-            while len(self._undeleted) > MAX_UNDELETED:
-                self._undeleted.popitem(last=False)
+                self._dfs.delete_later(path)

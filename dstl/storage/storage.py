@@ -8,12 +8,14 @@ the public API in one place, as Flink's ``FsStateChangelogStorage`` does:
   refusal of new work once closing;
 - ``BatchingScheduler`` -> ``UploadExecutor`` -> ``Uploader``: batching, retries and hedging, one
   file per flush (``dstl.scheduler``, ``dstl.hedging``, ``dstl.uploaders``);
+- ``files.RetryingDfsFiles``: every file call under the base path, retried (``dstl.retry``), and
+  deletions in the background; exposed as ``files``, the ``dstl.api.DfsFiles`` of the process;
 - ``registry.FileRegistry``: the writers and the reference counts that decide when a file dies;
 - ``throttle``: bytes in flight and pre-emptive persists, applied to writers from the loop;
 - ``reader.HandleReader``: reading handles back with read-ahead.
 
 Writers and readers call in from their own threads; a writer sees the storage through
-``dstl.api.WriterStorage``.
+``dstl.writer.WriterStorage``, everyone else through ``dstl.api.ChangelogStorage``.
 
 An uploader with an ``open`` coroutine (S3: creating its client) is opened by the constructor, before
 any writer exists: the loop thread that applies the in-flight bound must not be held by that work
@@ -27,7 +29,7 @@ import concurrent.futures
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 from dstl.api import StateChangelogWriter
@@ -36,9 +38,10 @@ from dstl.errors import ConfigurationError, CorruptChangelogError, WriterClosedE
 from dstl.format import NOTES_PROBE_BYTES, parse_notes
 from dstl.hedging import UploadExecutor
 from dstl.metrics import ChangelogMetrics
-from dstl.paths import LOG_DIRECTORY, check_relative, new_file_name
+from dstl.paths import LOG_DIRECTORY, new_file_name
+from dstl.retry import RetryPolicy
 from dstl.scheduler import BatchingScheduler, PendingNote, UploadEntry
-from dstl.storage.calls import CallPolicy, call_with_retries
+from dstl.storage.files import RetryingDfsFiles
 from dstl.storage.loop import StorageLoop
 from dstl.storage.reader import HandleReader
 from dstl.storage.registry import FileRegistry
@@ -66,17 +69,19 @@ class StateChangelogStorage:
         self._closed = False
         self._close_lock = threading.Lock()
         self._loop = StorageLoop()
-        self._executor = UploadExecutor(
+        #: the files under the base path (``dstl.api.DfsFiles``), the log's included
+        self.files = RetryingDfsFiles(
+            config.base_path,
+            self._loop,
             self._uploader,
-            config,
+            RetryPolicy.for_calls(config),
             self.metrics,
-            lambda: new_file_name(config.prefix_count),
-            discard=lambda path: self._registry.discard(path),  # the registry needs the executor
+            track=lambda task: self._executor.track(task),  # the executor needs the files
         )
-        self._call_policy = CallPolicy.of(config)
-        self._registry = FileRegistry(
-            self._loop, self._uploader, self._executor, self.metrics, owns_files=owns_files, policy=self._call_policy
+        self._executor = UploadExecutor(
+            self._uploader, config, self.metrics, lambda: new_file_name(config.prefix_count), discard=self.files.discard
         )
+        self._registry = FileRegistry(self.files, owns_files=owns_files)
         self._in_flight = InFlightBytes(config.max_in_flight_bytes, self.metrics, self._registry.lock)
         self._scheduler = BatchingScheduler(
             config,
@@ -86,7 +91,7 @@ class StateChangelogStorage:
             on_failed=self._registry.on_failed,
             in_flight=self._in_flight,
         )
-        self._reader = HandleReader(self._loop, self._uploader, self._call_policy)
+        self._reader = HandleReader(self._loop, self._uploader, self.files.policy)
         monitor = WriterMonitor(
             self._registry.writers,
             self._in_flight,
@@ -104,7 +109,7 @@ class StateChangelogStorage:
         if opener is None:
             return
         try:
-            self._loop.run(opener(), self._call_policy.timeout_s)
+            self._loop.run(opener(), self.files.policy.timeout_for(1))
         except Exception as exc:  # the first call opens it again and reports what fails then
             _log.warning("opening the uploader of %s failed (the first call retries): %r", self.config.base_path, exc)
 
@@ -114,14 +119,14 @@ class StateChangelogStorage:
 
     @property
     def lock(self) -> threading.Lock:
-        """Guards writers' entries and the file reference counts (``dstl.api.WriterStorage``)."""
+        """Guards writers' entries and the file reference counts (``dstl.writer.WriterStorage``)."""
         return self._registry.lock
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a coroutine on the storage's loop and wait for it (not from the loop thread)."""
         return self._loop.run(coro, timeout)
 
-    # -- writers (dstl.api.WriterStorage) ---------------------------------------------------
+    # -- writers (dstl.writer.WriterStorage) --------------------------------------------------
 
     def create_writer(self, operator_id: str, key_group_range: KeyGroupRange) -> ChangelogWriter:
         if self._closed:
@@ -207,66 +212,20 @@ class StateChangelogStorage:
         return self._reader.read(handle, key_groups)
 
     async def list_files(self) -> list[str]:
-        return await self._call("list", LOG_DIRECTORY, lambda: self._uploader.list(LOG_DIRECTORY))
-
-    # -- other files under the base path (materialized chunks, metadata) -------------------
-    # Each call has a deadline per attempt and retries (``dstl.storage.calls``); it fails with a
-    # ``StorageError`` naming the operation, the path and the attempts, except that a missing
-    # file stays ``FileNotFoundError``. ``timeout`` (seconds) bounds the caller's wait on top.
+        """The log files (for tests and tools; ``files.list`` lists any directory)."""
+        return await self.files.call("list", LOG_DIRECTORY, lambda: self._uploader.list(LOG_DIRECTORY))
 
     def read_notes(self, path: str, timeout: float | None = None) -> list[NotedHandle]:
         """The notes of the changelog file at ``path`` with their persists' handles (``dstl.format``,
         notes): one ranged read of the file's start, two if the notes are long. A file without
         notes has none; a damaged one raises ``CorruptChangelogError`` naming it."""
-        prefix = self.read_range(path, 0, NOTES_PROBE_BYTES, timeout)
+        prefix = self.files.read_range(path, 0, NOTES_PROBE_BYTES, timeout)
         notes = parse_notes(path, prefix)
         if isinstance(notes, int):
-            notes = parse_notes(path, self.read_range(path, 0, notes, timeout))
+            notes = parse_notes(path, self.files.read_range(path, 0, notes, timeout))
             if isinstance(notes, int):
                 raise CorruptChangelogError(path, f"file truncated in its notes ({notes} bytes expected)")
         return notes
-
-    def put_file(self, path: str, data: bytes, timeout: float | None = None) -> None:
-        """Write a whole file under the base path (no hedging)."""
-        rel = check_relative(path)
-        self.run(self._call("put", rel, lambda: self._uploader.put(rel, data)), timeout)
-
-    def get_file(self, path: str, timeout: float | None = None) -> bytes:
-        """Read a whole file under the base path; a missing file raises ``FileNotFoundError``."""
-        rel = check_relative(path)
-        return self.run(self._call("get", rel, lambda: self._uploader.get(rel)), timeout)
-
-    def read_range(self, path: str, offset: int, length: int, timeout: float | None = None) -> bytes:
-        """Read part of a file under the base path; a missing file raises ``FileNotFoundError``."""
-        rel = check_relative(path)
-        return self.run(self._call("read", rel, lambda: self._uploader.get(rel, offset, length)), timeout)
-
-    def delete_file(self, path: str, timeout: float | None = None) -> None:
-        rel = check_relative(path)
-        self.run(self._call("delete", rel, lambda: self._uploader.delete(rel)), timeout)
-
-    def delete_later(self, path: str, on_done: Callable[[bool], None] | None = None) -> None:
-        """Delete a file under the base path in the background, retried; never raises (see
-        ``registry``: ``flush`` and ``close`` wait for it, a failure is left to orphan cleanup).
-        ``on_done(deleted)`` runs on the storage's loop thread once the outcome is known; it is not
-        called when the storage is closing and skips the deletion."""
-        self._registry.delete_later(check_relative(path), on_done)
-
-    def undeleted_files(self) -> list[str]:
-        """Files whose background deletion failed for good (left to the next recovery's orphan scan)."""
-        return self._registry.undeleted()
-
-    def remove_empty_directory(self, path: str) -> bool:
-        """Remove an empty directory under a local base path (object stores have none); whether
-        it is gone now (False: it still holds something)."""
-        remove = getattr(self._uploader, "remove_empty_directory", None)
-        return True if remove is None else bool(remove(check_relative(path)))
-
-    def list_all(self, prefix: str = "") -> list[str]:
-        return self.run(self._call("list", prefix or ".", lambda: self._uploader.list(prefix)))
-
-    def _call(self, op: str, path: str, call: Callable[[], Coroutine[Any, Any, T]]) -> Coroutine[Any, Any, T]:
-        return call_with_retries(self._call_policy, op, f"{self.config.base_path}/{path}", call)
 
     def prometheus(self) -> str:
         return self.metrics.prometheus()

@@ -1,7 +1,7 @@
 """S3, or any S3-compatible store, as an ``Uploader``: aiobotocore, natively async.
 
 Retries and timeouts belong to the log (per attempt, with hedging, ``dstl.hedging``, and
-``dstl.storage.calls`` for the other calls), so the client is configured to make exactly one request
+``dstl.retry`` for the other calls), so the client is configured to make exactly one request
 per call. A cancelled request is simply abandoned: the caller deletes the key that attempt may
 still have written.
 
@@ -140,6 +140,10 @@ class S3Uploader:
     async def delete(self, path: str) -> None:
         client = await self._get_client()
         await client.delete_object(Bucket=self.bucket, Key=self._key(path))
+
+    def remove_empty_directory(self, path: str) -> bool:
+        """Always True: an object store has no directories (a prefix is gone with its last key)."""
+        return True
 
     async def list(self, prefix: str = "") -> list[str]:
         client = await self._get_client()

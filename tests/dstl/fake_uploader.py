@@ -43,6 +43,9 @@ class MemoryUploader:
     async def delete(self, path: str) -> None:
         self.objects.pop(path, None)
 
+    def remove_empty_directory(self, path: str) -> bool:
+        return True  # a dict has no directories
+
     async def list(self, prefix: str = "") -> list[str]:
         return sorted(p for p in self.objects if p.startswith(prefix))
 

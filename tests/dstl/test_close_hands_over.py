@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.core.descriptors import ValueStateDescriptor
 from backend.core.serializers import Int64Serializer
+from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
 
 WAIT_S = 30.0

@@ -52,10 +52,10 @@ def faulty_storage(tmp_path: Path, plan: FaultPlan, **overrides: Any) -> tuple[S
 @pytest.mark.parametrize(
     ("op", "name", "call"),
     [
-        ("put", "put", lambda s: s.put_file(PATH, b"meta", timeout=WAIT_S)),
-        ("get", "get", lambda s: s.get_file(PATH, timeout=WAIT_S)),
-        ("get", "read", lambda s: s.read_range(PATH, 0, 1, timeout=WAIT_S)),
-        ("delete", "delete", lambda s: s.delete_file(PATH, timeout=WAIT_S)),
+        ("put", "put", lambda s: s.files.put(PATH, b"meta", timeout=WAIT_S)),
+        ("get", "get", lambda s: s.files.get(PATH, timeout=WAIT_S)),
+        ("get", "read", lambda s: s.files.read_range(PATH, 0, 1, timeout=WAIT_S)),
+        ("delete", "delete", lambda s: s.files.delete(PATH, timeout=WAIT_S)),
     ],
     ids=["put_file", "get_file", "read_range", "delete_file"],
 )
@@ -64,7 +64,7 @@ def test_a_stalled_call_fails_at_its_deadline_naming_the_object(
 ) -> None:
     storage, _ = faulty_storage(tmp_path, plan)
     try:
-        storage.put_file(PATH, b"meta")
+        storage.files.put(PATH, b"meta")
         plan.add(Fault(op=op, path=PATH, action="stall"))  # type: ignore[arg-type]
         with pytest.raises(DeadlineExceededError) as exc_info:
             call(storage)
@@ -80,10 +80,10 @@ def test_a_trickled_read_fails_at_its_deadline(tmp_path: Path, plan: FaultPlan) 
     """A whole-file read the store answers slowly is cut at the deadline, not at the socket timeout."""
     storage, _ = faulty_storage(tmp_path, plan, max_attempts=1)
     try:
-        storage.put_file(PATH, os.urandom(20_000))
+        storage.files.put(PATH, os.urandom(20_000))
         plan.add(Fault(op="get", path=PATH, action="trickle", bytes_per_s=2_000))
         with pytest.raises(DeadlineExceededError, match="1 attempt"):
-            storage.get_file(PATH, timeout=WAIT_S)
+            storage.files.get(PATH, timeout=WAIT_S)
     finally:
         plan.close()
         storage.close()
@@ -110,8 +110,8 @@ def test_a_write_that_lands_after_its_delete_removes_itself(tmp_path: Path, plan
     try:
         plan.add(Fault(op="put", path=PATH, action="stall", times=1))
         with pytest.raises(DeadlineExceededError):
-            storage.put_file(PATH, b"meta", timeout=WAIT_S)
-        storage.delete_file(PATH)
+            storage.files.put(PATH, b"meta", timeout=WAIT_S)
+        storage.files.delete(PATH)
         plan.release()
         uploader.wait_for_threads()
         # the write landed after the caller's delete, and removed itself
@@ -128,18 +128,18 @@ def test_a_write_that_lands_after_its_delete_removes_itself(tmp_path: Path, plan
 @pytest.mark.parametrize(
     ("op", "call"),
     [
-        ("put", lambda s: s.put_file(PATH, b"meta")),
-        ("get", lambda s: s.get_file(PATH)),
-        ("get", lambda s: s.read_range(PATH, 0, 1)),
-        ("delete", lambda s: s.delete_file(PATH)),
-        ("list", lambda s: s.list_all("")),
+        ("put", lambda s: s.files.put(PATH, b"meta")),
+        ("get", lambda s: s.files.get(PATH)),
+        ("get", lambda s: s.files.read_range(PATH, 0, 1)),
+        ("delete", lambda s: s.files.delete(PATH)),
+        ("list", lambda s: s.files.list("")),
     ],
     ids=["put_file", "get_file", "read_range", "delete_file", "list_all"],
 )
 def test_a_failed_attempt_is_retried(tmp_path: Path, plan: FaultPlan, op: str, call: Any) -> None:
     storage, _ = faulty_storage(tmp_path, plan, max_attempts=3)
     try:
-        storage.put_file(PATH, b"meta")
+        storage.files.put(PATH, b"meta")
         fault = plan.add(Fault(op=op, action="fail", times=2))  # type: ignore[arg-type]
         call(storage)
         assert plan.hits(fault) == 2
@@ -152,7 +152,7 @@ def test_a_call_failing_every_attempt_raises_storage_error_naming_it(tmp_path: P
     try:
         plan.add(Fault(op="put", path=PATH, action="fail"))
         with pytest.raises(StorageError) as exc_info:
-            storage.put_file(PATH, b"meta")
+            storage.files.put(PATH, b"meta")
         message = str(exc_info.value)
         assert f"put {storage.config.base_path}/{PATH}" in message
         assert "3 attempt(s)" in message and "attempt 3:" in message
@@ -164,7 +164,7 @@ def test_a_missing_file_stays_file_not_found_and_is_not_retried(tmp_path: Path, 
     storage, _ = faulty_storage(tmp_path, plan, max_attempts=3)
     try:
         with pytest.raises(FileNotFoundError):
-            storage.get_file("chk-9/_metadata")
+            storage.files.get("chk-9/_metadata")
         assert plan.calls_of("get") == ["chk-9/_metadata"]
     finally:
         storage.close()
@@ -190,17 +190,17 @@ def test_reads_through_a_link_leaving_the_root_are_refused(linked: tuple[StateCh
     storage, _, _ = linked
     for path in ("chk-1/secret", "chk-2/_metadata"):
         with pytest.raises(ConfigurationError, match="outside the changelog base path"):
-            storage.get_file(path)
+            storage.files.get(path)
     with pytest.raises(ConfigurationError, match="outside the changelog base path"):
-        storage.list_all("chk-1")
-    assert "chk-1/secret" not in storage.list_all("")
+        storage.files.list("chk-1")
+    assert "chk-1/secret" not in storage.files.list("")
 
 
 def test_deletes_never_follow_a_link(linked: tuple[StateChangelogStorage, Path, Path]) -> None:
     storage, root, outside = linked
     with pytest.raises(ConfigurationError, match="outside the changelog base path"):
-        storage.delete_file("chk-1/secret")
-    storage.delete_file("chk-2/_metadata")  # removes the link itself
+        storage.files.delete("chk-1/secret")
+    storage.files.delete("chk-2/_metadata")  # removes the link itself
     assert not (root / "chk-2" / "_metadata").is_symlink()
     assert (outside / "secret").read_bytes() == b"not ours"
 
@@ -208,7 +208,7 @@ def test_deletes_never_follow_a_link(linked: tuple[StateChangelogStorage, Path, 
 def test_writes_through_a_linked_directory_are_refused(linked: tuple[StateChangelogStorage, Path, Path]) -> None:
     storage, _, outside = linked
     with pytest.raises(ConfigurationError, match="outside the changelog base path"):
-        storage.put_file("chk-1/_metadata", b"meta")
+        storage.files.put("chk-1/_metadata", b"meta")
     assert not (outside / "_metadata").exists()
 
 
@@ -221,7 +221,7 @@ def test_a_timeout_error_the_client_raises_is_named_as_raised_not_as_the_deadlin
     try:
         plan.add(Fault(op="put", path=PATH, action="late"))  # raises TimeoutError at once
         with pytest.raises(StorageError) as exc_info:
-            storage.put_file(PATH, b"meta", timeout=WAIT_S)
+            storage.files.put(PATH, b"meta", timeout=WAIT_S)
         assert not isinstance(exc_info.value, DeadlineExceededError)
         message = str(exc_info.value)
         assert "no answer within" not in message

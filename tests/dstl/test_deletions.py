@@ -4,7 +4,7 @@ A log file dies when no changeset, handle or checkpoint needs it any more; its D
 the background, and so does that of an upload attempt's object that lost (a failed attempt whose
 write may have landed, a hedge's loser). A refused DELETE is retried with backoff up to
 ``max_attempts``; ``flush`` and ``close`` wait for the retries; a file whose every attempt failed
-is counted (``deletions_failed``) and listed by ``undeleted_files()``, and the orphan scan of the
+is counted (``deletions_failed``) and listed by ``files.undeleted()``, and the orphan scan of the
 next recovery removes it. Faults come from the fault layer's file system, nothing of ours is patched.
 """
 
@@ -71,7 +71,7 @@ def test_a_refused_delete_is_retried_until_the_file_is_gone(
     assert plan.calls_of("delete") == [path] * 3
     assert storage.metrics.files_deleted == 1
     assert storage.metrics.deletions_failed == 0
-    assert storage.undeleted_files() == []
+    assert storage.files.undeleted() == []
 
 
 def test_close_drains_deletions_still_being_retried(dfs: Path, plan: FaultPlan) -> None:
@@ -101,7 +101,7 @@ def test_a_delete_refused_on_every_attempt_is_recorded_for_orphan_cleanup(
     storage.flush(WAIT_S)  # returns: the attempts are bounded
     assert plan.calls_of("delete") == [path] * storage.config.max_attempts
     assert files_on(dfs) == set(kept.files) | {path}
-    assert storage.undeleted_files() == [path]
+    assert storage.files.undeleted() == [path]
     assert storage.metrics.deletions_failed == 1
     assert storage.metrics.files_deleted == 0
     assert "dstl_deletions_failed_total 1.0" in storage.prometheus()
@@ -127,7 +127,7 @@ def test_the_object_of_a_failed_attempt_is_deleted_with_retries(
     assert plan.calls_of("delete") == [loser] * 3
     assert files_on(dfs) == set(handle.files)
     assert storage.metrics.deleted_orphans == 1
-    assert storage.undeleted_files() == []
+    assert storage.files.undeleted() == []
 
 
 def test_the_object_of_a_failed_attempt_that_cannot_be_deleted_is_recorded(
@@ -143,6 +143,6 @@ def test_the_object_of_a_failed_attempt_that_cannot_be_deleted_is_recorded(
     assert plan.land_late() == 1
     assert plan.calls_of("delete") == [loser] * storage.config.max_attempts
     assert files_on(dfs) == set(handle.files) | {loser}
-    assert storage.undeleted_files() == [loser]
+    assert storage.files.undeleted() == [loser]
     assert storage.metrics.deletions_failed == 1
     assert "dstl_deletions_failed_total 1.0" in storage.prometheus()

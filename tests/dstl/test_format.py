@@ -445,7 +445,7 @@ def test_close_leaves_no_task_pending_behind_abandoned_reads(
                 list(storage.read(corrupt))
         else:
             with pytest.raises(TimeoutError):
-                storage.read_range(second.path, second.offset, second.length, timeout=0.05)
+                storage.files.read_range(second.path, second.offset, second.length, timeout=0.05)
         storage.close(timeout=0.2)
         assert not asyncio.all_tasks(storage._loop.loop)
         if abandoned_by.startswith("a caller"):
@@ -464,22 +464,22 @@ def test_calls_during_and_after_close_raise_storage_closed_instead_of_hanging(tm
     expected = (tmp_path / "dfs" / held.path).read_bytes()[held.offset : held.offset + held.length]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         try:
-            started = pool.submit(storage.read_range, held.path, held.offset, held.length)
+            started = pool.submit(storage.files.read_range, held.path, held.offset, held.length)
             assert uploader.started.wait(10)
             closing = pool.submit(storage.close, 30)
             deadline = time.monotonic() + 30  # a guard against a hang, not a speed check
             with pytest.raises(StorageClosedError):
                 while time.monotonic() < deadline:
                     with contextlib.suppress(FileNotFoundError):
-                        storage.get_file("not-there")
+                        storage.files.get("not-there")
         finally:
             uploader.release.set()
         assert started.result(30) == expected
         closing.result(30)
     with pytest.raises(StorageClosedError):
-        storage.get_file("not-there")
+        storage.files.get("not-there")
     with pytest.raises(StorageClosedError):
-        storage.list_all()
+        storage.files.list()
 
 
 @pytest.mark.parametrize("bad_path", ["../x", "../../etc/passwd", "/etc/passwd", "dstl/../../x", "file:///etc/passwd"])

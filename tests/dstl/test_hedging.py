@@ -97,6 +97,9 @@ class ScriptedUploader:
         self.deleted.append(path)
         self.objects.pop(path, None)
 
+    def remove_empty_directory(self, path: str) -> bool:
+        return True  # a dict has no directories
+
     async def list(self, prefix: str = "") -> builtins.list[str]:
         return sorted(p for p in self.objects if p.startswith(prefix))
 

@@ -33,8 +33,8 @@ def test_debug_logging_of_requests_shows_no_credential(moto_server: S3Server, ca
     )
     caplog.set_level(logging.DEBUG)
     with StateChangelogStorage(ChangelogConfig(base_path=f"s3://{bucket}/job", s3=options)) as storage:
-        storage.put_file("chk-1/_metadata", b"meta")
-        assert storage.get_file("chk-1/_metadata") == b"meta"
+        storage.files.put("chk-1/_metadata", b"meta")
+        assert storage.files.get("chk-1/_metadata") == b"meta"
     logged = "\n".join(record.getMessage() for record in caplog.records)
     assert "X-Amz-Security-Token" in logged  # the headers were logged ...
     for secret in (SESSION_TOKEN, SECRET_KEY, ACCESS_KEY):

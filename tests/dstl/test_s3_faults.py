@@ -90,14 +90,17 @@ def s3(moto_server: S3Server) -> Iterator[S3Env]:
 
 @pytest.mark.parametrize(
     ("name", "call"),
-    [("get", lambda s: s.get_file(PATH, timeout=WAIT_S)), ("read", lambda s: s.read_range(PATH, 0, 20_000, WAIT_S))],
+    [
+        ("get", lambda s: s.files.get(PATH, timeout=WAIT_S)),
+        ("read", lambda s: s.files.read_range(PATH, 0, 20_000, WAIT_S)),
+    ],
     ids=["get_file", "read_range"],
 )
 def test_a_trickled_read_fails_at_its_deadline_naming_the_object(s3: S3Env, name: str, call: Call) -> None:
     """20 KB at 2,000 B/s would take 10 s per attempt; each attempt is cut at 500 ms."""
     storage = s3.storage(max_attempts=2, dfs_timeout_ms=500)
     payload = os.urandom(20_000)
-    storage.put_file(PATH, payload)
+    storage.files.put(PATH, payload)
     s3.plan.add(Fault(op="get", path=PATH, action="trickle", bytes_per_s=2_000))
     start = time.monotonic()
     with pytest.raises(DeadlineExceededError) as exc_info:
@@ -109,17 +112,17 @@ def test_a_trickled_read_fails_at_its_deadline_naming_the_object(s3: S3Env, name
     assert s3.plan.calls_of("get") == [PATH, PATH]  # both attempts reached the store, both were trickled
     assert elapsed < 5.0, elapsed  # two deadlines and a backoff, far from one trickled body
     s3.plan.clear()
-    assert storage.get_file(PATH) == payload  # the abandoned requests do not hold the storage
+    assert storage.files.get(PATH) == payload  # the abandoned requests do not hold the storage
 
 
 # -- defect 8: checkpoint-path calls are retried and fail as StorageError naming the object -------
 
 CALLS: dict[str, tuple[str, Call]] = {
-    "put_file": ("put", lambda s: s.put_file(PATH, b"meta-2")),
-    "get_file": ("get", lambda s: s.get_file(PATH)),
-    "read_range": ("get", lambda s: s.read_range(PATH, 0, 1)),  # the coordinator's existence check
-    "delete_file": ("delete", lambda s: s.delete_file(PATH)),
-    "list_all": ("list", lambda s: s.list_all("chk-1")),
+    "put_file": ("put", lambda s: s.files.put(PATH, b"meta-2")),
+    "get_file": ("get", lambda s: s.files.get(PATH)),
+    "read_range": ("get", lambda s: s.files.read_range(PATH, 0, 1)),  # the coordinator's existence check
+    "delete_file": ("delete", lambda s: s.files.delete(PATH)),
+    "list_all": ("list", lambda s: s.files.list("chk-1")),
 }
 
 
@@ -129,7 +132,7 @@ CALLS: dict[str, tuple[str, Call]] = {
 )
 def test_a_slow_down_or_reset_on_a_checkpoint_path_is_retried(s3: S3Env, call_name: str, action: str) -> None:
     storage = s3.storage()
-    storage.put_file(PATH, b"meta-1")
+    storage.files.put(PATH, b"meta-1")
     op, call = CALLS[call_name]
     start = len(s3.plan.calls)
     s3.plan.add(Fault(op=op, path="chk-1*", action=action, times=2))  # type: ignore[arg-type]
@@ -138,15 +141,15 @@ def test_a_slow_down_or_reset_on_a_checkpoint_path_is_retried(s3: S3Env, call_na
     expected: dict[str, Any] = {"get_file": b"meta-1", "read_range": b"m", "list_all": [PATH]}
     assert result == expected.get(call_name)
     if call_name == "put_file":
-        assert storage.get_file(PATH) == b"meta-2"
+        assert storage.files.get(PATH) == b"meta-2"
     elif call_name == "delete_file":
-        assert storage.list_all("") == []
+        assert storage.files.list("") == []
 
 
 @pytest.mark.parametrize("call_name", ["put_file", "get_file"])
 def test_a_path_answering_slow_down_every_time_raises_storage_error_naming_it(s3: S3Env, call_name: str) -> None:
     storage = s3.storage()
-    storage.put_file(PATH, b"meta-1")
+    storage.files.put(PATH, b"meta-1")
     op, call = CALLS[call_name]
     fault = s3.plan.add(Fault(op=op, path=PATH, action="fail"))  # type: ignore[arg-type]
     with pytest.raises(StorageError) as exc_info:
@@ -162,5 +165,5 @@ def test_a_path_answering_slow_down_every_time_raises_storage_error_naming_it(s3
 def test_a_missing_object_stays_file_not_found_and_is_not_retried(s3: S3Env) -> None:
     storage = s3.storage()
     with pytest.raises(FileNotFoundError):
-        storage.get_file("chk-9/_metadata")
+        storage.files.get("chk-9/_metadata")
     assert s3.plan.calls == [("get", "chk-9/_metadata", "status:404")]

@@ -124,7 +124,7 @@ class FlakyUpload:
         self.calls += 1
         if self.calls in self.failing:
             raise OSError(f"injected upload failure (call {self.calls})")
-        self.storage.put_file(path, data)
+        self.storage.files.put(path, data)
 
 
 class GatedUpload:
@@ -145,7 +145,7 @@ class GatedUpload:
         self.blocked.clear()
         if not released:
             raise TimeoutError("the test never released the upload gate")
-        self.storage.put_file(path, data)
+        self.storage.files.put(path, data)
 
 
 @dataclass

@@ -173,7 +173,7 @@ def test_closing_a_backend_while_its_materialization_uploads_fails_the_materiali
     concurrent.futures.wait([running], WAIT_S)
     assert isinstance(running.exception(), BackendClosedError)  # its next read found the tables closed
     assert results == []
-    assert env.storage.list_all("shared") == []  # the chunk it uploaded is deleted
+    assert env.storage.files.list("shared") == []  # the chunk it uploaded is deleted
 
 
 def test_a_materialization_that_read_everything_finishes_after_its_backend_closed(env: Env) -> None:

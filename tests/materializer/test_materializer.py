@@ -422,7 +422,7 @@ def test_incremental_materialization_uploads_only_changed_key_groups(env: Env) -
     first = checkpoint(b, 1)
     first_paths = {tuple(c["key_groups"]): c["path"] for c in first.materialized}
     assert len(first_paths) == MAX_P
-    files_before = set(env.storage.list_all("shared"))
+    files_before = set(env.storage.files.list("shared"))
 
     changed_kg = b.key_group_of(0)
     ops = [(k, -k, -k, ("y", k)) for k in first_keys_in_key_group(changed_kg, 5)]
@@ -435,7 +435,7 @@ def test_incremental_materialization_uploads_only_changed_key_groups(env: Env) -
     second = checkpoint(b, 2)
     second_paths = {tuple(c["key_groups"]): c["path"] for c in second.materialized}
     assert {kg for kg, path in second_paths.items() if path != first_paths[kg]} == {(changed_kg, changed_kg)}
-    assert set(env.storage.list_all("shared")) - files_before == {second_paths[(changed_kg, changed_kg)]}
+    assert set(env.storage.files.list("shared")) - files_before == {second_paths[(changed_kg, changed_kg)]}
     check_restores(env, second, model, parallelisms=(1, 2, 4))
 
     skipped = m.metrics.skipped_unchanged
@@ -514,7 +514,7 @@ def test_failed_upload_deletes_partial_chunks_and_the_retry_succeeds(env: Env) -
     m.wait(WAIT_S)  # two chunks uploaded, the third fails
     assert upload.calls == 3
     assert (m.metrics.failed, m.metrics.completed) == (1, 0)
-    assert env.storage.list_all("shared") == []  # the two partial chunks are gone
+    assert env.storage.files.list("shared") == []  # the two partial chunks are gone
     failed = checkpoint(b, 1)
     assert failed.materialized == ()
     check_restores(env, failed, model)  # the log was not truncated for the failed attempt
@@ -524,7 +524,7 @@ def test_failed_upload_deletes_partial_chunks_and_the_retry_succeeds(env: Env) -
     assert (m.metrics.failed, m.metrics.completed) == (1, 1)
     assert m.metrics.chunks_uploaded == MAX_P // 8
     handle = checkpoint(b, 2)
-    assert sorted(env.storage.list_all("shared")) == sorted(c["path"] for c in handle.materialized)
+    assert sorted(env.storage.files.list("shared")) == sorted(c["path"] for c in handle.materialized)
     check_restores(env, handle, model, parallelisms=(1, 2, 4))
     m.close()
 
@@ -540,7 +540,7 @@ def test_failed_incremental_upload_keeps_the_previous_chunks_and_the_changed_key
     apply_to_backend(b, ops)
     apply_to_model(model, ops)
     materialize(m)
-    previous = set(env.storage.list_all("shared"))
+    previous = set(env.storage.files.list("shared"))
     uploaded = m.metrics.chunks_uploaded
 
     changed = sorted({b.key_group_of(k) for k in (0, 1, 2, 5)})
@@ -552,7 +552,7 @@ def test_failed_incremental_upload_keeps_the_previous_chunks_and_the_changed_key
     assert m.trigger()
     m.wait(WAIT_S)
     assert m.metrics.failed == 1
-    assert set(env.storage.list_all("shared")) == previous  # the first changed chunk was deleted again
+    assert set(env.storage.files.list("shared")) == previous  # the first changed chunk was deleted again
 
     assert m.trigger()
     m.wait(WAIT_S)
@@ -656,13 +656,13 @@ def test_crash_during_materialization_upload(tmp_path: Path) -> None:
         check_restores(env, handle, model, parallelisms=(1, 2))
 
         referenced = handle.referenced_files()
-        shared, logs = set(storage.list_all("shared")), set(storage.list_all("dstl"))
+        shared, logs = set(storage.files.list("shared")), set(storage.files.list("dstl"))
         assert referenced <= shared | logs
         assert shared - referenced == {partial}  # what the crash left behind: the partial upload
 
         deleted = delete_unreferenced(storage, [handle])  # orphan cleanup after the crash
         assert set(deleted) == (shared | logs) - referenced
-        assert set(storage.list_all("shared")) | set(storage.list_all("dstl")) == referenced
+        assert set(storage.files.list("shared")) | set(storage.files.list("dstl")) == referenced
         check_restores(env, handle, model, parallelisms=(1, 4))
     finally:
         backends.close_all()

@@ -19,7 +19,7 @@ import pytest
 
 from backend.core.handles import KeyedStateHandle
 from backend.core.keygroups import key_group_ranges
-from dstl import ConfigurationError, CorruptDataError, StateChangelogStorage
+from dstl import ConfigurationError, CorruptDataError, DfsFiles, StateChangelogStorage
 from materializer.packs import SharedPack
 from materializer.periodic import PeriodicMaterializer, restore
 from tests.materializer.backends import (
@@ -106,7 +106,7 @@ def test_one_materialization_writes_its_chunks_into_files_of_at_most_pack_bytes(
         files[chunk["path"]] = max(files.get(chunk["path"], 0), chunk["offset"] + chunk["size"])
     assert 1 < len(files) < len(handle.materialized)
     assert all(size <= 2 * largest for size in files.values())
-    assert {p: len(env.storage.get_file(p)) for p in files} == files  # nothing else in them
+    assert {p: len(env.storage.files.get(p)) for p in files} == files  # nothing else in them
     restores_to(env, [handle], model, parallelisms=(1, 3))
 
 
@@ -114,11 +114,11 @@ def test_materializations_started_together_share_one_file_and_each_restores(env:
     model = Model()
     subtasks = subtasks_with(env, 3, model, batch_a() + batch_b())
     ms = materializers(subtasks)
-    start_together(ms, SharedPack(env.storage.put_file, 1 << 20))
+    start_together(ms, SharedPack(env.storage.files.put, 1 << 20))
     assert [m.metrics.completed for m in ms] == [1, 1, 1]
     handles = [checkpoint(b, 1) for b in subtasks]
     paths = {c["path"] for h in handles for c in h.materialized}
-    assert len(paths) == 1 and env.storage.list_all("shared") == sorted(paths)
+    assert len(paths) == 1 and env.storage.files.list("shared") == sorted(paths)
     spans = sorted((c["offset"], c["size"]) for h in handles for c in h.materialized)
     assert all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(spans))  # back to back, no overlap
     restores_to(env, handles, model, parallelisms=(1, 2, 4))
@@ -132,7 +132,7 @@ def test_a_member_that_fails_before_it_contributes_does_not_hold_up_the_others(e
     failing = FlakyUpload(env.storage, failing={1})  # its first own file fails
     alone = PeriodicMaterializer(subtasks[0], interval_ms=NEVER, size_trigger_bytes=None, upload=failing, pack_bytes=1)
     other = PeriodicMaterializer(subtasks[1], interval_ms=NEVER, size_trigger_bytes=None)
-    start_together([alone, other], SharedPack(env.storage.put_file, 1 << 20))
+    start_together([alone, other], SharedPack(env.storage.files.put, 1 << 20))
     assert (alone.metrics.failed, other.metrics.completed) == (1, 1)
     handles = [checkpoint(b, 1) for b in subtasks]
     assert handles[0].materialized == () and handles[1].materialized
@@ -149,7 +149,7 @@ def test_a_failed_shared_upload_fails_every_member_and_the_next_attempt_succeeds
     start_together(ms, SharedPack(upload, 1 << 20))
     assert upload.calls == 1  # one file for both
     assert [(m.metrics.failed, m.metrics.completed) for m in ms] == [(1, 0), (1, 0)]
-    assert env.storage.list_all("shared") == []
+    assert env.storage.files.list("shared") == []
     failed = [checkpoint(b, 1) for b in subtasks]
     assert all(h.materialized == () for h in failed)
     restores_to(env, failed, model, parallelisms=(1,))  # the log was kept for the failed attempt
@@ -171,7 +171,7 @@ def test_a_shared_file_stays_within_its_bound_and_the_rest_goes_to_files_of_thei
 
     def upload(path: str, data: bytes) -> None:
         uploads.append(len(data))
-        env.storage.put_file(path, data)
+        env.storage.files.put(path, data)
 
     start_together(ms, SharedPack(upload, 1))  # room for the first contribution only
     assert [m.metrics.completed for m in ms] == [1, 1, 1]
@@ -184,11 +184,11 @@ def test_a_shared_file_stays_within_its_bound_and_the_rest_goes_to_files_of_thei
 
 
 def test_a_sealed_pack_without_members_writes_nothing(env: Env) -> None:
-    pack = SharedPack(env.storage.put_file, 1 << 20)
+    pack = SharedPack(env.storage.files.put, 1 << 20)
     pack.seal()
     with pytest.raises(RuntimeError, match="sealed"):
         pack.join()
-    assert env.storage.list_all("shared") == []
+    assert env.storage.files.list("shared") == []
 
 
 def test_members_wait_for_the_seal_and_upload_once(env: Env) -> None:
@@ -215,7 +215,7 @@ def test_a_storage_that_deletes_its_files_cannot_share_a_pack(tmp_path: Path) ->
         (b,) = subtasks_with(owning, 1, Model(), batch_a())
         m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None)
         with pytest.raises(ConfigurationError, match="owns_files"):
-            m.trigger(SharedPack(owning.storage.put_file, 1 << 20))
+            m.trigger(SharedPack(owning.storage.files.put, 1 << 20))
         m.close()
 
 
@@ -225,17 +225,28 @@ class CountingReads:
     def __init__(self, storage: StateChangelogStorage) -> None:
         self.storage = storage
         self.reads: list[tuple[str, int, int]] = []
-
-    def read_range(self, path: str, offset: int, length: int, timeout: float | None = None) -> bytes:
-        self.reads.append((path, offset, length))
-        return self.storage.read_range(path, offset, length, timeout=timeout)
-
-    def get_file(self, path: str, timeout: float | None = None) -> bytes:
-        self.reads.append((path, 0, -1))
-        return self.storage.get_file(path, timeout=timeout)
+        self.files = _CountingFiles(storage.files, self.reads)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.storage, name)
+
+
+class _CountingFiles:
+    """A storage's files, recording each read in ``reads``."""
+
+    def __init__(self, files: DfsFiles, reads: list[tuple[str, int, int]]) -> None:
+        self._files, self.reads = files, reads
+
+    def read_range(self, path: str, offset: int, length: int, timeout: float | None = None) -> bytes:
+        self.reads.append((path, offset, length))
+        return self._files.read_range(path, offset, length, timeout=timeout)
+
+    def get(self, path: str, timeout: float | None = None) -> bytes:
+        self.reads.append((path, 0, -1))
+        return self._files.get(path, timeout=timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._files, name)
 
 
 def test_a_restore_reads_the_chunks_of_a_pack_it_owns_with_one_request(env: Env) -> None:

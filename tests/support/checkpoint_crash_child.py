@@ -32,11 +32,11 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.checkpointing.ownership import is_ownership_file
 from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
 from backend.core.errors import CheckpointError
 from backend.core.serializers import Int64Serializer, StrSerializer
+from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from dstl import ChangelogConfig
 from dstl.uploaders import FsspecUploader
 
@@ -288,8 +288,8 @@ class CrashingUploader:
     async def list(self, prefix: str = "") -> list[str]:
         return await self.inner.list(prefix)
 
-    def remove_empty_directory(self, path: str) -> None:
-        self.inner.remove_empty_directory(path)
+    def remove_empty_directory(self, path: str) -> bool:
+        return self.inner.remove_empty_directory(path)
 
     async def close(self) -> None:
         await self.inner.close()

@@ -13,7 +13,7 @@ from typing import Any, Generic, TypeVar
 
 from backend.core.errors import SerializationError
 from backend.core.serializers.base import Serializer, SerializerBase
-from dstl import ConfigurationError
+from dstl.errors import ConfigurationError
 
 __all__ = ["OptionalSerializer", "RowSerializer", "TupleSerializer"]
 

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from benchmarks.support.faulty_fs import Action, Fault, FaultPlan, Op
-from dstl import ChangelogConfig, StateChangelogStorage
+from dstl import ChangelogConfig
 from dstl.errors import ChangelogError
+from dstl.storage.files import RetryingDfsFiles
 
 __all__ = ["DeadlineMeter", "RandomFaults", "Tally", "call_bound_s", "names_an_object"]
 
@@ -117,8 +118,8 @@ def names_an_object(exc: BaseException) -> bool:
 
 @dataclass
 class DeadlineMeter:
-    """Times every whole-file DFS call of ``StateChangelogStorage`` (``put_file``, ``get_file``,
-    ``read_range``, ``delete_file``, ``list_all``) while ``installed``; ``late`` lists those past
+    """Times every blocking DFS call of a storage's files (``RetryingDfsFiles``: ``put``, ``get``,
+    ``read_range``, ``delete``, ``list``) while ``installed``; ``late`` lists those past
     ``bound_s``. It wraps the class's methods for the test's duration: it measures, changes nothing."""
 
     bound_s: float
@@ -127,14 +128,14 @@ class DeadlineMeter:
     slowest_s: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    _METHODS = ("put_file", "get_file", "read_range", "delete_file", "list_all")
+    _METHODS = ("put", "get", "read_range", "delete", "list")
 
     def _timed(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
-        def timed(storage: StateChangelogStorage, *args: Any, **kwargs: Any) -> Any:
+        def timed(files: RetryingDfsFiles, *args: Any, **kwargs: Any) -> Any:
             start = time.monotonic()
             try:
-                return method(storage, *args, **kwargs)
+                return method(files, *args, **kwargs)
             finally:
                 elapsed = time.monotonic() - start
                 with self._lock:
@@ -147,14 +148,14 @@ class DeadlineMeter:
 
     @contextmanager
     def installed(self) -> Iterator[DeadlineMeter]:
-        originals = {name: getattr(StateChangelogStorage, name) for name in self._METHODS}
+        originals = {name: getattr(RetryingDfsFiles, name) for name in self._METHODS}
         try:
             for name, method in originals.items():
-                setattr(StateChangelogStorage, name, self._timed(name, method))
+                setattr(RetryingDfsFiles, name, self._timed(name, method))
             yield self
         finally:
             for name, method in originals.items():
-                setattr(StateChangelogStorage, name, method)
+                setattr(RetryingDfsFiles, name, method)
 
 
 @dataclass

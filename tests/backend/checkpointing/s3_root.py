@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.checkpointing.job import LocalJob
+from backend.job import LocalJob
 from benchmarks.support.fault_plan import FaultPlan
 from benchmarks.support.fault_proxy import FaultProxy
 from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.checkpointing.job import LocalJob
 from backend.checkpointing.metadata import METADATA_NAME, SnapshotMetadata, metadata_path
 from backend.core.errors import StateRestoreError
+from backend.job import LocalJob
 from tests.backend.checkpointing.crashes import crash
 from tests.backend.checkpointing.workloads import files_on_dfs
 from tests.support.checkpoint_crash_child import (

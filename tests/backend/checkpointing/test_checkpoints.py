@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 
 from backend.checkpointing.coordinator import CheckpointCoordinator, CheckpointRetention
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.checkpointing.metadata import (
     IDS_DIR,
     OWNER_DIR,
@@ -26,6 +25,7 @@ from backend.checkpointing.metadata import (
 from backend.checkpointing.registry import SharedStateRegistry
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
+from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from dstl import ChangelogConfig, StateChangelogStorage
 from tests.backend.checkpointing.workloads import (
     NEVER,
@@ -177,8 +177,8 @@ def _handle(paths: list[str], uid: str = "op") -> KeyedStateHandle:
 def test_a_checkpoint_may_not_reference_deleted_or_missing_files(tmp_path: Path) -> None:
     storage, coordinator = _coordinator(tmp_path)
     try:
-        storage.put_file("shared/a.chunk", b"a")
-        storage.put_file("shared/b.chunk", b"b")
+        storage.files.put("shared/a.chunk", b"a")
+        storage.files.put("shared/b.chunk", b"b")
         for files in (["shared/a.chunk"], ["shared/b.chunk"]):
             cid = coordinator.trigger()
             coordinator.acknowledge(cid, "op", 0, _handle(files))

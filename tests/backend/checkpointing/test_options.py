@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.checkpointing.metadata import is_inside
 from backend.core.errors import CheckpointError
+from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from dstl import ConfigurationError
 
 

@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.checkpointing.metadata import VOID_DIR, metadata_path
 from backend.checkpointing.ownership import DirectoryOwnedError, OwnershipLostError
+from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from tests.backend.checkpointing.crashes import crash
 from tests.backend.checkpointing.s3_root import S3Root

@@ -45,7 +45,6 @@ from typing import Any, TypeVar
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.checkpointing.metadata import (
     ABORTED_NAME,
     SnapshotMetadata,
@@ -54,6 +53,7 @@ from backend.checkpointing.metadata import (
     parse_id_block_path,
 )
 from backend.core.errors import CheckpointError
+from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from benchmarks.support.faulty_fs import faulty_base_path
 from dstl import ChangelogConfig
 from tests.backend.checkpointing.random_faults import DeadlineMeter, RandomFaults, Tally, call_bound_s

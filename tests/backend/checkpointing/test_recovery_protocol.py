@@ -254,7 +254,7 @@ def test_a_file_whose_deletion_may_land_late_is_never_named_again(
     coordinator = faulty_coordinator
     plan.add(Fault(op="delete", path="shared/0.chunk", action="late"))
     for i in range(8):
-        coordinator.storage.put_file(f"shared/{i}.chunk", b"x")
+        coordinator.storage.files.put(f"shared/{i}.chunk", b"x")
         _checkpoint_naming(coordinator, f"shared/{i}.chunk")
     coordinator.storage.flush()
     assert any("shared/0.chunk" in e for e in coordinator.cleanup_errors)
@@ -270,8 +270,8 @@ def test_subsumption_on_a_stalled_dfs_does_not_hold_the_commit(
 ) -> None:
     """Finding 7: complete() deleted the subsumed checkpoint synchronously: attempts x dfs_timeout."""
     coordinator = faulty_coordinator
-    coordinator.storage.put_file("shared/0.chunk", b"x")
-    coordinator.storage.put_file("shared/1.chunk", b"x")
+    coordinator.storage.files.put("shared/0.chunk", b"x")
+    coordinator.storage.files.put("shared/1.chunk", b"x")
     _checkpoint_naming(coordinator, "shared/0.chunk")
     plan.add(Fault(op="delete", action="stall"))
     started = time.monotonic()

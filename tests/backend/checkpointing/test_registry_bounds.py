@@ -42,7 +42,7 @@ def checkpoint_naming(coordinator: CheckpointCoordinator, path: str) -> int:
 def run(coordinator: CheckpointCoordinator, rounds: int) -> None:
     for i in range(rounds):
         path = f"shared/{i}.chunk"
-        coordinator.storage.put_file(path, b"x")
+        coordinator.storage.files.put(path, b"x")
         checkpoint_naming(coordinator, path)
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.checkpointing.savepoints import RestoreMode
 from backend.core.errors import CheckpointError
+from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from tests.backend.checkpointing.workloads import Workload, assert_exact, files_on_dfs, materialize, read_state
 
 NEVER = 10**12  # ms: an interval no test reaches

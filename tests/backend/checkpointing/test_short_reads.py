@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.checkpointing.metadata import metadata_path
+from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from tests.backend.checkpointing.s3_root import S3Root
 from tests.backend.checkpointing.workloads import NEVER, State, Workload, materialize, read_state, snapshot_of

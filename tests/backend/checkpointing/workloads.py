@@ -10,11 +10,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.checkpointing.metadata import OWNER_DIR, VOID_DIR, metadata_path, parse_id_block_path
 from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
 from backend.core.handles import KeyedStateHandle
 from backend.core.serializers import Int64Serializer, StrSerializer
+from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 
 TOTAL = ValueStateDescriptor("total", Int64Serializer())
 SEEN = ListStateDescriptor("seen", Int64Serializer())

@@ -219,10 +219,10 @@ def test_a_materialization_finishing_while_another_worker_runs_the_next_batch_is
     assert remaining in ([], [handle_of(cfg, 3).changelog[-1].log.log_id])  # at most C's own, later
     assert state_after(cfg, 3) == upto(3)
     storage = tasks.storage_for(cfg)
-    assert chunks_a <= set(storage.list_all("shared"))  # workers delete nothing
+    assert chunks_a <= set(storage.files.list("shared"))  # workers delete nothing
     driver = DriverCoordinator(cfg)  # a driver start deletes what no checkpoint or pending record names
     try:
-        assert not chunks_a & set(storage.list_all("shared"))
+        assert not chunks_a & set(storage.files.list("shared"))
     finally:
         driver.close()
     plan.close()

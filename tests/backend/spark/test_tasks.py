@@ -177,7 +177,7 @@ def test_a_fenced_checkpoint_whose_metadata_landed_does_not_lose_its_batch(tmp_p
         chk_1 = driver.latest()
         assert chk_1 is not None and chk_1.checkpoint_id == 1
         forged = SnapshotMetadata(2, chk_1.operators, job_id=chk_1.job_id, properties=chk_1.properties)
-        driver.storage.put_file(metadata_path(2), forged.dumps())
+        driver.storage.files.put(metadata_path(2), forged.dumps())
         assert state_after_2() == {k: [0, 1, 2] for k in KEYS}
     finally:
         driver.close()

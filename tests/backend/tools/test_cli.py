@@ -30,9 +30,9 @@ from backend import (
     StrSerializer,
     ValueStateDescriptor,
 )
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.checkpointing.metadata import SnapshotMetadata
 from backend.core.serializers import PickleSerializer
+from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
 from backend.tools.cli import main
 from backend.tools.state_rows import jsonable
 

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
-from dstl import ChangelogConfig, HedgingPolicy, KeyGroupRange, Note
+from dstl import ChangelogConfig, HedgingPolicy, KeyGroupRange, Note, StateChangelogStorage
 from dstl.errors import ConfigurationError, WriterClosedError
 from dstl.service import FencedWriterError, ServiceUnavailableError
 from dstl.service.configjson import dumps_config
@@ -132,6 +132,23 @@ def test_a_persists_note_travels_through_the_service_into_the_rounds_file(tmp_pa
     notes = a.read_notes(f"pending/0/op/{noted_file.name}")
     assert sorted((n.payload["subtask"], n.handle) for n in notes) == [(0, ha), (1, hb)]
     assert log_files(config) == []  # the round's changes went to the noted file only
+
+
+def test_a_workers_files_go_straight_to_the_dfs_through_its_local_storage(tmp_path: Path, harness: Harness) -> None:
+    """``RemoteChangelogStorage.files`` is the local storage's: chunks and metadata skip the service."""
+    config = local_config(tmp_path)
+    harness.serve(config)
+    local = StateChangelogStorage(config, owns_files=False)
+    try:
+        remote = harness.client(config, start=False, local=local)
+        assert remote.files is local.files
+        remote.files.put("chk-1/_metadata", b"meta")
+        assert (Path(config.base_path) / "chk-1" / "_metadata").read_bytes() == b"meta"
+        assert remote.files.list("chk-1") == ["chk-1/_metadata"]
+        remote.files.delete("chk-1/_metadata")
+        assert remote.files.list("") == []
+    finally:
+        local.close()
 
 
 def test_handles_are_confirmed_released_and_truncated_on_the_service(tmp_path: Path, harness: Harness) -> None:

@@ -18,6 +18,14 @@ Start-up order matters and is the reason this class exists:
 
 Local LMDB directories are recreated on start: state always comes from the DFS.
 
+Why it sits above ``backend.checkpointing`` and not in it: it is the standalone job's composition
+root, the one place that constructs ``dstl.storage.StateChangelogStorage`` (for the job
+directory, and for the directories it restores from or writes savepoints to: ``open_directory``).
+Checkpointing, the materializer and the state layers only see a storage through ``dstl.api``
+(``ChangelogStorage``, ``DfsFiles``); an import-linter contract in pyproject.toml keeps them off
+the writer side (docs/architecture.md, layers). The Spark driver and tasks construct theirs in
+``backend.spark`` likewise.
+
 Its settings are one frozen ``JobOptions`` (the materializers' in ``MaterializationOptions``), so a
 caller names only what differs from the defaults and a new option changes no signature.
 """
@@ -54,7 +62,6 @@ from backend.checkpointing.savepoints import (
     copy_files,
     dispose_savepoint,
     handles_of,
-    open_directory,
     write_canonical_savepoint,
     write_native_savepoint,
 )
@@ -62,7 +69,7 @@ from backend.checkpointing.store import StepHook
 from backend.core.errors import CheckpointError
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, key_group_range_for_subtask
 from backend.state.keyed_backend import DEFAULT_CACHE_LIMIT, ChangelogKeyedStateBackend
-from dstl import ChangelogConfig, ConfigurationError, StateChangelogStorage
+from dstl import ChangelogConfig, ChangelogStorage, ConfigurationError, StateChangelogStorage
 from dstl.uploaders import Uploader, make_uploader
 from materializer.periodic import PeriodicMaterializer, restore
 
@@ -276,13 +283,13 @@ class LocalJob:
                 dispose_savepoint(source)
             else:  # a checkpoint of another job: its metadata and the files it names
                 meta = read_snapshot(source, where)
-                source.delete_file(where)
+                source.files.delete(where)
                 for path in sorted(meta.referenced_files()):
-                    source.delete_file(path)
+                    source.files.delete(path)
         finally:
             source.close()
 
-    def _start(self, meta: SnapshotMetadata | None, source: StateChangelogStorage | None, own: bool) -> None:
+    def _start(self, meta: SnapshotMetadata | None, source: ChangelogStorage | None, own: bool) -> None:
         self.restored_from = meta
         for op in self.operators:
             handles = handles_of(meta, op.uid) if meta is not None and op.uid in meta.operators else []
@@ -463,3 +470,9 @@ class LocalJob:
 
 def _files_of(meta: SnapshotMetadata, uid: str) -> set[str]:
     return {p for h in meta.handles(uid) for p in h.referenced_files()}
+
+
+def open_directory(url: str, config: ChangelogConfig | None = None) -> ChangelogStorage:
+    """A storage whose base path is ``url`` (a job, checkpoint or savepoint directory)."""
+    base = replace(config, base_path=url) if config is not None else ChangelogConfig(base_path=url)
+    return StateChangelogStorage(base)
