@@ -5,9 +5,9 @@ reference materialized chunks (``materializer.chunks`` is their file format, ``m
 checks a chunk against the handle entry naming it).
 """
 
-from materializer.chunks import CorruptChunkError
+from materializer.errors import CorruptChunkError, MaterializationError
 from materializer.metrics import MaterializationMetrics
-from materializer.periodic import MaterializationError, PeriodicMaterializer, restore
+from materializer.periodic import PeriodicMaterializer, restore
 
 __all__ = [
     "CorruptChunkError",

@@ -54,9 +54,10 @@ from prometheus_client import CollectorRegistry
 from backend.core.handles import CHUNK_HASH, KeyedStateHandle, chunk_digest
 from backend.core.tablekeys import key_group_prefix
 from backend.state.keyed_backend import ChangelogKeyedStateBackend, MaterializationPoint
-from dstl import ChangelogError, ConfigurationError, KeyGroupRange, StateChangelogStorage
+from dstl import ConfigurationError, KeyGroupRange, StateChangelogStorage
 from materializer.binding import bound_chunk_sections
 from materializer.chunks import encode_chunk
+from materializer.errors import MaterializationError
 from materializer.metrics import MaterializationMetrics
 from materializer.packs import PackBuilder, SharedPack
 
@@ -66,10 +67,6 @@ _log = logging.getLogger(__name__)
 def monotonic_ms() -> float:
     """The default clock: ``time.monotonic`` in milliseconds."""
     return time.monotonic_ns() / 1e6
-
-
-class MaterializationError(ChangelogError):
-    """Materialization failed more often in a row than allowed."""
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
 
 from backend.checkpointing.metadata import METADATA_NAME, checkpoint_dir
 from backend.checkpointing.savepoints import dispose_savepoint, write_canonical_savepoint, write_native_savepoint
+from backend.tools.errors import CliError
 from backend.tools.inspect_state import (
-    CliError,
     check_savepoint_target,
     is_local,
     list_checkpoints,

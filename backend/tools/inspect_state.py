@@ -34,17 +34,9 @@ from backend.checkpointing.metadata import (
 from backend.checkpointing.savepoints import handles_of
 from backend.core.handles import KeyedStateHandle
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
-from dstl import ChangelogConfig, ChangelogError, StateChangelogStorage
+from backend.tools.errors import CliError
+from dstl import ChangelogConfig, StateChangelogStorage
 from materializer.periodic import restore
-
-
-class CliError(ChangelogError):
-    """An error the command line reports as ``dstl: error: <message>`` with exit code ``code``."""
-
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
-
 
 # -- paths and storages ----------------------------------------------------------------------
 

@@ -43,9 +43,9 @@ import time
 from collections.abc import Callable, Iterator
 
 from dstl.config import ChangelogConfig
-from dstl.errors import ConfigurationError
+from dstl.errors import ConfigurationError, ServiceUnavailableError
 from dstl.service.configjson import dumps_config, fingerprint
-from dstl.service.protocol import PROTOCOL_VERSION, ServiceUnavailableError
+from dstl.service.protocol import PROTOCOL_VERSION
 
 __all__ = [
     "START_TIMEOUT_MS",

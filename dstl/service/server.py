@@ -43,11 +43,11 @@ import threading
 import time
 
 from dstl.config import ChangelogConfig
-from dstl.errors import ConfigurationError, StorageClosedError
+from dstl.errors import ConfigurationError, ServiceUnavailableError, StorageClosedError
 from dstl.service.configjson import fingerprint
 from dstl.service.handler import ConnectionHandler, Slot
 from dstl.service.launch import next_epoch, prepare_socket_dir, start_lock, try_connect
-from dstl.service.protocol import JOIN_S, Error, OpenWriter, ServiceUnavailableError, encode
+from dstl.service.protocol import JOIN_S, Error, OpenWriter, encode
 from dstl.storage import StateChangelogStorage
 from dstl.uploaders import Uploader
 

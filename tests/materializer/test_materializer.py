@@ -40,7 +40,8 @@ from backend.core.keygroups import assign_key_group, key_group_ranges, subtask_f
 from backend.core.serializers import Int64Serializer, serialize_key
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, ChangelogWriter, ConfigurationError, KeyGroupRange, StateChangelogStorage
-from materializer.periodic import MaterializationError, PeriodicMaterializer, restore
+from materializer.errors import MaterializationError
+from materializer.periodic import PeriodicMaterializer, restore
 from tests.materializer_crash_child import (
     LIST,
     MAP,
