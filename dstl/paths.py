@@ -1,9 +1,14 @@
-"""Paths under the storage's base path: the one "inside the root" check and new log file names.
+"""Paths under the storage's base path: the one "inside the root" check, new log file names, and
+the one rule for what a local base path or URL is.
 
 Every path the log hands to an uploader is relative to the base path. Handles and checkpoint
 metadata come from storage, so a crafted one must not make us read or delete foreign files:
 ``check_relative`` is the single place that refuses a path leaving the root, and every uploader
 and caller above the log (``backend.checkpointing``) goes through it.
+
+A base path is local when it has no URL scheme or is a ``file://`` URL (``local_path``): callers
+that work on a local directory directly (comparing real paths, removing empty directories, listing
+snapshots) ask this one rule, so that a plain path and its ``file://`` spelling always agree.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import uuid
 
 from dstl.errors import ConfigurationError
 
-__all__ = ["LOG_DIRECTORY", "check_relative", "new_file_name"]
+__all__ = ["LOG_DIRECTORY", "check_relative", "is_local", "local_path", "new_file_name"]
 
 #: the directory, under the base path, of the changelog files (``dstl/<prefix>/<uuid>``)
 LOG_DIRECTORY = "dstl"
@@ -36,3 +41,18 @@ def new_file_name(prefix_count: int) -> str:
     Flink users hit "too many files in one directory")."""
     ident = uuid.uuid4()
     return f"{LOG_DIRECTORY}/{ident.int % prefix_count:02x}/{ident.hex}"
+
+
+def local_path(url: str) -> str | None:
+    """The local path ``url`` names (a plain path, or a ``file://`` URL without its scheme), or
+    None for a URL of another file system (``s3://``, ``memory://``, ...)."""
+    if "://" not in url:
+        return url
+    if url.startswith("file://"):
+        return url.removeprefix("file://")
+    return None
+
+
+def is_local(url: str) -> bool:
+    """Whether ``url`` is a local directory or file (``local_path``)."""
+    return local_path(url) is not None

@@ -36,20 +36,16 @@ from backend.core.handles import KeyedStateHandle
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from backend.tools.errors import CliError
 from dstl import ChangelogConfig, StateChangelogStorage
+from dstl.paths import is_local, local_path
 from materializer.periodic import restore
 
 # -- paths and storages ----------------------------------------------------------------------
 
 
-def is_local(url: str) -> bool:
-    return "://" not in url or url.startswith("file://")
-
-
 def normalize(url: str) -> str:
     """An absolute local path (``file://`` dropped), or the URL without a trailing slash."""
-    if is_local(url):
-        return os.path.abspath(url.removeprefix("file://"))
-    return url.rstrip("/")
+    local = local_path(url)
+    return os.path.abspath(local) if local is not None else url.rstrip("/")
 
 
 def require_directory(url: str) -> None:
