@@ -25,7 +25,6 @@ import os
 import random
 import signal
 import sys
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import cache
@@ -38,6 +37,7 @@ from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, Va
 from backend.core.errors import CheckpointError
 from backend.core.serializers import Int64Serializer, StrSerializer
 from dstl import ChangelogConfig
+from dstl.atomic import temporary_path
 from dstl.uploaders import FsspecUploader
 
 JOB_ID = "job"
@@ -252,7 +252,7 @@ class CrashingUploader:
         """What a local write killed half-way leaves: a temporary file with part of the bytes."""
         full = f"{self.job_dir}/{path}"
         os.makedirs(os.path.dirname(full), exist_ok=True)
-        with open(f"{full}.tmp-{uuid.uuid4().hex[:8]}", "wb") as f:
+        with open(temporary_path(full), "wb") as f:
             f.write(data[: len(data) // 2])
 
     async def put(self, path: str, data: bytes) -> None:

@@ -38,7 +38,6 @@ without routed operators starts as before.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import tempfile
 import threading
@@ -51,6 +50,7 @@ from typing import Any
 from backend.spark.config import ROUTE_PROPERTY, OperatorConfig, route_file
 from backend.spark.plan import routed_task_name
 from dstl import ConfigurationError
+from dstl.atomic import write_atomically
 
 __all__ = ["SessionRouting", "route_session", "routed_uid"]
 
@@ -353,6 +353,4 @@ def _write_route_file(cfg: OperatorConfig, job_dir: str) -> None:
 
     path = route_file(cfg.local_root, str(cfg.route))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text(json.dumps({"job_dir": job_dir}))
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps({"job_dir": job_dir}))

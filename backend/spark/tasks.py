@@ -39,7 +39,6 @@ import contextlib
 import fcntl
 import functools
 import json
-import os
 import shutil
 import threading
 import time
@@ -58,6 +57,7 @@ from backend.spark.handover import result_writer, take_results
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from backend.state.timers import EVENT_TIME, PROCESSING_TIME
 from dstl import ChangelogConfig, Note, StateChangelogStorage
+from dstl.atomic import write_atomically
 from dstl.service import RemoteChangelogStorage
 from materializer.packs import SharedPack
 from materializer.periodic import PeriodicMaterializer, restore
@@ -132,9 +132,9 @@ def _read_marker(directory: Path) -> dict[str, Any] | None:
 
 
 def _write_marker(directory: Path, value: dict[str, Any]) -> None:
-    tmp = directory / f"{MARKER}.tmp"
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, directory / MARKER)
+    """Whole, but not synced: it describes LMDB tables kept without fsync (a cache of the DFS, whose
+    loss a restore repairs), and two fsyncs per subtask and batch would buy nothing."""
+    write_atomically(directory / MARKER, json.dumps(value), durable=False)
 
 
 def _materializer(

@@ -34,6 +34,7 @@ import pytest
 from backend.checkpointing.job import LocalJob
 from backend.checkpointing.metadata import METADATA_NAME, SnapshotMetadata, metadata_path
 from backend.core.errors import StateRestoreError
+from dstl.atomic import is_temporary
 from tests.backend.checkpointing.test_checkpoints import files_on_dfs
 from tests.checkpoint_crash_child import (
     CHECKPOINT_EVERY,
@@ -231,7 +232,7 @@ def crash_and_recover(tmp_path: Path, case: Case, parallelism: int, final_parall
     crash(root, local, case.crash, case.k, case.num_retained, case.parallelism)
     job_dir = root / JOB_ID
     if case.crash.endswith("-put-partial"):  # the crash left what a killed local write leaves
-        assert list(job_dir.rglob("*.tmp-*"))
+        assert [p for p in job_dir.rglob("*") if is_temporary(p.name)]
     latest = checkpoints_on_dfs(job_dir)
     events = int(latest[-1].properties["events"]) if latest else 0
     if case.events is not None:
