@@ -39,13 +39,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.checkpointing.job import JobOptions, LocalJob, OperatorSpec
 from backend.core.descriptors import MapStateDescriptor, ValueStateDescriptor
 from backend.core.serializers import Int64Serializer, StrSerializer
 from benchmarks.common import BenchResult, MiB, progress, rss_mb, save_figure
 from benchmarks.support.faulty_fs import Action, Fault, FaultPlan, Op, faulty_base_path
 from dstl import ChangelogError
 from dstl.atomic import is_temporary
+from materializer.options import MaterializationOptions
 
 __all__ = ["FULL", "QUICK", "SoakSettings", "run", "soak", "summarize"]
 

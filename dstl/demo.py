@@ -1,5 +1,6 @@
-"""A demo of the log alone, with no state backend and no Spark (``dstl-demo``; the Spark demo is
-``backend.spark.demo``, README command 1).
+"""A demo of the log alone, with no state backend and no Spark (``dstl-demo``).
+
+The demo of the whole project is the Spark one, ``backend.spark.demo`` (README command 1).
 
 Four "subtasks" of a keyed operator each own a quarter of 128 key groups and log per-user running
 totals as changes. Every few hundred events a checkpoint makes their logs durable (one file per

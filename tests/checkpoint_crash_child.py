@@ -31,7 +31,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.checkpointing.job import JobOptions, LocalJob, OperatorSpec
 from backend.checkpointing.ownership import is_ownership_file
 from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
 from backend.core.errors import CheckpointError
@@ -39,6 +39,7 @@ from backend.core.serializers import Int64Serializer, StrSerializer
 from dstl import ChangelogConfig
 from dstl.atomic import temporary_path
 from dstl.uploaders import FsspecUploader
+from materializer.options import MaterializationOptions
 
 JOB_ID = "job"
 SEED = 20261121

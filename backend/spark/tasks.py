@@ -140,10 +140,7 @@ def _write_marker(directory: Path, value: dict[str, Any]) -> None:
 def _materializer(
     cfg: OperatorConfig, backend: ChangelogKeyedStateBackend, directory: Path, life: str
 ) -> PeriodicMaterializer:
-    return PeriodicMaterializer(
-        backend, interval_ms=cfg.materialization_interval_ms, size_trigger_bytes=cfg.size_trigger_bytes,
-        pack_bytes=cfg.materialization_pack_bytes, on_result=result_writer(directory, life),
-    )  # fmt: skip
+    return PeriodicMaterializer(backend, cfg.materialization, on_result=result_writer(directory, life))
 
 
 def _fresh(cfg: OperatorConfig, storage: StateChangelogStorage, subtask: int, directory: Path) -> _Kept:
@@ -377,7 +374,7 @@ def start_materializations(materializers: list[PeriodicMaterializer]) -> None:
         for materializer in materializers:
             materializer.poll()
         return
-    pack = SharedPack(storage.put_file, materializers[0].pack_bytes)
+    pack = SharedPack(storage.put_file, materializers[0].options.pack_bytes)
     try:
         for materializer in materializers:
             materializer.poll(pack)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.checkpointing.job import JobOptions, LocalJob, OperatorSpec
 from backend.core.descriptors import ValueStateDescriptor
 from backend.core.serializers import Int64Serializer
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
+from materializer.options import MaterializationOptions
 
 WAIT_S = 30.0
 NEVER = 10**12  # ms: no materialization unless asked

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from backend.checkpointing.coordinator import CheckpointCoordinator, CheckpointRetention
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.checkpointing.job import JobOptions, LocalJob, OperatorSpec
 from backend.checkpointing.metadata import (
     IDS_DIR,
     OWNER_DIR,
@@ -33,6 +33,7 @@ from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
 from backend.core.serializers import Int64Serializer, StrSerializer
 from dstl import ChangelogConfig, StateChangelogStorage
+from materializer.options import MaterializationOptions
 
 TOTAL = ValueStateDescriptor("total", Int64Serializer())
 SEEN = ListStateDescriptor("seen", Int64Serializer())

@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.checkpointing.job import JobOptions, LocalJob, OperatorSpec
 from backend.checkpointing.metadata import aborted_path, metadata_path
 from backend.core.errors import CheckpointError
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
+from materializer.options import MaterializationOptions
 from tests.backend.checkpointing.test_checkpoints import NEVER, Workload, files_on_dfs, materialize, read_state
 
 State = dict[str, tuple[int, list[int], dict[str, int]]]

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.checkpointing.job import JobOptions, LocalJob, OperatorSpec
 from backend.checkpointing.metadata import is_inside, snapshot_location
 from backend.core.errors import CheckpointError
 from dstl import ConfigurationError
 from dstl.paths import local_path
+from materializer.options import MaterializationOptions
 
 
 @pytest.mark.parametrize(
@@ -58,6 +59,8 @@ def test_defaults_are_valid_and_metrics_bind_to_loopback() -> None:
 def test_bad_operators_and_job_ids_are_configuration_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="operator uid"):
         OperatorSpec("a/b", 1)
+    with pytest.raises(ConfigurationError, match=r"operator uid '\.\.' must be .* not '\.' or '\.\.'"):
+        OperatorSpec("..", 1)  # a name, not a way to the parent directory
     with pytest.raises(ConfigurationError, match="parallelism"):
         OperatorSpec("op", 200, max_parallelism=128)
     with pytest.raises(ConfigurationError, match="job id"):

@@ -25,10 +25,11 @@ from typing import Any
 
 import pytest
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.checkpointing.job import JobOptions, LocalJob, OperatorSpec
 from backend.checkpointing.metadata import VOID_DIR, metadata_path
 from backend.checkpointing.ownership import DirectoryOwnedError, OwnershipLostError
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
+from materializer.options import MaterializationOptions
 from tests.backend.checkpointing.test_checkpoint_crash import crash
 from tests.backend.checkpointing.test_checkpoints import NEVER, Workload, materialize, read_state
 from tests.backend.checkpointing.test_commit_faults import State, snapshot_of

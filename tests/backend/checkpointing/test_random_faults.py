@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.checkpointing.job import JobOptions, LocalJob, OperatorSpec
 from backend.checkpointing.metadata import (
     ABORTED_NAME,
     SnapshotMetadata,
@@ -56,6 +56,7 @@ from backend.checkpointing.metadata import (
 from backend.core.errors import CheckpointError
 from benchmarks.support.faulty_fs import faulty_base_path
 from dstl import ChangelogConfig
+from materializer.options import MaterializationOptions
 from tests.backend.checkpointing.random_faults import DeadlineMeter, RandomFaults, Tally, call_bound_s
 from tests.backend.checkpointing.test_checkpoints import NEVER, Workload, expected_files, files_on_dfs, read_state
 from tests.backend.checkpointing.test_commit_faults import State, snapshot_of

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.checkpointing.job import JobOptions, LocalJob, OperatorSpec
 from backend.checkpointing.savepoints import RestoreMode
 from backend.core.errors import CheckpointError
+from materializer.options import MaterializationOptions
 from tests.backend.checkpointing.test_checkpoints import Workload, assert_exact, files_on_dfs, materialize, read_state
 
 NEVER = 10**12  # ms: an interval no test reaches

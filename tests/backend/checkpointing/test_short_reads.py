@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from backend.checkpointing.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.checkpointing.job import JobOptions, LocalJob, OperatorSpec
 from backend.checkpointing.metadata import metadata_path
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
+from materializer.options import MaterializationOptions
 from tests.backend.checkpointing.test_checkpoints import NEVER, Workload, materialize, read_state
 from tests.backend.checkpointing.test_commit_faults import State, snapshot_of
 from tests.backend.checkpointing.test_commit_faults_s3 import S3Root, direct, moto, s3

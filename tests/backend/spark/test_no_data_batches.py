@@ -22,6 +22,7 @@ from backend.spark.tasks import run_subtask
 from backend.spark.ticks import TickDecider, needs_batch
 from backend.state.timers import EVENT_TIME, PROCESSING_TIME
 from dstl import ChangelogConfig
+from materializer.options import MaterializationOptions
 
 KEYS = [(f"k{i}",) for i in range(20)]
 NOW = 10_000  # the batches' processing time
@@ -31,7 +32,8 @@ def config(root: Path, parallelism: int = 2, **kw: Any) -> OperatorConfig:
     job = str(root / "state")
     return OperatorConfig(
         job_dir=job, uid="op", parallelism=parallelism, max_parallelism=128, local_root=str(root / "local"),
-        changelog=ChangelogConfig(base_path=job), materialization_interval_ms=10**12, **kw,
+        changelog=ChangelogConfig(base_path=job), tasks=parallelism, changelog_service=False,
+        materialization=MaterializationOptions(interval_ms=10**12), **kw,
     )  # fmt: skip
 
 
