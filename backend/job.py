@@ -26,7 +26,8 @@ Checkpointing, the materializer and the state layers only see a storage through 
 the writer side (docs/architecture.md, layers). The Spark driver and tasks construct theirs in
 ``backend.spark`` likewise.
 
-Its settings are one frozen ``JobOptions`` (the materializers' in ``MaterializationOptions``), so a
+Its settings are one frozen ``JobOptions`` (the materializers' in ``materializer.options``'s
+``MaterializationOptions``, which Spark's operators take too), so a
 caller names only what differs from the defaults and a new option changes no signature.
 """
 
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -70,13 +70,14 @@ from backend.core.errors import CheckpointError
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, key_group_range_for_subtask
 from backend.state.keyed_backend import DEFAULT_CACHE_LIMIT, ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, ChangelogStorage, ConfigurationError, StateChangelogStorage
+from dstl.paths import check_name
 from dstl.uploaders import Uploader, make_uploader
+from materializer.options import MaterializationOptions
 from materializer.periodic import PeriodicMaterializer, restore
 
-__all__ = ["JobOptions", "LocalJob", "MaterializationOptions", "OperatorSpec", "PendingSnapshot", "Subtask"]
+__all__ = ["JobOptions", "LocalJob", "OperatorSpec", "PendingSnapshot", "Subtask"]
 
 _log = logging.getLogger(__name__)
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
 @dataclass(frozen=True)
@@ -86,42 +87,12 @@ class OperatorSpec:
     max_parallelism: int = DEFAULT_MAX_PARALLELISM
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.uid):
-            raise ConfigurationError(f"operator uid {self.uid!r} must be letters, digits, '_', '-' or '.'")
+        check_name(self.uid, "operator uid")
         if not 1 <= self.parallelism <= self.max_parallelism:
             raise ConfigurationError(
                 f"operator {self.uid}: parallelism must be in 1..{self.max_parallelism} (max_parallelism), "
                 f"got {self.parallelism}"
             )
-
-
-@dataclass(frozen=True)
-class MaterializationOptions:
-    """When each subtask's ``PeriodicMaterializer`` snapshots its tables (Flink's
-    ``state.backend.changelog.periodic-materialize.interval`` and friends)."""
-
-    #: time between materializations, milliseconds (the first one jittered to 50-100% of it)
-    interval_ms: int = 600_000
-    #: also materialize once the log since the last materialization holds this many bytes (None: never)
-    size_trigger_bytes: int | None = 64 << 20
-    #: key groups per chunk (aligned to multiples of it, so subtasks of any parallelism share chunks)
-    chunk_key_groups: int = 1
-    #: the largest file of chunks one materialization writes (its chunks are packed back to back)
-    pack_bytes: int = 16 << 20
-    #: consecutive failed materializations tolerated before ``poll()`` raises ``MaterializationError``
-    max_failures_allowed: int = 3
-
-    def __post_init__(self) -> None:
-        if self.interval_ms <= 0:
-            raise ConfigurationError(f"interval_ms must be positive, got {self.interval_ms}")
-        if self.size_trigger_bytes is not None and self.size_trigger_bytes <= 0:
-            raise ConfigurationError(f"size_trigger_bytes must be positive or None, got {self.size_trigger_bytes}")
-        if self.chunk_key_groups < 1:
-            raise ConfigurationError(f"chunk_key_groups must be >= 1, got {self.chunk_key_groups}")
-        if self.pack_bytes < 1:
-            raise ConfigurationError(f"pack_bytes must be >= 1, got {self.pack_bytes}")
-        if self.max_failures_allowed < 0:
-            raise ConfigurationError(f"max_failures_allowed must be >= 0, got {self.max_failures_allowed}")
 
 
 @dataclass(frozen=True)
@@ -146,6 +117,7 @@ class JobOptions:
     allow_non_restored_state: bool = False
     #: entries of each backend's write cache
     cache_limit: int = DEFAULT_CACHE_LIMIT
+    #: each subtask's materializer (``materializer.options``)
     materialization: MaterializationOptions = field(default_factory=MaterializationOptions)
     #: serve the storage's and the materializers' Prometheus metrics over HTTP on this port
     #: (0: any free port, see ``LocalJob.metrics_server.port``); None: do not serve
@@ -204,8 +176,7 @@ class LocalJob:
         progress: Progress = no_progress,
         on_step: StepHook | None = None,
     ) -> None:
-        if not _NAME.match(job_id):
-            raise ConfigurationError(f"job id {job_id!r} must be letters, digits, '_', '-' or '.'")
+        check_name(job_id, "job id")
         if len({op.uid for op in operators}) != len(operators):
             raise ConfigurationError(f"operator uids must be unique, got {[op.uid for op in operators]}")
         self.options = options = options or JobOptions()
@@ -311,15 +282,7 @@ class LocalJob:
                 self._progress("restore", index + 1, op.parallelism)
 
     def _materializer(self, backend: ChangelogKeyedStateBackend) -> PeriodicMaterializer:
-        m = self.options.materialization
-        return PeriodicMaterializer(
-            backend,
-            interval_ms=m.interval_ms,
-            size_trigger_bytes=m.size_trigger_bytes,
-            chunk_key_groups=m.chunk_key_groups,
-            pack_bytes=m.pack_bytes,
-            max_failures_allowed=m.max_failures_allowed,
-        )
+        return PeriodicMaterializer(backend, self.options.materialization)
 
     # -- processing -----------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from backend.core.serializers import Int64Serializer
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from benchmarks.common import BenchResult, progress
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
+from materializer.options import MaterializationOptions
 from materializer.periodic import PeriodicMaterializer
 
 ALL = KeyGroupRange(0, 127)
@@ -48,7 +49,7 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp, StateChangelogStorage(ChangelogConfig.local(Path(tmp) / "dfs")) as st:
         backend = ChangelogKeyedStateBackend("bench", ALL, Path(tmp) / "local", storage=st)
-        mat = PeriodicMaterializer(backend, size_trigger_bytes=None)
+        mat = PeriodicMaterializer(backend, MaterializationOptions(size_trigger_bytes=None))
         try:
             state = backend.get_state(ValueStateDescriptor("count", Int64Serializer()))
             progress(f"incremental: loading {keys:,} keys")

@@ -34,6 +34,7 @@ from backend.core.serializers import Int64Serializer
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from benchmarks.common import BenchResult, progress
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
+from materializer.options import MaterializationOptions
 from materializer.periodic import PeriodicMaterializer, restore
 
 ALL = KeyGroupRange(0, 127)
@@ -43,7 +44,7 @@ DESCRIPTOR = ValueStateDescriptor("count", Int64Serializer())
 
 
 def _materialize(backend: ChangelogKeyedStateBackend) -> PeriodicMaterializer:
-    mat = PeriodicMaterializer(backend, size_trigger_bytes=None)
+    mat = PeriodicMaterializer(backend, MaterializationOptions(size_trigger_bytes=None))
     try:
         if not mat.trigger():
             raise RuntimeError("materialization did not start")

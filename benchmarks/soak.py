@@ -41,10 +41,12 @@ from typing import Any
 
 from backend.core.descriptors import MapStateDescriptor, ValueStateDescriptor
 from backend.core.serializers import Int64Serializer, StrSerializer
-from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.job import JobOptions, LocalJob, OperatorSpec
 from benchmarks.common import BenchResult, MiB, progress, rss_mb, save_figure
 from benchmarks.support.faulty_fs import Action, Fault, FaultPlan, Op, faulty_base_path
 from dstl import ChangelogError
+from dstl.atomic import is_temporary
+from materializer.options import MaterializationOptions
 
 __all__ = ["FULL", "QUICK", "SoakSettings", "run", "soak", "summarize"]
 
@@ -60,7 +62,6 @@ _BATCH = 200
 #: at most this much lag is made up by running faster; beyond it the schedule moves on
 _MAX_LAG_S = 1.0
 _FAULT_OPS: tuple[Op, ...] = ("put", "put", "put", "delete", "delete", "exists")
-_TMP_MARK = ".faulty-tmp-"  # faulty_fs's temporaries: not files of the job
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ FULL = SoakSettings(
 
 
 def _count_files(directory: Path) -> int:
-    return sum(1 for _, _, files in os.walk(directory) for name in files if _TMP_MARK not in name)
+    """The job's files under ``directory`` (a write's temporary is not one)."""
+    return sum(1 for _, _, files in os.walk(directory) for name in files if not is_temporary(name))
 
 
 class _Sampler:

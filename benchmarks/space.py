@@ -43,6 +43,7 @@ from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from benchmarks.common import BenchResult, progress, save_figure
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
 from materializer.chunks import encode_chunk
+from materializer.options import MaterializationOptions
 from materializer.periodic import PeriodicMaterializer, restore
 
 ALL = KeyGroupRange(0, 127)
@@ -98,8 +99,7 @@ class _Run:
         self.now = 0.0
         self.mat = PeriodicMaterializer(
             self.backend,
-            interval_ms=MATERIALIZE_EVERY,
-            size_trigger_bytes=None,
+            MaterializationOptions(interval_ms=MATERIALIZE_EVERY, size_trigger_bytes=None),
             clock_ms=lambda: self.now,
             rng=random.Random(3),
         )

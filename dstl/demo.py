@@ -1,4 +1,6 @@
-"""A standalone demo of the log (README command 1, until the Spark demo exists).
+"""A demo of the log alone, with no state backend and no Spark (``dstl-demo``).
+
+The demo of the whole project is the Spark one, ``backend.spark.demo`` (README command 1).
 
 Four "subtasks" of a keyed operator each own a quarter of 128 key groups and log per-user running
 totals as changes. Every few hundred events a checkpoint makes their logs durable (one file per

@@ -2,8 +2,10 @@
 
 Why one root: a caller (the CLI, a Spark task, a job's driver) can tell "the state backend refused
 or failed, and says why" from a bug with one ``except``. The few branches say what went wrong,
-not where: corrupt data, the DFS (storage), a closed writer, a bad configuration. Packages above
-``dstl`` add their subclasses in their own errors module (``backend.core.errors``), all under this
+not where: corrupt data, the DFS (storage), a closed writer, a bad configuration, the changelog
+service's protocol. The subpackages of ``dstl`` (``dstl.storage``, ``dstl.service``) raise the
+classes defined here; packages above ``dstl`` add their subclasses in their own errors module
+(``backend.core.errors``, ``materializer.errors``, ``backend.tools.errors``), all under this
 root. Every message names the file, object or option involved, so that an operator can find it.
 """
 
@@ -63,14 +65,39 @@ class StorageClosedError(WriterClosedError):
     """
 
 
+class ProtocolError(ChangelogError):
+    """A frame or message of the changelog service's protocol (``dstl.service``) broke it:
+    truncated, oversized, unknown kind, bad field."""
+
+
+class TruncatedFrameError(ProtocolError):
+    """The stream ended inside a frame: the peer died or closed while sending."""
+
+
+class ServiceUnavailableError(StorageError, WriterClosedError):
+    """The changelog service could not be reached, did not start, or its connection was lost.
+
+    Also a ``WriterClosedError``: a writer whose connection is lost never reconnects (its SQNs and
+    unpersisted changes died with that connection), so every later call of it raises."""
+
+
+class FencedWriterError(WriterClosedError):
+    """The writer's operator and key-group range were opened again by a newer attempt (a retried
+    task); the older writer was closed and every request naming it fails."""
+
+
 __all__ = [
     "ChangelogError",
     "ConfigurationError",
     "CorruptChangelogError",
     "CorruptDataError",
     "DeadlineExceededError",
+    "FencedWriterError",
+    "ProtocolError",
+    "ServiceUnavailableError",
     "StorageClosedError",
     "StorageError",
+    "TruncatedFrameError",
     "UploadFailedError",
     "WriterClosedError",
 ]

@@ -1,22 +1,61 @@
-"""Paths under the storage's base path: the one "inside the root" check and new log file names.
+"""Paths and names: the "inside the root" check, log file names, local URLs, operator uids.
+
+Each is one rule, defined here, the lowest layer that needs it.
 
 Every path the log hands to an uploader is relative to the base path. Handles and checkpoint
 metadata come from storage, so a crafted one must not make us read or delete foreign files:
 ``check_relative`` is the single place that refuses a path leaving the root, and every uploader
 and caller above the log (``backend.checkpointing``) goes through it.
+
+An operator uid (and a job id) becomes a directory name, on the DFS (``pending/<b>/<uid>``), on
+local disk (each subtask's LMDB directory) and in log ids, so what one may be is one rule,
+``check_name``: letters, digits, ``_``, ``-`` and ``.``, not ``.`` or ``..``. It is checked where
+a name enters (``OperatorSpec`` and ``LocalJob``, Spark's ``operator_uid`` on the driver, a
+writer of the storage), so a bad one is refused at once, naming it, never later on an executor.
+``as_name`` makes a valid name of any text (a routed operator's class name).
+
+A base path is local when it has no URL scheme or is a ``file://`` URL (``local_path``): callers
+that work on a local directory directly (comparing real paths, removing empty directories, listing
+snapshots) ask this one rule, so that a plain path and its ``file://`` spelling always agree.
 """
 
 from __future__ import annotations
 
 import posixpath
+import re
 import uuid
 
 from dstl.errors import ConfigurationError
 
-__all__ = ["LOG_DIRECTORY", "check_relative", "new_file_name"]
+__all__ = [
+    "LOG_DIRECTORY",
+    "as_name",
+    "check_name",
+    "check_relative",
+    "is_local",
+    "local_path",
+    "new_file_name",
+]
 
 #: the directory, under the base path, of the changelog files (``dstl/<prefix>/<uuid>``)
 LOG_DIRECTORY = "dstl"
+#: a character a name (an operator uid, a job id) may not hold
+_NOT_IN_NAME = re.compile(r"[^A-Za-z0-9_.\-]")
+
+
+def check_name(name: str, what: str = "operator uid") -> str:
+    """``name`` if it may name an operator (``what``: or a job, ...), else ``ConfigurationError``
+    naming it and the rule (module docstring)."""
+    if not isinstance(name, str) or not name or _NOT_IN_NAME.search(name) or name in (".", ".."):
+        raise ConfigurationError(
+            f"{what} {name!r} must be letters, digits, '_', '-' or '.' (and not '.' or '..'): it names a directory"
+        )
+    return name
+
+
+def as_name(text: str) -> str:
+    """``text`` as a valid name: every character ``check_name`` refuses replaced by ``-``."""
+    return _NOT_IN_NAME.sub("-", text)
 
 
 def check_relative(path: str) -> str:
@@ -36,3 +75,18 @@ def new_file_name(prefix_count: int) -> str:
     Flink users hit "too many files in one directory")."""
     ident = uuid.uuid4()
     return f"{LOG_DIRECTORY}/{ident.int % prefix_count:02x}/{ident.hex}"
+
+
+def local_path(url: str) -> str | None:
+    """The local path ``url`` names (a plain path, or a ``file://`` URL without its scheme), or
+    None for a URL of another file system (``s3://``, ``memory://``, ...)."""
+    if "://" not in url:
+        return url
+    if url.startswith("file://"):
+        return url.removeprefix("file://")
+    return None
+
+
+def is_local(url: str) -> bool:
+    """Whether ``url`` is a local directory or file (``local_path``)."""
+    return local_path(url) is not None

@@ -15,7 +15,8 @@ from typing import Any
 
 from backend.core.handles import CHUNK_HASH, chunk_digest
 from dstl.types import KeyGroupRange
-from materializer.chunks import ChunkInfo, CorruptChunkError, chunk_info, chunk_sections
+from materializer.chunks import ChunkInfo, chunk_info, chunk_sections
+from materializer.errors import CorruptChunkError
 
 __all__ = ["bound_chunk_sections", "check_binding"]
 

@@ -69,9 +69,9 @@ import zstandard
 
 from backend.core.tablekeys import KEY_GROUP_PREFIX_BYTES, key_group_prefix
 from backend.core.tablekeys import key_group_of as _key_group
-from dstl.errors import CorruptDataError
 from dstl.format import array_from_le, le_bytes
 from dstl.types import KeyGroupRange
+from materializer.errors import CorruptChunkError
 
 CHUNK_FORMAT_VERSION = 1
 CHUNK_MAGIC = b"DMAT"
@@ -88,12 +88,6 @@ _MAX_RAW_LENGTH = 4 + 8 * _MAX_U32 + 2 * _MAX_U32 * _MAX_U32
 _BIG_ENDIAN_HOST = sys.byteorder == "big"
 _first = itemgetter(0)
 _second = itemgetter(1)
-
-
-class CorruptChunkError(CorruptDataError):
-    """A materialized chunk failed a check: magic, version, flags, checksum, truncation, lengths."""
-
-    what = "materialized chunk"
 
 
 @dataclass(frozen=True, slots=True)

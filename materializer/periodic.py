@@ -55,11 +55,13 @@ from backend.core.handles import CHUNK_HASH, KeyedStateHandle, chunk_digest
 from backend.core.tablekeys import key_group_prefix
 from backend.state.keyed_backend import ChangelogKeyedStateBackend, MaterializationPoint
 from dstl.api import ChangelogStorage
-from dstl.errors import ChangelogError, ConfigurationError
+from dstl.errors import ConfigurationError
 from dstl.types import KeyGroupRange
 from materializer.binding import bound_chunk_sections
 from materializer.chunks import encode_chunk
+from materializer.errors import MaterializationError
 from materializer.metrics import MaterializationMetrics
+from materializer.options import MaterializationOptions
 from materializer.packs import PackBuilder, SharedPack
 
 _log = logging.getLogger(__name__)
@@ -68,10 +70,6 @@ _log = logging.getLogger(__name__)
 def monotonic_ms() -> float:
     """The default clock: ``time.monotonic`` in milliseconds."""
     return time.monotonic_ns() / 1e6
-
-
-class MaterializationError(ChangelogError):
-    """Materialization failed more often in a row than allowed."""
 
 
 @dataclass(frozen=True)
@@ -98,47 +96,31 @@ class PeriodicMaterializer:
     def __init__(
         self,
         backend: ChangelogKeyedStateBackend,
+        options: MaterializationOptions | None = None,
         *,
-        interval_ms: int = 600_000,
-        size_trigger_bytes: int | None = 64 << 20,
-        chunk_key_groups: int = 1,
-        pack_bytes: int = 16 << 20,
-        max_failures_allowed: int = 3,
-        compression_level: int = 1,
         clock_ms: Callable[[], float] = monotonic_ms,
         rng: random.Random | None = None,
         upload: Callable[[str, bytes], None] | None = None,
         registry: CollectorRegistry | None = None,
         on_result: Callable[[MaterializationResult], None] | None = None,
     ) -> None:
-        """``clock_ms`` returns milliseconds, any origin (not ``time.monotonic``, which counts
-        seconds); ``registry`` receives this materializer's Prometheus metrics (default: a
-        registry of its own, ``metrics.registry``); ``on_result`` is called in the upload thread
-        with each materialization whose chunks are durable, before ``poll`` may apply it (an
-        error it raises is logged, the materialization still completes here)."""
+        """``options``: when and how it materializes (``materializer.options``, checked when made;
+        default ``MaterializationOptions()``). ``clock_ms`` returns milliseconds, any origin (not
+        ``time.monotonic``, which counts seconds); ``registry`` receives this materializer's
+        Prometheus metrics (default: a registry of its own, ``metrics.registry``); ``on_result`` is
+        called in the upload thread with each materialization whose chunks are durable, before
+        ``poll`` may apply it (an error it raises is logged, the materialization still completes
+        here)."""
         if backend.storage is None or backend.writer is None:
             raise ConfigurationError(f"backend {backend.operator_id}: materialization needs a changelog storage")
-        if interval_ms <= 0:
-            raise ConfigurationError(f"interval_ms must be positive, got {interval_ms}")
-        if chunk_key_groups < 1:
-            raise ConfigurationError(f"chunk_key_groups must be >= 1, got {chunk_key_groups}")
-        if pack_bytes < 1:
-            raise ConfigurationError(f"pack_bytes must be >= 1, got {pack_bytes}")
-        if max_failures_allowed < 0:
-            raise ConfigurationError(f"max_failures_allowed must be >= 0, got {max_failures_allowed}")
         self.backend = backend
-        self.interval_ms = interval_ms
-        self.size_trigger_bytes = size_trigger_bytes
-        self.chunk_key_groups = chunk_key_groups
-        self.pack_bytes = pack_bytes
-        self.max_failures_allowed = max_failures_allowed
-        self.compression_level = compression_level
+        self.options = options = options or MaterializationOptions()
         self._clock_ms = clock_ms
         self._upload = upload or backend.storage.files.put
         self._delete = backend.storage.files.delete
         self._on_result = on_result
         jitter = (rng or random.Random()).uniform(0.5, 1.0)  # jittered first run
-        self._due = clock_ms() + interval_ms * jitter
+        self._due = clock_ms() + options.interval_ms * jitter
         self._running: concurrent.futures.Future[_Outcome] | None = None
         self._point: MaterializationPoint | None = None
         self._started_ns = 0
@@ -158,7 +140,7 @@ class PeriodicMaterializer:
                 return False
             self._finish()
         log_bytes = self.backend.log_bytes_since_materialization
-        size_due = self.size_trigger_bytes is not None and log_bytes >= self.size_trigger_bytes
+        size_due = self.options.size_trigger_bytes is not None and log_bytes >= self.options.size_trigger_bytes
         if self._clock_ms() < self._due and not size_due:
             return False
         return self.trigger(pack)
@@ -171,7 +153,7 @@ class PeriodicMaterializer:
             raise ConfigurationError("a shared chunk pack needs a storage that never deletes files (owns_files=False)")
         if self._running is not None:
             return False
-        self._due = self._clock_ms() + self.interval_ms
+        self._due = self._clock_ms() + self.options.interval_ms
         point = self.backend.begin_materialization()
         if point is None:
             self.metrics.on_skipped()
@@ -218,10 +200,10 @@ class PeriodicMaterializer:
             self.backend.abort_materialization(point)
             self.metrics.on_failed()
             self._failures += 1
-            if self._failures > self.max_failures_allowed:
+            if self._failures > self.options.max_failures_allowed:
                 raise MaterializationError(
                     f"materialization of operator {self.backend.operator_id} failed {self._failures} times "
-                    f"in a row (allowed: {self.max_failures_allowed}); last error: {exc}"
+                    f"in a row (allowed: {self.options.max_failures_allowed}); last error: {exc}"
                 ) from exc
             return
         self._failures = 0
@@ -240,7 +222,7 @@ class PeriodicMaterializer:
 
     def _ranges(self, owned: KeyGroupRange) -> Iterator[KeyGroupRange]:
         # Aligned to multiples of chunk_key_groups, so subtasks of any parallelism agree on chunks.
-        step = self.chunk_key_groups
+        step = self.options.chunk_key_groups
         start = owned.start
         while start <= owned.end:
             end = min(owned.end, (start // step + 1) * step - 1)
@@ -252,7 +234,7 @@ class PeriodicMaterializer:
             (tuple(c["key_groups"]), tuple(c["scope"])): c for c in point.previous if c["key_groups"] == c["scope"]
         }
         chunks: list[dict[str, Any]] = []
-        pack = PackBuilder(self._upload, self.pack_bytes)
+        pack = PackBuilder(self._upload, self.options.pack_bytes)
         uploaded = full = reused = written = 0
         try:
             try:
@@ -271,7 +253,7 @@ class PeriodicMaterializer:
                         sections = read_sections(txn, point.databases, rng)
                     if not sections:
                         continue  # nothing stored in these key groups (any more): no chunk needed
-                    data = encode_chunk(rng, point.sqn, sections, level=self.compression_level)
+                    data = encode_chunk(rng, point.sqn, sections, level=self.options.compression_level)
                     chunk = {
                         "key_groups": rng.to_json(),
                         "scope": rng.to_json(),

@@ -36,7 +36,7 @@ from typing import Any
 from backend.core.errors import CheckpointError, StateRestoreError
 from backend.core.handles import KeyedStateHandle
 from dstl.api import ChangelogStorage
-from dstl.paths import check_relative
+from dstl.paths import check_relative, local_path
 
 __all__ = [
     "ABORTED_NAME",
@@ -179,8 +179,9 @@ def snapshot_location(url: str) -> tuple[str, str]:
     """(directory the snapshot's paths are relative to, path of its ``_metadata`` in it) for a
     savepoint directory, a ``chk-<n>`` directory, or either's ``_metadata`` file."""
     url = url.rstrip("/")
-    if "://" not in url:
-        url = os.path.abspath(url)
+    local = local_path(url)
+    if local is not None:  # one spelling of a local directory: absolute, ``file://`` dropped
+        url = os.path.abspath(local)
     url = url.removesuffix(f"/{METADATA_NAME}")
     parent, _, last = url.rpartition("/")
     if parse_checkpoint_dir(last) is not None and parent:
@@ -197,9 +198,8 @@ def is_inside(path_or_url: str | os.PathLike[str], directory: str | os.PathLike[
     """
 
     def norm(u: str) -> str:
-        if "://" in u and not u.startswith("file://"):
-            return u.rstrip("/")
-        return os.path.realpath(u.removeprefix("file://"))
+        local = local_path(u)
+        return u.rstrip("/") if local is None else os.path.realpath(local)
 
     a, b = norm(os.fspath(path_or_url)), norm(os.fspath(directory))
     return a == b or a.startswith(b.rstrip("/") + "/")

@@ -48,6 +48,7 @@ from backend.core.handles import (
 )
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from dstl.api import ChangelogStorage
+from dstl.paths import local_path
 from dstl.types import KeyGroupRange
 from materializer.chunks import encode_chunk
 from materializer.periodic import read_sections
@@ -186,9 +187,9 @@ def dispose_savepoint(directory: ChangelogStorage, progress: Progress = no_progr
 
 
 def _remove_empty_dirs(base: str) -> None:
-    if "://" in base and not base.startswith("file://"):
+    root = local_path(base)
+    if root is None:
         return
-    root = base.removeprefix("file://")
     for current, _, _ in sorted(os.walk(root), key=lambda w: -len(w[0])):
         with contextlib.suppress(OSError):
             os.rmdir(current)

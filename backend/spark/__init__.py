@@ -1,7 +1,10 @@
 """Run unchanged PySpark stateful processors on ``ChangelogKeyedStateBackend`` (docs/architecture.md).
 
-The public entry points are in ``backend.spark.api`` (Spark's stateful operators with this
-backend's checkpoints). Underneath, by layer:
+What users call is exported here (``__all__``), from ``backend.spark.api``: Spark's stateful
+operators with this backend's checkpoints (``transform_with_state_in_pandas``,
+``transform_with_state``, ``apply_in_pandas_with_state``) and ``use_for_session``, which routes
+``GroupedData``'s own methods here; with the two errors that are Spark's own, which a user may
+catch. Everything else is an internal of its module, imported from there. Underneath, by layer:
 
 - inside one partition of one micro-batch, with no SparkSession: ``handle`` implements Spark's
   ``StatefulProcessorHandle`` (value, list and map state with TTL, timers, ``deleteIfExists``)
@@ -28,42 +31,36 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from backend.spark.apply_in_pandas import run_apply_in_pandas_with_state
-    from backend.spark.codecs import serializer_for_schema
+    from backend.spark.api import (
+        apply_in_pandas_with_state,
+        transform_with_state,
+        transform_with_state_in_pandas,
+        use_for_session,
+    )
     from backend.spark.errors import StateOperationError, UnsupportedSchemaError
-    from backend.spark.group_state import GroupState, GroupStateTimeout
-    from backend.spark.handle import SparkStateHandle
-    from backend.spark.schema import parse_schema
-    from backend.spark.transform import run_transform_with_state
 
 __all__ = [
-    "GroupState",
-    "GroupStateTimeout",
-    "SparkStateHandle",
     "StateOperationError",
     "UnsupportedSchemaError",
-    "parse_schema",
-    "run_apply_in_pandas_with_state",
-    "run_transform_with_state",
-    "serializer_for_schema",
+    "apply_in_pandas_with_state",
+    "transform_with_state",
+    "transform_with_state_in_pandas",
+    "use_for_session",
 ]
 
 _WHERE = {
-    "GroupState": "backend.spark.group_state",
-    "GroupStateTimeout": "backend.spark.group_state",
-    "SparkStateHandle": "backend.spark.handle",
     "StateOperationError": "backend.spark.errors",
     "UnsupportedSchemaError": "backend.spark.errors",
-    "parse_schema": "backend.spark.schema",
-    "run_apply_in_pandas_with_state": "backend.spark.apply_in_pandas",
-    "run_transform_with_state": "backend.spark.transform",
-    "serializer_for_schema": "backend.spark.codecs",
+    "apply_in_pandas_with_state": "backend.spark.api",
+    "transform_with_state": "backend.spark.api",
+    "transform_with_state_in_pandas": "backend.spark.api",
+    "use_for_session": "backend.spark.api",
 }
 
 
 def __getattr__(name: str) -> Any:
-    """Lazy re-exports (PEP 562): ``from backend.spark import run_transform_with_state`` works
-    without importing the runner (and pandas) when only the handle is needed."""
+    """Lazy re-exports (PEP 562): ``import backend.spark`` (which every Python worker does) does
+    not import the entry points' modules (and pandas) until one is used."""
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'backend.spark' has no attribute {name!r}")

@@ -202,7 +202,7 @@ def state_after(storage: ChangelogStorage, cfg: OperatorConfig, batch: int) -> B
 def _last_batch_with_state(storage: ChangelogStorage, cfg: OperatorConfig, batch: int) -> int | None:
     """The last batch before ``batch`` that left a checkpoint or pending records (-1: none, the
     query's batches so far had no rows)."""
-    batches = {int(p.split("/")[1]) for p in storage.files.list("pending") if p.split("/")[2:3] == [cfg.uid]}
+    batches = set(pending_batches(storage, cfg))
     batches |= {c for p in storage.files.list("") if (c := parse_metadata_path(p)) is not None}
     earlier = [b for b in batches if b < batch]
     return max(earlier) if earlier else -1

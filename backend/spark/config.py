@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from backend.core.keygroups import key_group_range_for_subtask
 from dstl import ChangelogConfig, KeyGroupRange
+from materializer.options import MaterializationOptions
 
 __all__ = ["EVENT", "PROCESSING", "ROUTE_PROPERTY", "OperatorConfig", "Watermarks", "route_file", "watermark_after"]
 
@@ -38,7 +39,13 @@ ROUTE_PROPERTY = "dstl.route."
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    """Everything a task needs, shipped (pickled) with the task."""
+    """Everything a task needs, shipped (pickled) with the task.
+
+    The user's options get their defaults once, in ``backend.spark.plan.build`` (the Spark
+    operator's keywords, README), which resolves them into this config: the fields without a
+    default here are those ``build`` decides from the session, so that none means one thing to a
+    user and another to a task.
+    """
 
     job_dir: str
     uid: str
@@ -46,11 +53,17 @@ class OperatorConfig:
     max_parallelism: int
     local_root: str
     changelog: ChangelogConfig
-    materialization_interval_ms: int = 600_000
-    size_trigger_bytes: int | None = 64 << 20
-    #: the largest file of chunks a materialization writes alone (``materializer.packs``); the
-    #: chunks left below it share one file with the other materializations the task started
-    materialization_pack_bytes: int = 16 << 20
+    #: Spark tasks per batch, at most ``parallelism`` (``build``: the cluster's cores unless the
+    #: user's ``tasks`` says); task ``j`` runs the subtasks of ``subtasks_of_task(j)``, a
+    #: contiguous run, and persists them together
+    tasks: int
+    #: the workers of a host write the log through its changelog service (``dstl.service``): the
+    #: changes of every task an executor runs at once share one file per flush (``build``: on
+    #: unless the user's ``changelog_service`` says)
+    changelog_service: bool
+    #: each subtask's materializer (``materializer.options``; ``build`` sets ``interval_ms`` and
+    #: ``size_trigger_bytes`` from the user's options)
+    materialization: MaterializationOptions = field(default_factory=MaterializationOptions)
     #: how long a task waits for its batch's snapshot to be durable, milliseconds
     snapshot_timeout_ms: int = 120_000
     #: the input's ``withWatermark`` delay (None: no watermark); the watermark of batch b is the
@@ -71,12 +84,6 @@ class OperatorConfig:
     #: ``spark.sql.execution.arrow.maxBytesPerBatch`` when the operator was built (2**31 - 1: no
     #: limit): transformWithStateInPandas's chunks end earlier by their Arrow size
     max_bytes_per_batch: int = 2**31 - 1
-    #: Spark tasks per batch (None: one per subtask); task ``j`` runs the subtasks of
-    #: ``subtasks_of_task(j)``, a contiguous run, and persists them together
-    tasks: int | None = None
-    #: the workers of a host write the log through its changelog service (``dstl.service``): the
-    #: changes of every task an executor runs at once share one file per flush
-    changelog_service: bool = False
     #: a routed operator not bound to a state directory yet (module docstring): its key
     route: str | None = None
 
@@ -118,7 +125,7 @@ class OperatorConfig:
 
     @property
     def task_count(self) -> int:
-        return min(self.tasks or self.parallelism, self.parallelism)
+        return min(self.tasks, self.parallelism)
 
     def task_of_subtask(self, subtask: int) -> int:
         """The Spark task (partition of the repartitioned input) that runs ``subtask``."""

@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dstl.atomic import write_atomically
+
 OUTPUT = "user string, event string, total long, count long, categories long"
 USERS = 400
 
@@ -130,10 +132,8 @@ def _kill_driver() -> None:
 
 
 def _write_input(directory: Path, batch: int, rows: list[tuple[str, int, str]]) -> None:
-    path = directory / f"{batch:04d}.json"
-    tmp = directory / f".{batch:04d}.tmp"
-    tmp.write_text("".join(json.dumps({"user": u, "amount": a, "category": c}) + "\n" for u, a, c in rows))
-    os.replace(tmp, path)
+    text = "".join(json.dumps({"user": u, "amount": a, "category": c}) + "\n" for u, a, c in rows)
+    write_atomically(directory / f"{batch:04d}.json", text)  # Spark's file source never sees it half written
 
 
 def _files(root: Path) -> set[Path]:

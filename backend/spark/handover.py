@@ -20,7 +20,7 @@ gone) is deleted, except a result of the backend's own log that its materializer
 apply; the chunks such a result uploaded are orphans the driver's cleanup deletes (workers never
 delete DFS files).
 
-A result is written whole (a temporary name, then ``os.replace``) and never under the subtask's
+A result is written whole and durably (``dstl.atomic``) and never under the subtask's
 lock, so a running task never waits for an upload to finish, nor a finished upload for a task.
 """
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import posixpath
 import uuid
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from typing import Any
 from backend.core.handles import check_chunk_entry
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from dstl import ChangelogStorage, KeyGroupRange
+from dstl.atomic import write_atomically
 from materializer.periodic import MaterializationResult
 
 __all__ = ["RESULT_PREFIX", "result_writer", "take_results"]
@@ -62,7 +62,6 @@ def result_writer(directory: Path, life: str) -> Callable[[MaterializationResult
 
     def write(result: MaterializationResult) -> None:
         name = f"{RESULT_PREFIX}{uuid.uuid4().hex}.json"
-        tmp = directory / f".{name}.tmp"
         body = {
             "life": life,
             "log_id": result.log_id,
@@ -70,12 +69,9 @@ def result_writer(directory: Path, life: str) -> Callable[[MaterializationResult
             "key_groups": result.key_group_range.to_json(),
             "chunks": list(result.chunks),
         }
-        try:  # never creates the directory: gone means a task rebuilt it, and this result is void
-            tmp.write_text(json.dumps(body))
-            os.replace(tmp, directory / name)
-        except OSError:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+        # never creates the directory: gone means a task rebuilt it, and this result is void
+        with contextlib.suppress(OSError):
+            write_atomically(directory / name, json.dumps(body))
 
     return write
 

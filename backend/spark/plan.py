@@ -49,6 +49,8 @@ from backend.spark.driver import coordinator_for
 from backend.spark.tasks import run_subtasks
 from backend.spark.ticks import TICK, register_tick_source
 from dstl import ChangelogConfig, ConfigurationError
+from dstl.paths import check_name
+from materializer.options import MaterializationOptions
 
 KEY_GROUP = "__dstl_key_group"
 BATCH_TIME = "__dstl_batch_time"
@@ -163,8 +165,8 @@ def build(
     local_dir: str | None = None,
     changelog_config: ChangelogConfig | None = None,
     num_retained: int = 2,
-    materialization_interval_ms: int = 600_000,
-    size_trigger_bytes: int | None = 64 << 20,
+    materialization_interval_ms: int = MaterializationOptions.interval_ms,
+    size_trigger_bytes: int | None = MaterializationOptions.size_trigger_bytes,
     strict_state_types: bool = False,
     tasks: int | None = None,
     changelog_service: bool = True,
@@ -194,11 +196,14 @@ def build(
         operator_uid = routing.uid()
     if not operator_uid:
         raise ConfigurationError("operator_uid is required: it maps the state in checkpoints to this operator")
+    check_name(operator_uid, "operator_uid")  # here on the driver, not first on an executor
     check_max_parallelism(max_parallelism)
-    if materialization_interval_ms <= 0:
-        raise ConfigurationError(f"materialization_interval_ms must be positive, got {materialization_interval_ms}")
-    if size_trigger_bytes is not None and size_trigger_bytes <= 0:
-        raise ConfigurationError(f"size_trigger_bytes must be positive or None, got {size_trigger_bytes}")
+    try:
+        materialization = MaterializationOptions(
+            interval_ms=materialization_interval_ms, size_trigger_bytes=size_trigger_bytes
+        )
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{exc} (options materialization_interval_ms, size_trigger_bytes)") from None
     if num_retained < 2:
         raise ConfigurationError(
             f"num_retained must be >= 2 under Spark (the next batch may restore from the previous), got {num_retained}"
@@ -228,8 +233,8 @@ def build(
     cfg = OperatorConfig(
         job_dir=location, uid=operator_uid, parallelism=parallelism, max_parallelism=max_parallelism,
         local_root=local_dir or os.path.join(tempfile.gettempdir(), "dstl-spark-local"),
-        changelog=replace(base, base_path=location), materialization_interval_ms=materialization_interval_ms,
-        size_trigger_bytes=size_trigger_bytes, watermark_delay_ms=None if watermark is None else watermark[1],
+        changelog=replace(base, base_path=location), materialization=materialization,
+        watermark_delay_ms=None if watermark is None else watermark[1],
         drop_late_rows=drop_late_rows and watermark is not None,
         no_data_batches=no_data_batches if _no_data_batches_enabled(spark) else None,
         strict_state_types=strict_state_types, max_records_per_batch=_max_records_per_batch(spark), tasks=tasks,

@@ -38,8 +38,7 @@ without routed operators starts as before.
 from __future__ import annotations
 
 import hashlib
-import os
-import re
+import inspect
 import tempfile
 import threading
 import uuid
@@ -51,6 +50,8 @@ from typing import Any
 from backend.spark.config import ROUTE_PROPERTY, OperatorConfig, route_file
 from backend.spark.plan import routed_task_name
 from dstl import ConfigurationError
+from dstl.atomic import write_atomically
+from dstl.paths import as_name
 
 __all__ = ["SessionRouting", "route_session", "routed_uid"]
 
@@ -91,7 +92,7 @@ def routed_uid(target: Any) -> str:
             f"cannot derive an operator uid for {target!r}: pass operator_uid=... (a name unique among the "
             "stateful operators of its query)"
         )
-    return re.sub(r"[^A-Za-z0-9_.-]", "-", name.replace(".<locals>.", "."))
+    return as_name(name.replace(".<locals>.", "."))
 
 
 @dataclass
@@ -138,59 +139,32 @@ def route_session(
 def _methods(
     root: str | None, defaults: dict[str, Any], targets: dict[str, Callable[..., Any]]
 ) -> dict[str, Callable[..., Any]]:
-    def routed(target: Any, options: dict[str, Any]) -> dict[str, Any]:
-        """The call's options: our defaults, its own, and the routing (the uid where none is given;
-        the state directory where no checkpoint_location is)."""
-        return {**defaults, **options, "routing": SessionRouting(root, target)}
+    return {name: _routed_method(name, function, root, defaults) for name, function in targets.items()}
 
-    def transformWithStateInPandas(
-        self: Any,
-        statefulProcessor: Any,
-        outputStructType: Any,
-        outputMode: str,
-        timeMode: str,
-        initialState: Any = None,
-        eventTimeColumnName: str = "",
-        **options: Any,
-    ) -> Any:
-        return targets["transformWithStateInPandas"](
-            self, statefulProcessor, outputStructType, outputMode, timeMode, initialState, eventTimeColumnName,
-            **routed(statefulProcessor, options),
-        )  # fmt: skip
 
-    def transformWithState(
-        self: Any,
-        statefulProcessor: Any,
-        outputStructType: Any,
-        outputMode: str,
-        timeMode: str,
-        initialState: Any = None,
-        eventTimeColumnName: str = "",
-        **options: Any,
-    ) -> Any:
-        return targets["transformWithState"](
-            self, statefulProcessor, outputStructType, outputMode, timeMode, initialState, eventTimeColumnName,
-            **routed(statefulProcessor, options),
-        )  # fmt: skip
+def _routed_method(
+    name: str, function: Callable[..., Any], root: str | None, defaults: dict[str, Any]
+) -> Callable[..., Any]:
+    """``GroupedData.<name>`` calling ``function``, the API's, which takes exactly Spark's
+    parameters after the grouped data (so its signature is the method's, ``self`` for the grouped
+    data, and Spark's signatures are spelled in one place, ``backend.spark.api``). A call's options
+    are our defaults, then its own, then the routing: the uid from the processor or function (its
+    first parameter after the grouped data) where none is given, the state directory where no
+    checkpoint_location is."""
+    signature = inspect.signature(function)
+    grouped, target, *_ = signature.parameters.values()
+    (options,) = [p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
 
-    def applyInPandasWithState(
-        self: Any,
-        func: Callable[..., Any],
-        outputStructType: Any,
-        stateStructType: Any,
-        outputMode: str,
-        timeoutConf: str,
-        **options: Any,
-    ) -> Any:
-        return targets["applyInPandasWithState"](
-            self, func, outputStructType, stateStructType, outputMode, timeoutConf, **routed(func, options)
-        )
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(self, *args, **kwargs)
+        given = call.arguments.pop(options, {})
+        routed = {**defaults, **given, "routing": SessionRouting(root, call.arguments[target.name])}
+        return function(*call.args, **call.kwargs, **routed)
 
-    return {
-        "transformWithStateInPandas": transformWithStateInPandas,
-        "transformWithState": transformWithState,
-        "applyInPandasWithState": applyInPandasWithState,
-    }
+    parameters = [grouped.replace(name="self"), *list(signature.parameters.values())[1:]]
+    method.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    method.__name__ = method.__qualname__ = name
+    return method
 
 
 # -- binding at start ----------------------------------------------------------------------------
@@ -343,7 +317,7 @@ def _state_dir(root: str | None, location: str, uid: str) -> str:
     location = location.rstrip("/")
     if root is None:
         return f"{location}/dstl/{uid}"
-    tail = re.sub(r"[^A-Za-z0-9_.-]", "-", location.rsplit("/", 1)[-1]) or "query"
+    tail = as_name(location.rsplit("/", 1)[-1]) or "query"
     digest = hashlib.sha256(location.encode()).hexdigest()[:12]
     return f"{root.rstrip('/')}/{tail}-{digest}/{uid}"
 
@@ -353,6 +327,4 @@ def _write_route_file(cfg: OperatorConfig, job_dir: str) -> None:
 
     path = route_file(cfg.local_root, str(cfg.route))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text(json.dumps({"job_dir": job_dir}))
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps({"job_dir": job_dir}))

@@ -39,7 +39,6 @@ import contextlib
 import fcntl
 import functools
 import json
-import os
 import shutil
 import threading
 import time
@@ -58,6 +57,7 @@ from backend.spark.handover import result_writer, take_results
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from backend.state.timers import EVENT_TIME, PROCESSING_TIME
 from dstl import ChangelogConfig, ChangelogStorage, Note, StateChangelogStorage
+from dstl.atomic import write_atomically
 from dstl.service import RemoteChangelogStorage
 from materializer.packs import SharedPack
 from materializer.periodic import PeriodicMaterializer, restore
@@ -131,18 +131,15 @@ def _read_marker(directory: Path) -> dict[str, Any] | None:
 
 
 def _write_marker(directory: Path, value: dict[str, Any]) -> None:
-    tmp = directory / f"{MARKER}.tmp"
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, directory / MARKER)
+    """Whole, but not synced: it describes LMDB tables kept without fsync (a cache of the DFS, whose
+    loss a restore repairs), and two fsyncs per subtask and batch would buy nothing."""
+    write_atomically(directory / MARKER, json.dumps(value), durable=False)
 
 
 def _materializer(
     cfg: OperatorConfig, backend: ChangelogKeyedStateBackend, directory: Path, life: str
 ) -> PeriodicMaterializer:
-    return PeriodicMaterializer(
-        backend, interval_ms=cfg.materialization_interval_ms, size_trigger_bytes=cfg.size_trigger_bytes,
-        pack_bytes=cfg.materialization_pack_bytes, on_result=result_writer(directory, life),
-    )  # fmt: skip
+    return PeriodicMaterializer(backend, cfg.materialization, on_result=result_writer(directory, life))
 
 
 def _fresh(cfg: OperatorConfig, storage: ChangelogStorage, subtask: int, directory: Path) -> _Kept:
@@ -376,7 +373,7 @@ def start_materializations(materializers: list[PeriodicMaterializer]) -> None:
         for materializer in materializers:
             materializer.poll()
         return
-    pack = SharedPack(storage.files.put, materializers[0].pack_bytes)
+    pack = SharedPack(storage.files.put, materializers[0].options.pack_bytes)
     try:
         for materializer in materializers:
             materializer.poll(pack)

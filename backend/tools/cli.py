@@ -30,10 +30,9 @@ from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
 
 from backend.checkpointing.metadata import METADATA_NAME, checkpoint_dir
 from backend.checkpointing.savepoints import dispose_savepoint, write_canonical_savepoint, write_native_savepoint
+from backend.tools.errors import CliError
 from backend.tools.inspect_state import (
-    CliError,
     check_savepoint_target,
-    is_local,
     list_checkpoints,
     normalize,
     open_snapshot,
@@ -46,6 +45,7 @@ from backend.tools.inspect_state import (
 from backend.tools.state_rows import TIMERS_STATE, jsonl_writer, parquet_writer, readers, state_rows
 from backend.tools.verify import verify
 from dstl import ChangelogError
+from dstl.paths import is_local
 
 PROG = "dstl"
 

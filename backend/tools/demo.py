@@ -1,4 +1,4 @@
-"""The standalone demo of the backend (README command 1 until the Spark demo replaces it).
+"""The standalone demo of the backend, without Spark (the Spark demo is README command 1).
 
 A keyed operator keeps per-user running totals, event counts and per-category sums (value and map
 state) at parallelism 4, on the embedded default DFS (a local directory). It checkpoints every
@@ -28,7 +28,8 @@ from pathlib import Path
 
 from backend.core.descriptors import MapStateDescriptor, ValueStateDescriptor
 from backend.core.serializers import Int64Serializer, StrSerializer
-from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.job import JobOptions, LocalJob, OperatorSpec
+from materializer.options import MaterializationOptions
 
 JOB = "demo-job"
 UID = "user-totals"

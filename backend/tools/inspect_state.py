@@ -34,30 +34,18 @@ from backend.checkpointing.metadata import (
 from backend.checkpointing.savepoints import handles_of
 from backend.core.handles import KeyedStateHandle
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
-from dstl import ChangelogConfig, ChangelogError, ChangelogStorage, StateChangelogStorage
+from backend.tools.errors import CliError
+from dstl import ChangelogConfig, ChangelogStorage, StateChangelogStorage
+from dstl.paths import is_local, local_path
 from materializer.periodic import restore
-
-
-class CliError(ChangelogError):
-    """An error the command line reports as ``dstl: error: <message>`` with exit code ``code``."""
-
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
-
 
 # -- paths and storages ----------------------------------------------------------------------
 
 
-def is_local(url: str) -> bool:
-    return "://" not in url or url.startswith("file://")
-
-
 def normalize(url: str) -> str:
     """An absolute local path (``file://`` dropped), or the URL without a trailing slash."""
-    if is_local(url):
-        return os.path.abspath(url.removeprefix("file://"))
-    return url.rstrip("/")
+    local = local_path(url)
+    return os.path.abspath(local) if local is not None else url.rstrip("/")
 
 
 def require_directory(url: str) -> None:

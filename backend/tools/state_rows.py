@@ -24,7 +24,7 @@ from backend.core.serializers import KeySerializer, Serializer, serializer_for_i
 from backend.core.tablekeys import key_group_of, key_of, parse_timer_user_key, split_table_key
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from backend.state.timers import EVENT_TIME, TIMERS_DB
-from backend.tools.inspect_state import CliError
+from backend.tools.errors import CliError
 
 #: the name under which timers are reported
 TIMERS_STATE = "_timers"

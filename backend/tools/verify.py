@@ -29,7 +29,8 @@ from dstl import CorruptChangelogError, KeyGroupRange, SegmentRef
 from dstl.errors import StorageError
 from dstl.format import decode_segment, read_footer, verify_file
 from materializer.binding import check_binding
-from materializer.chunks import CHUNK_TRAILER_MAGIC, CorruptChunkError, chunk_info, decode_chunk
+from materializer.chunks import CHUNK_TRAILER_MAGIC, chunk_info, decode_chunk
+from materializer.errors import CorruptChunkError
 
 
 @dataclass

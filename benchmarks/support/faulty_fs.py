@@ -8,7 +8,7 @@ fsspec store (its protocol is not "file", so writes go through ``pipe_file``).
 The URL is ``faulty://<token>/<absolute dir>``; the token names a live plan in a registry of weak
 references, so a plan lives exactly as long as the test keeps it. Paths keep the token, which lets
 one cached file system instance serve every plan. Object-store semantics are kept where tests
-count on them: a write appears whole or not at all (temporary name, fsync, rename; temporaries are
+count on them: a write appears whole or not at all (``dstl.atomic``; its temporaries are
 never listed) and deleting a file removes the directories it leaves empty.
 """
 
@@ -21,7 +21,6 @@ import os
 import secrets
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +30,7 @@ import fsspec
 from fsspec.spec import AbstractFileSystem
 
 from benchmarks.support.fault_plan import Action, Fault, FaultPlan, Op, StallEnded, close_all_plans
+from dstl.atomic import is_temporary, write_atomically
 
 __all__ = [
     "PROTOCOL",
@@ -46,7 +46,6 @@ __all__ = [
 
 PROTOCOL = "faulty"
 _PREFIX = f"{PROTOCOL}://"
-_TMP_MARK = ".faulty-tmp-"
 #: pacing granularity of trickled transfers
 _TRICKLE_STEP_S = 0.05
 
@@ -73,20 +72,13 @@ def _forget(token: str) -> None:
 
 
 def _write_atomically(local: str, data: bytes) -> None:
-    # a concurrent delete may remove the fresh directory (it prunes empty ones): retry the rename
+    # a concurrent delete may remove the fresh directory (it prunes empty ones): write again
     for attempt in range(5):
         os.makedirs(os.path.dirname(local), exist_ok=True)
-        tmp = f"{local}{_TMP_MARK}{uuid.uuid4().hex[:8]}"
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, local)
+            write_atomically(local, data)
             return
         except FileNotFoundError:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
             if attempt == 4:
                 raise
 
@@ -249,7 +241,7 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
 
         def walk(_base: str, local: str) -> list[str]:
             if os.path.isfile(local):
-                return [f"{token}{local}"] if _TMP_MARK not in local else []
+                return [f"{token}{local}"] if not is_temporary(local) else []
             names: list[str] = []
             top_depth = local.rstrip(os.sep).count(os.sep)
             for root, dirs, files in os.walk(local):
@@ -258,7 +250,7 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
                     dirs[:] = []
                 if withdirs and root != local:
                     names.append(f"{token}{root}")
-                names.extend(f"{token}{os.path.join(root, f)}" for f in files if _TMP_MARK not in f)
+                names.extend(f"{token}{os.path.join(root, f)}" for f in files if not is_temporary(f))
             return sorted(names)
 
         names = self._call("list", path, walk)
@@ -269,7 +261,7 @@ class FaultyFileSystem(AbstractFileSystem):  # type: ignore[misc]
     # --- untouched helpers -----------------------------------------------------------------
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
         _, token, _, local = self._resolve(path)
-        names = [f"{token}{os.path.join(local, n)}" for n in sorted(os.listdir(local)) if _TMP_MARK not in n]
+        names = [f"{token}{os.path.join(local, n)}" for n in sorted(os.listdir(local)) if not is_temporary(n)]
         return [self.info(n) for n in names] if detail else names
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:

@@ -7,18 +7,17 @@ on a Unix socket named by the configuration's fingerprint; ``handler`` serves ea
 Workers use a ``client.RemoteChangelogStorage``, which finds or starts the service (``launch``),
 streams appends to it over one connection (``connection``, its unsent changes in ``outbox``, its
 liveness rule in ``liveness``) and reads straight from the DFS. The wire format is ``framing``
-(frames), ``appends`` (the binary APPEND message) and ``protocol`` (the control messages and
-errors); ``configjson`` is how a configuration travels. The service is a transport around the
-ordinary storage, not a second implementation.
+(frames), ``appends`` (the binary APPEND message) and ``protocol`` (the control messages);
+``configjson`` is how a configuration travels. Its errors are classes of ``dstl.errors``, re-exported
+here. The service is a transport around the ordinary storage, not a second implementation.
 """
 
 from __future__ import annotations
 
+from dstl.errors import FencedWriterError, ProtocolError, ServiceUnavailableError
 from dstl.service.client import RemoteChangelogStorage, RemoteChangelogWriter
-from dstl.service.framing import ProtocolError
 from dstl.service.launch import service_socket_path
 from dstl.service.liveness import Liveness
-from dstl.service.protocol import FencedWriterError, ServiceUnavailableError
 from dstl.service.server import ChangelogService
 
 __all__ = [

@@ -20,8 +20,8 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dstl.errors import ConfigurationError
-from dstl.service.framing import MAX_PAYLOAD, Kind, ProtocolError, pack_frame
+from dstl.errors import ConfigurationError, ProtocolError
+from dstl.service.framing import MAX_PAYLOAD, Kind, pack_frame
 
 __all__ = ["Append", "append_frames"]
 

@@ -43,21 +43,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from dstl.config import ChangelogConfig
-from dstl.errors import ChangelogError, DeadlineExceededError, WriterClosedError
-from dstl.service.framing import ProtocolError
+from dstl.errors import (
+    ChangelogError,
+    DeadlineExceededError,
+    FencedWriterError,
+    ProtocolError,
+    ServiceUnavailableError,
+    WriterClosedError,
+)
 from dstl.service.liveness import Liveness, probe
 from dstl.service.outbox import IDLE_WAKE_S, Outbox, WriterBuffer
 from dstl.service.protocol import (
     JOIN_S,
     PROTOCOL_VERSION,
     Error,
-    FencedWriterError,
     Hello,
     Message,
     Opened,
     OpenWriter,
     Pong,
-    ServiceUnavailableError,
     Welcome,
     encode,
     error_from_reply,

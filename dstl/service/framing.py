@@ -18,7 +18,7 @@ import struct
 from collections.abc import Callable
 from typing import Protocol
 
-from dstl.errors import ChangelogError
+from dstl.errors import ProtocolError, TruncatedFrameError
 
 __all__ = [
     "HEADER",
@@ -26,9 +26,7 @@ __all__ = [
     "MAX_PAYLOAD",
     "MAX_SMALL_PAYLOAD",
     "Kind",
-    "ProtocolError",
     "Readable",
-    "TruncatedFrameError",
     "pack_frame",
     "payload_limit",
     "read_frame",
@@ -43,14 +41,6 @@ MAX_CONTROL_PAYLOAD = 8 << 20
 MAX_SMALL_PAYLOAD = 512
 #: ``<u32 payload length><u8 kind><u32 request id>``
 HEADER = struct.Struct("<IBI")
-
-
-class ProtocolError(ChangelogError):
-    """A frame or message broke the protocol (truncated, oversized, unknown kind, bad field)."""
-
-
-class TruncatedFrameError(ProtocolError):
-    """The stream ended inside a frame: the peer died or closed while sending."""
 
 
 class Kind(enum.IntEnum):

@@ -42,9 +42,17 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from dstl.errors import ChangelogError, ConfigurationError, StorageClosedError, WriterClosedError
+from dstl.errors import (
+    ChangelogError,
+    ConfigurationError,
+    FencedWriterError,
+    ProtocolError,
+    StorageClosedError,
+    TruncatedFrameError,
+    WriterClosedError,
+)
 from dstl.service.appends import Append
-from dstl.service.framing import MAX_SMALL_PAYLOAD, ProtocolError, TruncatedFrameError
+from dstl.service.framing import MAX_SMALL_PAYLOAD
 from dstl.service.protocol import (
     JOIN_S,
     PROTOCOL_VERSION,
@@ -53,7 +61,6 @@ from dstl.service.protocol import (
     Confirm,
     Error,
     Expect,
-    FencedWriterError,
     Hello,
     LastSqn,
     Message,

@@ -10,7 +10,7 @@ Why it is shaped so:
   say ``HELLO``, and by a service to exit idle, so two workers never start two services and a
   client never reaches a service that is about to exit (``reach_service``).
 - *Epochs.* Each start takes the next integer from ``<socket>.epoch`` under that lock (written
-  to a temporary file, fsynced, renamed, the directory fsynced); the service puts it in its log
+  whole and durably: ``dstl.atomic``); the service puts it in its log
   ids, so a restarted service is recognisable in them (their uuid alone keeps them unique). An
   epoch file that cannot be read or holds no number counts as 0, with a warning: it never stops
   a service from starting.
@@ -42,10 +42,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from dstl.atomic import write_atomically
 from dstl.config import ChangelogConfig
-from dstl.errors import ConfigurationError
+from dstl.errors import ConfigurationError, ServiceUnavailableError
 from dstl.service.configjson import dumps_config, fingerprint
-from dstl.service.protocol import PROTOCOL_VERSION, ServiceUnavailableError
+from dstl.service.protocol import PROTOCOL_VERSION
 
 __all__ = [
     "START_TIMEOUT_MS",
@@ -149,17 +150,7 @@ def next_epoch(socket_path: str) -> int:
         _log.warning("changelog service epoch file %s holds %r, not an epoch number: counting from 0", path, text)
         text = "0"
     epoch = int(text) + 1
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="ascii") as f:
-        f.write(f"{epoch}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    write_atomically(path, f"{epoch}\n")
     return epoch
 
 

@@ -19,9 +19,9 @@ Why it is shaped so:
   raises the ``dstl.errors`` class of that name from a whitelist (``error_from_reply``), anything
   else as ``StorageError``.
 
-The error classes of the service live here too (``ServiceUnavailableError``,
-``FencedWriterError``; ``ProtocolError`` is ``framing``'s): the protocol is what names them on
-both ends.
+The error classes of the service (``ServiceUnavailableError``, ``FencedWriterError``,
+``ProtocolError``) live in ``dstl.errors`` with the rest of the hierarchy; the protocol names them
+on both ends.
 """
 
 from __future__ import annotations
@@ -36,13 +36,16 @@ from dstl.errors import (
     ChangelogError,
     ConfigurationError,
     DeadlineExceededError,
+    FencedWriterError,
+    ProtocolError,
+    ServiceUnavailableError,
     StorageClosedError,
     StorageError,
     UploadFailedError,
     WriterClosedError,
 )
 from dstl.service.appends import Append
-from dstl.service.framing import Kind, ProtocolError, Readable, pack_frame, payload_limit, read_frame
+from dstl.service.framing import Kind, Readable, pack_frame, payload_limit, read_frame
 from dstl.types import MAX_SQN, ChangelogHandle, KeyGroupRange, Note
 
 __all__ = [
@@ -53,7 +56,6 @@ __all__ = [
     "Confirm",
     "Error",
     "Expect",
-    "FencedWriterError",
     "Hello",
     "LastSqn",
     "Message",
@@ -64,7 +66,6 @@ __all__ = [
     "Ping",
     "Pong",
     "Release",
-    "ServiceUnavailableError",
     "Sqn",
     "Truncate",
     "Welcome",
@@ -82,18 +83,6 @@ JOIN_S = 10.0
 
 
 # -- errors -----------------------------------------------------------------------------------
-
-
-class ServiceUnavailableError(StorageError, WriterClosedError):
-    """The changelog service could not be reached, did not start, or its connection was lost.
-
-    Also a ``WriterClosedError``: a writer whose connection is lost never reconnects (its SQNs and
-    unpersisted changes died with that connection), so every later call of it raises."""
-
-
-class FencedWriterError(WriterClosedError):
-    """The writer's operator and key-group range were opened again by a newer attempt (a retried
-    task); the older writer was closed and every request naming it fails."""
 
 
 #: the classes an ERROR reply may name; anything else is raised as ``StorageError``

@@ -43,11 +43,12 @@ import threading
 import time
 
 from dstl.config import ChangelogConfig
-from dstl.errors import ConfigurationError, StorageClosedError
+from dstl.errors import ConfigurationError, ServiceUnavailableError, StorageClosedError
+from dstl.paths import check_name
 from dstl.service.configjson import fingerprint
 from dstl.service.handler import ConnectionHandler, Slot
 from dstl.service.launch import next_epoch, prepare_socket_dir, start_lock, try_connect
-from dstl.service.protocol import JOIN_S, Error, OpenWriter, ServiceUnavailableError, encode
+from dstl.service.protocol import JOIN_S, Error, OpenWriter, encode
 from dstl.storage import StateChangelogStorage
 from dstl.uploaders import Uploader
 
@@ -293,8 +294,7 @@ class ChangelogService:
         """A new writer for ``conn`` (on its thread); the writer that held the same operator and
         key-group range until now, if any, is fenced and closed."""
         operator_id, rng = message.operator_id, message.key_group_range
-        if not operator_id or "/" in operator_id:
-            raise ConfigurationError(f"operator_id must be a non-empty name without '/', got {operator_id!r}")
+        check_name(operator_id)  # the name a client sent, before it becomes a key and a log id
         key = (operator_id, rng.start, rng.end)
         with self._lock:
             if self._closing or self.storage is None:

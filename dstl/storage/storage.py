@@ -34,11 +34,11 @@ from typing import Any, TypeVar
 
 from dstl.api import StateChangelogWriter
 from dstl.config import ChangelogConfig
-from dstl.errors import ConfigurationError, CorruptChangelogError, WriterClosedError
+from dstl.errors import CorruptChangelogError, WriterClosedError
 from dstl.format import NOTES_PROBE_BYTES, parse_notes
 from dstl.hedging import UploadExecutor
 from dstl.metrics import ChangelogMetrics
-from dstl.paths import LOG_DIRECTORY, new_file_name
+from dstl.paths import LOG_DIRECTORY, check_name, new_file_name
 from dstl.retry import RetryPolicy
 from dstl.scheduler import BatchingScheduler, PendingNote, UploadEntry
 from dstl.storage.files import RetryingDfsFiles
@@ -131,8 +131,7 @@ class StateChangelogStorage:
     def create_writer(self, operator_id: str, key_group_range: KeyGroupRange) -> ChangelogWriter:
         if self._closed:
             raise WriterClosedError("the changelog storage is closed: cannot create a writer")
-        if not operator_id or "/" in operator_id:
-            raise ConfigurationError(f"operator_id must be a non-empty name without '/', got {operator_id!r}")
+        check_name(operator_id)
         log_id = f"{operator_id}-{key_group_range.start}-{key_group_range.end}-{uuid.uuid4().hex[:12]}"
         writer = ChangelogWriter(self, log_id, key_group_range)
         self._registry.add_writer(writer)

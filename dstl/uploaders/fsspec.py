@@ -18,8 +18,9 @@ retry or hedge of data that a running write holds already pins nothing more and 
 ``when_released`` tells the caller when no thread holds its data any more, so the bytes a stuck
 write pins stay counted where the log counts its memory until they are really let go.
 
-Local files (``file://`` or plain paths) are written to a temporary name, fsynced and renamed, so a
-crash never leaves a partial file under a final name. Local paths are confined after resolving
+Local files (``file://`` or plain paths) are written whole and durably (``dstl.atomic``: a
+temporary name, fsync, rename, fsync of the directory), so a crash never leaves a partial file under
+a final name and a put that returned survives a machine crash. Local paths are confined after resolving
 symbolic links: a link inside the base directory never makes us read or write outside it, and a
 delete removes a link itself, never what it points to.
 """
@@ -31,12 +32,12 @@ import concurrent.futures
 import contextlib
 import os
 import threading
-import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import fsspec
 
+from dstl.atomic import write_atomically
 from dstl.errors import ConfigurationError
 from dstl.paths import check_relative
 
@@ -196,21 +197,10 @@ class FsspecUploader:
 
     def _put_sync(self, full: str, data: bytes, write: _Write) -> None:
         if self._local:
+            if self._doomed(write):  # deleted before we began: never show it under its name
+                return
             os.makedirs(os.path.dirname(full), exist_ok=True)
-            tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                if self._doomed(write):  # deleted while we wrote: never show it under its name
-                    os.unlink(tmp)
-                    return
-                os.replace(tmp, full)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            write_atomically(full, data)
         else:
             self._fs.pipe_file(full, data)
         if self._doomed(write):  # the delete ran before this write landed: undo it

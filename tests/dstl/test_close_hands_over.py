@@ -13,8 +13,9 @@ from pathlib import Path
 
 from backend.core.descriptors import ValueStateDescriptor
 from backend.core.serializers import Int64Serializer
-from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.job import JobOptions, LocalJob, OperatorSpec
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
+from materializer.options import MaterializationOptions
 
 WAIT_S = 30.0
 NEVER = 10**12  # ms: no materialization unless asked

@@ -25,7 +25,8 @@ from benchmarks.support.faulty_fs import FaultPlan, faulty_base_path
 from dstl import ChangelogConfig, ChangelogHandle, CorruptChangelogError, StateChangelogStorage
 from dstl.format import SEGMENT_HEADER, SEGMENT_MAGIC, TRAILER, decode_segment, log_crc, read_footer
 from dstl.types import KeyGroupRange
-from materializer.chunks import CHUNK_TRAILER, CorruptChunkError, chunk_info, encode_chunk
+from materializer.chunks import CHUNK_TRAILER, chunk_info, encode_chunk
+from materializer.errors import CorruptChunkError
 
 PATH = "dstl/1/damaged"
 DEEP = 100_000  # past any recursion limit

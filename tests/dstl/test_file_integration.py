@@ -28,6 +28,7 @@ from dstl import (
     StateChangelogStorage,
     UploadFailedError,
 )
+from dstl.atomic import is_temporary
 
 WAIT_S = 30.0
 FILE_NAME = re.compile(r"dstl/[0-9a-f]{2}/[0-9a-f]{32}")
@@ -185,7 +186,7 @@ def test_no_temporary_files_remain(base_path: str) -> None:
         names = set(files_under(base_path))
         assert names == {p for h in handles for p in h.files}
         assert all(FILE_NAME.fullmatch(n) for n in names), names
-    assert not [n for n in files_under(base_path) if ".tmp-" in n]
+    assert not [n for n in files_under(base_path) if is_temporary(n)]
 
 
 def test_failed_local_write_leaves_nothing_and_loses_nothing(

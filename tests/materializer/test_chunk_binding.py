@@ -26,6 +26,7 @@ from backend.core.keygroups import assign_key_group
 from backend.core.serializers import Int64Serializer, serialize_key
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, CorruptDataError, KeyGroupRange
+from materializer.options import MaterializationOptions
 from materializer.periodic import PeriodicMaterializer, restore
 from tests.support.backend_world import BackendWorld
 
@@ -41,7 +42,9 @@ class World(BackendWorld):
         self.checkpoint_id = 0
 
     def materialize(self, b: ChangelogKeyedStateBackend, pack_bytes: int = 1) -> None:
-        m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None, pack_bytes=pack_bytes)
+        m = PeriodicMaterializer(
+            b, MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None, pack_bytes=pack_bytes)
+        )
         assert m.trigger()
         m.wait(30)
         m.close()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ import pytest
 
 from backend.core.errors import BackendClosedError
 from dstl import KeyGroupRange
+from materializer.options import MaterializationOptions
 from materializer.periodic import MaterializationResult, PeriodicMaterializer
 from tests.materializer.backends import (
     FULL,
@@ -54,11 +55,14 @@ def env(tmp_path: Path) -> Iterator[Env]:
         yield e
 
 
-def handing_over(b: B, **kwargs: Any) -> tuple[PeriodicMaterializer, list[MaterializationResult]]:
-    """A materializer started only by the test, and the results it hands over."""
+def handing_over(
+    b: B, upload: Callable[[str, bytes], None] | None = None, **options: Any
+) -> tuple[PeriodicMaterializer, list[MaterializationResult]]:
+    """A materializer started only by the test (``options``: more of its options), and the results
+    it hands over."""
     results: list[MaterializationResult] = []
-    kwargs.setdefault("size_trigger_bytes", None)
-    m = PeriodicMaterializer(b, interval_ms=NEVER, on_result=results.append, **kwargs)
+    materialization = MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None, **options)
+    m = PeriodicMaterializer(b, materialization, on_result=results.append, upload=upload)
     return m, results
 
 

@@ -38,6 +38,7 @@ from backend.core.keygroups import assign_key_group
 from backend.core.serializers import Int64Serializer, serialize_key
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, ConfigurationError, KeyGroupRange, StateChangelogStorage
+from materializer.options import MaterializationOptions
 from materializer.periodic import MaterializationError, PeriodicMaterializer, restore
 from tests.materializer.backends import (
     FULL,
@@ -164,9 +165,7 @@ class MaterializerMachine(RuleBasedStateMachine):
             restore(self.b, [KeyedStateHandle.loads(handle.dumps())])
         self.m = PeriodicMaterializer(
             self.b,
-            interval_ms=NEVER,
-            size_trigger_bytes=None,
-            chunk_key_groups=self.chunk_key_groups,
+            MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=self.chunk_key_groups),
             upload=self.upload,
         )
         self.running = False
@@ -357,7 +356,7 @@ def test_checkpoint_in_flight_across_a_materialization_restores_its_own_state(en
     materialization completing first must not take away log files the checkpoint needs."""
     b = env.backends.new()
     upload = GatedUpload(env.storage)
-    m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None, upload=upload)
+    m = PeriodicMaterializer(b, MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None), upload=upload)
     model = apply_to_model(Model(), batch_a())
     apply_to_backend(b, batch_a())
     first = checkpoint(b, 1)
@@ -384,7 +383,7 @@ def test_log_stays_bounded_over_many_materializations(env: Env) -> None:
     """The bounded log (invariant 4): with a materialization before every checkpoint, the
     changesets kept and the log a restore replays do not grow with the job's age."""
     b = env.backends.new()
-    m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None)
+    m = PeriodicMaterializer(b, MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None))
     model = Model()
     kept: list[int] = []
     replayed: list[int] = []
@@ -408,7 +407,7 @@ def test_log_stays_bounded_over_many_materializations(env: Env) -> None:
 
 def test_incremental_materialization_uploads_only_changed_key_groups(env: Env) -> None:
     b = env.backends.new()
-    m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=1)
+    m = PeriodicMaterializer(b, MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=1))
     model = Model()
     ops = [(k, k, k, ("x", k)) for k in range(2_000)]
     apply_to_backend(b, ops)
@@ -450,7 +449,7 @@ def test_incremental_materialization_uploads_only_changed_key_groups(env: Env) -
 
 def test_emptied_key_group_is_dropped_and_not_restored(env: Env) -> None:
     b = env.backends.new()
-    m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=1)
+    m = PeriodicMaterializer(b, MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=1))
     model = Model()
     ops = [(k, k, k, ("x", k)) for k in range(300)]
     apply_to_backend(b, ops)
@@ -478,7 +477,7 @@ def test_materialization_after_a_restore_rewrites_restored_state(env: Env) -> No
     """A restored backend's state came partly from logs: its first materialization writes every
     chunk (no previous chunk is complete), and checkpoints after it need no old log."""
     b = env.backends.new()
-    m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=16)
+    m = PeriodicMaterializer(b, MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=16))
     apply_to_backend(b, batch_a())
     materialize(m)
     apply_to_backend(b, batch_b())
@@ -487,7 +486,9 @@ def test_materialization_after_a_restore_rewrites_restored_state(env: Env) -> No
     model = checkpoint_1_model()
 
     (r,) = env.backends.restored(handle, 1)
-    mr = PeriodicMaterializer(r, interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=16)
+    mr = PeriodicMaterializer(
+        r, MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=16)
+    )
     materialize(mr)  # nothing changed since the restore, but the state is partly from logs
     assert mr.metrics.chunks_reused == 0
     after = checkpoint(r, 2)
@@ -504,7 +505,9 @@ def test_failed_upload_deletes_partial_chunks_and_the_retry_succeeds(env: Env) -
     b = env.backends.new()
     upload = FlakyUpload(env.storage, failing={3})
     m = PeriodicMaterializer(
-        b, interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=8, upload=upload, pack_bytes=1
+        b,
+        MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=8, pack_bytes=1),
+        upload=upload,
     )  # one chunk per upload
     model = checkpoint_1_model()
     apply_to_backend(b, batch_a())
@@ -533,7 +536,9 @@ def test_failed_incremental_upload_keeps_the_previous_chunks_and_the_changed_key
     b = env.backends.new()
     upload = FlakyUpload(env.storage, failing=set())
     m = PeriodicMaterializer(
-        b, interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=1, upload=upload, pack_bytes=1
+        b,
+        MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=1, pack_bytes=1),
+        upload=upload,
     )  # one chunk per upload
     model = Model()
     ops = [(k, k, k, ("x", k)) for k in range(400)]
@@ -567,7 +572,11 @@ def test_too_many_consecutive_failures_raise_naming_operator_and_count(env: Env)
     b = env.backends.new()
     upload = FlakyUpload(env.storage, failing={1, 2, 4, 5, 6})
     m = PeriodicMaterializer(
-        b, interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=MAX_P, max_failures_allowed=2, upload=upload
+        b,
+        MaterializationOptions(
+            interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=MAX_P, max_failures_allowed=2
+        ),
+        upload=upload,
     )
     model = Model()
 
@@ -599,7 +608,7 @@ def test_failure_restores_the_size_trigger(env: Env) -> None:
     """A failed materialization's logged bytes count again: the size trigger retries at once."""
     b = env.backends.new()
     upload = FlakyUpload(env.storage, failing={1})
-    m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=500, upload=upload)
+    m = PeriodicMaterializer(b, MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=500), upload=upload)
     apply_to_backend(b, batch_a())
     b.flush()
     assert b.log_bytes_since_materialization >= 500
@@ -678,7 +687,11 @@ def test_periodic_trigger_waits_for_the_jittered_due_time(env: Env) -> None:
     b = env.backends.new()
     upload = GatedUpload(env.storage)
     m = PeriodicMaterializer(
-        b, interval_ms=interval, size_trigger_bytes=None, clock_ms=fake_clock(now), rng=random.Random(7), upload=upload
+        b,
+        MaterializationOptions(interval_ms=interval, size_trigger_bytes=None),
+        clock_ms=fake_clock(now),
+        rng=random.Random(7),
+        upload=upload,
     )
     due = now[0] + interval * random.Random(7).uniform(0.5, 1.0)
     apply_to_backend(b, batch_a())
@@ -737,7 +750,10 @@ def test_first_due_time_is_jittered_between_half_and_one_interval(env: Env) -> N
     for seed in range(5):
         now = [0.0]
         m = PeriodicMaterializer(
-            b, interval_ms=100_000, size_trigger_bytes=None, clock_ms=fake_clock(now), rng=random.Random(seed)
+            b,
+            MaterializationOptions(interval_ms=100_000, size_trigger_bytes=None),
+            clock_ms=fake_clock(now),
+            rng=random.Random(seed),
         )
         expected = 100_000 * random.Random(seed).uniform(0.5, 1.0)
         now[0] = expected - 1e-6
@@ -755,7 +771,9 @@ def test_size_trigger_starts_as_soon_as_enough_was_logged(env: Env) -> None:
     now = [0.0]
     b = env.backends.new()
     upload = GatedUpload(env.storage)
-    m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=2_000, clock_ms=fake_clock(now), upload=upload)
+    m = PeriodicMaterializer(
+        b, MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=2_000), clock_ms=fake_clock(now), upload=upload
+    )
     key = itertools.count()
     while True:
         k = next(key)
@@ -792,7 +810,7 @@ def test_size_trigger_starts_as_soon_as_enough_was_logged(env: Env) -> None:
 )
 def test_bad_settings_are_rejected(env: Env, kwargs: dict[str, Any], problem: str) -> None:
     with pytest.raises(ConfigurationError, match=problem):
-        PeriodicMaterializer(env.backends.new(), **kwargs)
+        PeriodicMaterializer(env.backends.new(), MaterializationOptions(**kwargs))
 
 
 def test_materialization_needs_the_changelog(env: Env) -> None:
@@ -809,7 +827,7 @@ def test_a_chunk_path_outside_the_base_path_is_refused(tmp_path: Path, path: str
     storage = StateChangelogStorage(ChangelogConfig.local(tmp_path / "dfs"))
     try:
         backend = ChangelogKeyedStateBackend("op", KeyGroupRange(0, 127), tmp_path / "a", storage=storage)
-        m = PeriodicMaterializer(backend, interval_ms=NEVER, size_trigger_bytes=None)
+        m = PeriodicMaterializer(backend, MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None))
         backend.get_state(ValueStateDescriptor("v", Int64Serializer()))
         backend.set_current_key(1)
         backend.get_state(ValueStateDescriptor("v", Int64Serializer())).update(1)
@@ -832,7 +850,9 @@ def test_a_chunk_path_outside_the_base_path_is_refused(tmp_path: Path, path: str
 
 def test_metrics_are_exposed_through_prometheus_client(env: Env) -> None:
     b = env.backends.new()
-    m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=MAX_P // 2)
+    m = PeriodicMaterializer(
+        b, MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=MAX_P // 2)
+    )
     apply_to_backend(b, batch_a())
     materialize(m)
     assert m.trigger() is False  # nothing changed: skipped

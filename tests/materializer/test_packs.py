@@ -20,6 +20,7 @@ import pytest
 from backend.core.handles import KeyedStateHandle
 from backend.core.keygroups import key_group_ranges
 from dstl import ConfigurationError, CorruptDataError, DfsFiles, StateChangelogStorage
+from materializer.options import MaterializationOptions
 from materializer.packs import SharedPack
 from materializer.periodic import PeriodicMaterializer, restore
 from tests.materializer.backends import (
@@ -58,8 +59,10 @@ def subtasks_with(env: Env, parallelism: int, model: Model, ops: Sequence[Any]) 
     return subtasks
 
 
-def materializers(subtasks: Sequence[B], **kwargs: Any) -> list[PeriodicMaterializer]:
-    return [PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None, **kwargs) for b in subtasks]
+def materializers(subtasks: Sequence[B]) -> list[PeriodicMaterializer]:
+    return [
+        PeriodicMaterializer(b, MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None)) for b in subtasks
+    ]
 
 
 def start_together(ms: Sequence[PeriodicMaterializer], pack: SharedPack) -> None:
@@ -83,11 +86,11 @@ def restores_to(env: Env, handles: Sequence[KeyedStateHandle], model: Model, par
             env.backends.close(b)
 
 
-def materialized_alone(env: Env, model: Model, ops: Sequence[Any], **kwargs: Any) -> KeyedStateHandle:
-    """One subtask holding ``ops``, materialized once (``kwargs`` to its materializer), then
-    checkpointed: the handle, read back from JSON."""
+def materialized_alone(env: Env, model: Model, ops: Sequence[Any], **options: Any) -> KeyedStateHandle:
+    """One subtask holding ``ops``, materialized once (``options``: more of its materializer's),
+    then checkpointed: the handle, read back from JSON."""
     (b,) = subtasks_with(env, 1, model, ops)
-    m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None, **kwargs)
+    m = PeriodicMaterializer(b, MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None, **options))
     assert m.trigger()
     m.wait(WAIT_S)
     m.close()
@@ -130,8 +133,10 @@ def test_a_member_that_fails_before_it_contributes_does_not_hold_up_the_others(e
     model = Model()
     subtasks = subtasks_with(env, 2, model, batch_a())
     failing = FlakyUpload(env.storage, failing={1})  # its first own file fails
-    alone = PeriodicMaterializer(subtasks[0], interval_ms=NEVER, size_trigger_bytes=None, upload=failing, pack_bytes=1)
-    other = PeriodicMaterializer(subtasks[1], interval_ms=NEVER, size_trigger_bytes=None)
+    alone = PeriodicMaterializer(
+        subtasks[0], MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None, pack_bytes=1), upload=failing
+    )
+    other = PeriodicMaterializer(subtasks[1], MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None))
     start_together([alone, other], SharedPack(env.storage.files.put, 1 << 20))
     assert (alone.metrics.failed, other.metrics.completed) == (1, 1)
     handles = [checkpoint(b, 1) for b in subtasks]
@@ -213,7 +218,7 @@ def test_members_wait_for_the_seal_and_upload_once(env: Env) -> None:
 def test_a_storage_that_deletes_its_files_cannot_share_a_pack(tmp_path: Path) -> None:
     with environment(tmp_path, owns_files=True) as owning:
         (b,) = subtasks_with(owning, 1, Model(), batch_a())
-        m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None)
+        m = PeriodicMaterializer(b, MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None))
         with pytest.raises(ConfigurationError, match="owns_files"):
             m.trigger(SharedPack(owning.storage.files.put, 1 << 20))
         m.close()

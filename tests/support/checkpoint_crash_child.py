@@ -25,7 +25,6 @@ import os
 import random
 import signal
 import sys
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import cache
@@ -36,9 +35,11 @@ from backend.checkpointing.ownership import is_ownership_file
 from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
 from backend.core.errors import CheckpointError
 from backend.core.serializers import Int64Serializer, StrSerializer
-from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.job import JobOptions, LocalJob, OperatorSpec
 from dstl import ChangelogConfig
+from dstl.atomic import temporary_path
 from dstl.uploaders import FsspecUploader
+from materializer.options import MaterializationOptions
 
 JOB_ID = "job"
 SEED = 20261121
@@ -252,7 +253,7 @@ class CrashingUploader:
         """What a local write killed half-way leaves: a temporary file with part of the bytes."""
         full = f"{self.job_dir}/{path}"
         os.makedirs(os.path.dirname(full), exist_ok=True)
-        with open(f"{full}.tmp-{uuid.uuid4().hex[:8]}", "wb") as f:
+        with open(temporary_path(full), "wb") as f:
             f.write(data[: len(data) // 2])
 
     async def put(self, path: str, data: bytes) -> None:

@@ -32,6 +32,7 @@ from backend.core.errors import LocalStateError
 from backend.core.serializers import Int64Serializer, StrSerializer
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
+from materializer.options import MaterializationOptions
 from materializer.periodic import PeriodicMaterializer
 
 WAIT_S = 30.0
@@ -111,7 +112,7 @@ def read_all(b: ChangelogKeyedStateBackend) -> Model:
 
 def materialize(b: ChangelogKeyedStateBackend) -> None:
     """Materialize ``b`` now (its flush, then chunks of what the tables hold) and wait for it."""
-    m = PeriodicMaterializer(b, interval_ms=10**12, size_trigger_bytes=None)
+    m = PeriodicMaterializer(b, MaterializationOptions(interval_ms=10**12, size_trigger_bytes=None))
     try:
         assert m.trigger()
         m.wait(WAIT_S)

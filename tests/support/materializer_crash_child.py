@@ -26,6 +26,7 @@ from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, Va
 from backend.core.serializers import Int64Serializer, StrSerializer
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
+from materializer.options import MaterializationOptions
 from materializer.periodic import PeriodicMaterializer
 
 OPERATOR = "crash-op"
@@ -120,7 +121,9 @@ def main(argv: list[str]) -> None:
         OPERATOR, KeyGroupRange(0, MAX_P - 1), directory / "local", storage=storage, max_parallelism=MAX_P
     )
     upload = CrashingUpload(storage, marker)
-    materializer = PeriodicMaterializer(backend, interval_ms=10**12, size_trigger_bytes=None, upload=upload)
+    materializer = PeriodicMaterializer(
+        backend, MaterializationOptions(interval_ms=10**12, size_trigger_bytes=None), upload=upload
+    )
 
     apply_to_backend(backend, batch_a())
     if not materializer.trigger():

@@ -30,6 +30,7 @@ import pytest
 from backend.checkpointing.metadata import METADATA_NAME, SnapshotMetadata, metadata_path
 from backend.core.errors import StateRestoreError
 from backend.job import LocalJob
+from dstl.atomic import is_temporary
 from tests.backend.checkpointing.crashes import crash
 from tests.backend.checkpointing.workloads import files_on_dfs
 from tests.support.checkpoint_crash_child import (
@@ -209,7 +210,7 @@ def crash_and_recover(tmp_path: Path, case: Case, parallelism: int, final_parall
     crash(root, local, case.crash, case.k, case.num_retained, case.parallelism)
     job_dir = root / JOB_ID
     if case.crash.endswith("-put-partial"):  # the crash left what a killed local write leaves
-        assert list(job_dir.rglob("*.tmp-*"))
+        assert [p for p in job_dir.rglob("*") if is_temporary(p.name)]
     latest = checkpoints_on_dfs(job_dir)
     events = int(latest[-1].properties["events"]) if latest else 0
     if case.events is not None:

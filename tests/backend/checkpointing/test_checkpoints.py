@@ -25,8 +25,9 @@ from backend.checkpointing.metadata import (
 from backend.checkpointing.registry import SharedStateRegistry
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
-from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.job import JobOptions, LocalJob, OperatorSpec
 from dstl import ChangelogConfig, StateChangelogStorage
+from materializer.options import MaterializationOptions
 from tests.backend.checkpointing.workloads import (
     NEVER,
     Workload,

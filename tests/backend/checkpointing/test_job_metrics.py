@@ -7,7 +7,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.job import JobOptions, LocalJob, OperatorSpec
+from materializer.options import MaterializationOptions
 from tests.backend.checkpointing.workloads import Workload, materialize
 
 

@@ -9,10 +9,12 @@ from typing import Any
 
 import pytest
 
-from backend.checkpointing.metadata import is_inside
+from backend.checkpointing.metadata import is_inside, snapshot_location
 from backend.core.errors import CheckpointError
-from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.job import JobOptions, LocalJob, OperatorSpec
 from dstl import ConfigurationError
+from dstl.paths import local_path
+from materializer.options import MaterializationOptions
 
 
 @pytest.mark.parametrize(
@@ -57,6 +59,8 @@ def test_defaults_are_valid_and_metrics_bind_to_loopback() -> None:
 def test_bad_operators_and_job_ids_are_configuration_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="operator uid"):
         OperatorSpec("a/b", 1)
+    with pytest.raises(ConfigurationError, match=r"operator uid '\.\.' must be .* not '\.' or '\.\.'"):
+        OperatorSpec("..", 1)  # a name, not a way to the parent directory
     with pytest.raises(ConfigurationError, match="parallelism"):
         OperatorSpec("op", 200, max_parallelism=128)
     with pytest.raises(ConfigurationError, match="job id"):
@@ -81,6 +85,18 @@ def test_is_inside(tmp_path: Path) -> None:
         assert is_inside("root/job/../job/x", str(root))
     finally:
         os.chdir(cwd)
+
+
+def test_a_local_snapshot_is_one_directory_however_spelled(tmp_path: Path) -> None:
+    """A plain path and its ``file://`` URL name one snapshot (the one local-URL rule,
+    ``dstl.paths.local_path``); another file system's URL is left as it is."""
+    chk = tmp_path / "job" / "chk-3"
+    expected = (str(tmp_path / "job"), "chk-3/_metadata")
+    assert snapshot_location(str(chk)) == expected
+    assert snapshot_location(f"file://{chk}/") == expected
+    assert snapshot_location(f"file://{chk}/_metadata") == expected
+    assert snapshot_location("s3://bucket/job/chk-3") == ("s3://bucket/job", "chk-3/_metadata")
+    assert (local_path("/a/b"), local_path("file:///a/b"), local_path("s3://a/b")) == ("/a/b", "/a/b", None)
 
 
 def test_is_inside_sees_through_symlinks(tmp_path: Path) -> None:

@@ -27,8 +27,9 @@ import pytest
 
 from backend.checkpointing.metadata import VOID_DIR, metadata_path
 from backend.checkpointing.ownership import DirectoryOwnedError, OwnershipLostError
-from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.job import JobOptions, LocalJob, OperatorSpec
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
+from materializer.options import MaterializationOptions
 from tests.backend.checkpointing.crashes import crash
 from tests.backend.checkpointing.s3_root import S3Root
 from tests.backend.checkpointing.workloads import NEVER, State, Workload, materialize, read_state, snapshot_of

@@ -53,9 +53,10 @@ from backend.checkpointing.metadata import (
     parse_id_block_path,
 )
 from backend.core.errors import CheckpointError
-from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.job import JobOptions, LocalJob, OperatorSpec
 from benchmarks.support.faulty_fs import faulty_base_path
 from dstl import ChangelogConfig
+from materializer.options import MaterializationOptions
 from tests.backend.checkpointing.random_faults import DeadlineMeter, RandomFaults, Tally, call_bound_s
 from tests.backend.checkpointing.workloads import (
     NEVER,

@@ -9,7 +9,8 @@ import pytest
 
 from backend.checkpointing.savepoints import RestoreMode
 from backend.core.errors import CheckpointError
-from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.job import JobOptions, LocalJob, OperatorSpec
+from materializer.options import MaterializationOptions
 from tests.backend.checkpointing.workloads import Workload, assert_exact, files_on_dfs, materialize, read_state
 
 NEVER = 10**12  # ms: an interval no test reaches

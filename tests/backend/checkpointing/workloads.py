@@ -14,7 +14,8 @@ from backend.checkpointing.metadata import OWNER_DIR, VOID_DIR, metadata_path, p
 from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
 from backend.core.handles import KeyedStateHandle
 from backend.core.serializers import Int64Serializer, StrSerializer
-from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.job import JobOptions, LocalJob, OperatorSpec
+from materializer.options import MaterializationOptions
 
 TOTAL = ValueStateDescriptor("total", Int64Serializer())
 SEEN = ListStateDescriptor("seen", Int64Serializer())

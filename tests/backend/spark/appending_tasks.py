@@ -18,17 +18,25 @@ from backend.spark import tasks
 from backend.spark.config import OperatorConfig
 from backend.spark.tasks import run_subtask
 from dstl import ChangelogConfig
+from materializer.options import MaterializationOptions
 
 SEEN = ListStateDescriptor("seen", Int64Serializer())
 KEYS = [(f"k{i}",) for i in range(60)]
 
 
-def config(root: Path, parallelism: int, uid: str = "op", host: str = "a", **kw: Any) -> OperatorConfig:
+def config(
+    root: Path, parallelism: int, uid: str = "op", host: str = "a",
+    size_trigger_bytes: int | None = MaterializationOptions.size_trigger_bytes, **kw: Any,
+) -> OperatorConfig:  # fmt: skip
+    """One task per subtask, each worker with a storage of its own (no changelog service), no
+    materialization by time."""
     job = str(root / "state")
-    kw.setdefault("materialization_interval_ms", 10**12)
+    kw.setdefault("tasks", parallelism)
+    kw.setdefault("changelog_service", False)
     return OperatorConfig(
         job_dir=job, uid=uid, parallelism=parallelism, max_parallelism=128, local_root=str(root / host),
-        changelog=ChangelogConfig(base_path=job), **kw,
+        changelog=ChangelogConfig(base_path=job),
+        materialization=MaterializationOptions(interval_ms=10**12, size_trigger_bytes=size_trigger_bytes), **kw,
     )  # fmt: skip
 
 

@@ -282,3 +282,18 @@ def test_a_row_emitted_at_or_behind_the_watermark_fails_as_in_spark() -> None:
         check_event_times([frame], "t", watermark, "Europe/Berlin")
     check_event_times([frame], "t", watermark - 1, "Europe/Berlin")  # after the watermark: fine
     check_event_times([frame], "t", watermark, "UTC")  # 10:00:05 UTC is after it
+
+
+def test_the_package_exports_what_users_call_and_no_internals() -> None:
+    import backend.spark
+    from backend.spark import api
+
+    entry_points = {"transform_with_state_in_pandas", "transform_with_state", "apply_in_pandas_with_state",
+                    "use_for_session"}  # fmt: skip
+    assert entry_points <= set(backend.spark.__all__)
+    for name in entry_points:
+        assert getattr(backend.spark, name) is getattr(api, name)
+    assert not {"run_transform_with_state", "SparkStateHandle", "parse_schema"} & set(backend.spark.__all__)
+    from backend.spark.transform import run_transform_with_state  # internals stay importable by their module
+
+    assert callable(run_transform_with_state)

@@ -4,6 +4,7 @@ raises, an output or state schema that does not match, speculative execution."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,20 @@ def test_missing_checkpoint_location_uid_and_bad_modes_fail_at_call_time(spark: 
     with pytest.raises(AnalysisException, match="UNRESOLVED_COLUMN"):  # Spark's own error: it refuses it too
         transform_with_state_in_pandas(by_expr, counting_processor(), "user string, n long", "Update", "None",
                                        checkpoint_location=str(tmp_path / "s"), operator_uid="op")  # fmt: skip
+
+
+def test_an_operator_uid_that_cannot_name_a_directory_is_refused_on_the_driver(spark: Any, tmp_path: Path) -> None:
+    """The uid names the operator's directories (``pending/<b>/<uid>``, its LMDB directories): one
+    with a '/' was accepted here and failed first in every task on the executors."""
+    from backend.spark.api import transform_with_state_in_pandas
+
+    grouped = _stream(spark, _input(tmp_path, "a", ["x"])).groupBy("user")
+    for uid in ("a/b", ".."):
+        rule = rf"operator_uid '{re.escape(uid)}' must be letters, digits, '_', '-' or '\.'"
+        with pytest.raises(ValueError, match=rule):
+            transform_with_state_in_pandas(grouped, counting_processor(), "user string, n long", "Update", "None",
+                                           checkpoint_location=str(tmp_path / "s"), operator_uid=uid)  # fmt: skip
+    assert not (tmp_path / "s").exists()  # refused before anything was written
 
 
 def test_a_processor_that_raises_fails_the_query_with_its_message(spark: Any, tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from backend.spark.driver import DriverCoordinator
 from backend.spark.tasks import run_subtask
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from dstl import ChangelogConfig
+from materializer.options import MaterializationOptions
 from tests.backend.spark.appending_tasks import KEYS, SEEN, appender, config, key_group, other_worker, run_tasks
 
 #: the chunks of a materialization of the whole state at parallelism 1: one per non-empty key group,
@@ -59,8 +60,8 @@ def faulty(tmp_path: Path, plan: FaultPlan, host: str = "a", pack_bytes: int = 1
     job = f"{faulty_base_path(tmp_path / 'dfs', plan)}/state"
     return OperatorConfig(
         job_dir=job, uid="op", parallelism=1, max_parallelism=128, local_root=str(tmp_path / host),
-        changelog=ChangelogConfig(base_path=job, max_attempts=1), materialization_interval_ms=10**12,
-        size_trigger_bytes=1, materialization_pack_bytes=pack_bytes,
+        changelog=ChangelogConfig(base_path=job, max_attempts=1), tasks=1, changelog_service=False,
+        materialization=MaterializationOptions(interval_ms=10**12, size_trigger_bytes=1, pack_bytes=pack_bytes),
     )  # fmt: skip
 
 

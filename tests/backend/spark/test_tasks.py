@@ -20,6 +20,7 @@ from backend.spark.driver import DriverCoordinator
 from backend.spark.tasks import run_subtask
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from dstl import ChangelogConfig
+from materializer.options import MaterializationOptions
 from tests.backend.spark.appending_tasks import (
     KEYS,
     SEEN,
@@ -141,7 +142,8 @@ def test_a_fenced_checkpoint_whose_metadata_landed_does_not_lose_its_batch(tmp_p
     def on(host: str) -> OperatorConfig:
         return OperatorConfig(
             job_dir=job, uid="op", parallelism=2, max_parallelism=128, local_root=str(tmp_path / host),
-            changelog=ChangelogConfig(base_path=job), materialization_interval_ms=10**12,
+            changelog=ChangelogConfig(base_path=job), tasks=2, changelog_service=False,
+            materialization=MaterializationOptions(interval_ms=10**12),
         )  # fmt: skip
 
     def state_after_2() -> dict[tuple[str], list[int]]:

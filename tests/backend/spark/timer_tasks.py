@@ -9,6 +9,7 @@ from typing import Any
 from backend.spark.config import OperatorConfig, Watermarks
 from backend.state.timers import PROCESSING_TIME
 from dstl import ChangelogConfig
+from materializer.options import MaterializationOptions
 
 KEYS = [(f"k{i}",) for i in range(20)]
 
@@ -17,7 +18,8 @@ def config(root: Path, parallelism: int = 2, **kw: Any) -> OperatorConfig:
     job = str(root / "state")
     return OperatorConfig(
         job_dir=job, uid="op", parallelism=parallelism, max_parallelism=128, local_root=str(root / "local"),
-        changelog=ChangelogConfig(base_path=job), materialization_interval_ms=10**12, **kw,
+        changelog=ChangelogConfig(base_path=job), tasks=parallelism, changelog_service=False,
+        materialization=MaterializationOptions(interval_ms=10**12), **kw,
     )  # fmt: skip
 
 

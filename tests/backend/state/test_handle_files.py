@@ -20,6 +20,7 @@ from backend.core.serializers import Int64Serializer
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from dstl import ChangelogConfig, KeyGroupRange
+from materializer.options import MaterializationOptions
 from materializer.periodic import PeriodicMaterializer, restore
 from tests.support.backend_world import BackendWorld
 
@@ -53,7 +54,7 @@ class World(BackendWorld):
         return out
 
     def materialize(self, b: ChangelogKeyedStateBackend) -> None:
-        m = PeriodicMaterializer(b, interval_ms=NEVER, size_trigger_bytes=None)
+        m = PeriodicMaterializer(b, MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None))
         assert m.trigger()
         m.wait(WAIT_S)
         m.close()

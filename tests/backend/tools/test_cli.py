@@ -32,9 +32,10 @@ from backend import (
 )
 from backend.checkpointing.metadata import SnapshotMetadata
 from backend.core.serializers import PickleSerializer
-from backend.job import JobOptions, LocalJob, MaterializationOptions, OperatorSpec
+from backend.job import JobOptions, LocalJob, OperatorSpec
 from backend.tools.cli import main
 from backend.tools.state_rows import jsonable
+from materializer.options import MaterializationOptions
 
 NEVER = 10**12  # ms: an interval no test reaches
 MANUAL = MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None)  # only when a test says so
