@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+from collections.abc import Collection
 from typing import Any, Protocol
 
 from dstl.config import ChangelogConfig
 from dstl.scheduler import UploadEntry
-from dstl.types import ChangelogHandle, KeyGroupRange, Note, SequenceNumber
+from dstl.types import ChangelogHandle, KeyGroupRange, Note, SegmentRef, SequenceNumber
 
 __all__ = ["StateChangelogWriter", "WriterStorage"]
 
@@ -78,12 +79,11 @@ class WriterStorage(Protocol):
         new: list[UploadEntry],
         after: int,
         upto: int,
-        result: concurrent.futures.Future[ChangelogHandle],
         note: Note | None = None,
-    ) -> None:
-        """Upload ``new`` (a subset of ``entries``), then resolve ``result`` with the handle of
-        ``entries`` (SQNs ``after < sqn <= upto``) once every one of them is durable, and the
-        file carrying ``note`` too."""
+    ) -> concurrent.futures.Future[list[SegmentRef]]:
+        """Upload ``new`` (a subset of ``entries``, SQNs ``after < sqn <= upto``); the future
+        yields the segments of ``entries`` once every one of them is durable, and the file
+        carrying ``note`` too (it is resolved on the storage's loop thread)."""
         ...
 
     def truncate_entries(self, entries: dict[int, UploadEntry], before: int) -> None:
@@ -94,9 +94,19 @@ class WriterStorage(Protocol):
         """``writer`` will persist soon: flushes may wait for it (``dstl.scheduler``, rule c)."""
         ...
 
-    def confirm_handle(self, handle: ChangelogHandle) -> None: ...
-    def release_handle(self, handle: ChangelogHandle) -> None: ...
+    def hold_files(self, paths: Collection[str]) -> str | None:
+        """A reference to each of ``paths`` (a handle's, one per segment), all or none: the first
+        path already released is returned and nothing is held."""
+        ...
+
+    def release_files(self, paths: Collection[str]) -> None:
+        """Drop the references ``hold_files`` took."""
+        ...
+
+    def hand_over_files(self, paths: Collection[str]) -> None:
+        """These files belong to a checkpoint now (or may): never deleted by this storage."""
+        ...
+
     def close_writer(self, writer: StateChangelogWriter) -> None:
-        """Hand over every handle of the writer not yet confirmed or released (its files are kept,
-        as a confirmed handle's) and forget it (its entries are truncated first)."""
+        """Forget the writer: it truncated its entries and handed over its held handles' files."""
         ...

@@ -19,6 +19,11 @@ writer numbers what the buffer cuts and hands it to its storage:
 A cut and the SQN it gets are one step (``_cut_lock``): the loop thread's pre-emptive cut and the
 operator's ``last_appended_sqn`` must number changesets in the order they were cut.
 
+Handles are the writer's too: once a persist's segments are durable it builds the handle and
+holds it (a reference per segment in the storage's file registry) until ``confirm`` or
+``release``; ``close`` hands over the ones still held (``dstl.storage.registry``). A persist
+completing after the close fails instead of taking a reference nobody would drop.
+
 ``data`` must be immutable ``bytes``: the writer keeps a reference, not a copy. A writer is used
 from one thread (the operator's), like Flink's task thread.
 
@@ -28,14 +33,16 @@ Uploaded changesets drop their data and keep only their ``SegmentRef`` until tru
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
+from collections import Counter
 
 from dstl.api import WriterStorage
 from dstl.append_buffer import AppendBuffer, BufferStatus
-from dstl.errors import ConfigurationError
+from dstl.errors import ChangelogError, ConfigurationError, WriterClosedError
 from dstl.format import ChangeSet
 from dstl.scheduler import UploadEntry
-from dstl.types import ChangelogHandle, KeyGroupRange, Note, SequenceNumber
+from dstl.types import ChangelogHandle, KeyGroupRange, Note, SegmentRef, SequenceNumber
 
 __all__ = ["ChangelogWriter"]
 
@@ -63,6 +70,9 @@ class ChangelogWriter:
         #: closed, not yet truncated changesets by SQN (ascending); guarded by the storage lock
         self.entries: dict[int, UploadEntry] = {}
         self._truncated_before = 1
+        #: handles handed out and not yet confirmed or released, and how often
+        self._held: Counter[ChangelogHandle] = Counter()
+        self._holds_lock = threading.Lock()
 
     @property
     def closed(self) -> bool:
@@ -143,9 +153,40 @@ class ChangelogWriter:
                     e.failed = False
                     retried += e.size
         self._storage.reserve_in_flight(self, sum(e.size for e in new) - retried, retried)
+        segments = self._storage.submit_persist(self, entries, new, after, upto, note)
         result: concurrent.futures.Future[ChangelogHandle] = concurrent.futures.Future()
-        self._storage.submit_persist(self, entries, new, after, upto, result, note)
+        segments.add_done_callback(functools.partial(self._hand_out, after, upto, result))
         return result
+
+    def _hand_out(
+        self,
+        after: int,
+        upto: int,
+        result: concurrent.futures.Future[ChangelogHandle],
+        segments: concurrent.futures.Future[list[SegmentRef]],
+    ) -> None:
+        """The storage's loop thread, once a persist's segments are durable: resolve ``result``
+        with their handle, holding its files until it is confirmed or released."""
+        error = segments.exception()
+        if error is not None:
+            result.set_exception(error)
+            return
+        handle = ChangelogHandle(self.log_id, self.key_group_range, after, upto, tuple(segments.result()))
+        with self._holds_lock:
+            if self.closed:
+                result.set_exception(WriterClosedError(f"changelog writer {self.log_id} was closed"))
+                return
+            gone = self._storage.hold_files(_segment_paths(handle))
+            if gone is not None:
+                result.set_exception(
+                    ChangelogError(
+                        f"changelog writer {self.log_id}: changes after sqn {after} were truncated while "
+                        f"being persisted; file {gone} is already released"
+                    )
+                )
+                return
+            self._held[handle] += 1
+        result.set_result(handle)
 
     def truncate(self, before: int) -> None:
         """Forget changesets with SQN < ``before`` (they are materialized or subsumed).
@@ -175,11 +216,25 @@ class ChangelogWriter:
     def confirm(self, handle: ChangelogHandle) -> None:
         """The checkpoint holding ``handle`` completed: its files now belong to that checkpoint
         (and the shared-state registry), so this storage never deletes them."""
-        self._storage.confirm_handle(handle)
+        held = self._unhold(handle)
+        self._storage.hand_over_files(handle.files)
+        if held:
+            self._storage.release_files(_segment_paths(handle))
 
     def release(self, handle: ChangelogHandle) -> None:
         """The checkpoint holding ``handle`` was aborted or the handle is not needed any more."""
-        self._storage.release_handle(handle)
+        if self._unhold(handle):
+            self._storage.release_files(_segment_paths(handle))
+
+    def _unhold(self, handle: ChangelogHandle) -> bool:
+        """Stop holding ``handle`` once; False if this writer did not hold it (any more)."""
+        with self._holds_lock:
+            if not self._held[handle]:
+                return False
+            self._held[handle] -= 1
+            if not self._held[handle]:
+                del self._held[handle]
+            return True
 
     def close(self) -> None:
         """Drop every changeset. Files of handles handed out and not yet confirmed or released
@@ -188,4 +243,15 @@ class ChangelogWriter:
         if not self.buffer.close():
             return
         self._storage.truncate_entries(self.entries, _EVERY_SQN)
+        with self._holds_lock:  # a persist completing from now on sees the writer closed
+            held, self._held = self._held, Counter()
+        for handle, count in held.items():
+            self._storage.hand_over_files(handle.files)
+            for _ in range(count):
+                self._storage.release_files(_segment_paths(handle))
         self._storage.close_writer(self)
+
+
+def _segment_paths(handle: ChangelogHandle) -> list[str]:
+    """A handle's references: one per segment (a file holding two of its segments counts twice)."""
+    return [ref.path for ref in handle.segments]
