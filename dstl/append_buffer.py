@@ -233,6 +233,8 @@ class AppendBuffer:
     def measure(self) -> int:
         """The bytes of the changes waiting to be cut; counts only what was appended since the
         last call (``UNMEASURABLE`` once a change has no length)."""
+        if len(self._active) == self._measured:  # nothing new: the common case, without the lock
+            return self._measured_bytes
         with self._lock:
             active = self._active
             n = len(active)
@@ -284,12 +286,16 @@ class AppendBuffer:
 
     def gate(self) -> None:
         """Make the next append wait in ``wait`` (if the buffer is open and not gated already)."""
+        if self._records is self._gate:  # the driver gates every round: no lock when it is
+            return
         with self._lock:
             if self._records is self._active or self._records is self._waker:
                 self._records = self._gate
 
     def ungate(self) -> bool:
         """Let appends go straight to the list again; True if they were gated."""
+        if self._records is not self._gate:  # the driver ungates every round: no lock when it is not
+            return False
         with self._lock:
             if self._records is not self._gate:
                 return False
@@ -304,6 +310,8 @@ class AppendBuffer:
 
     def unpark(self) -> None:
         """The driver is awake: appends go straight to the list again (unless gated)."""
+        if self._records is not self._waker:
+            return
         with self._lock:
             if self._records is self._waker:
                 self._records = self._active
