@@ -1,8 +1,9 @@
 """The per-operator changelog writer: a one-operation append path and SQN bookkeeping.
 
-``append`` is on the hot path of every state mutation, so it is the writer's ``AppendBuffer``'s
-own (``dstl.append_buffer``): one list extend, no size check, lock or validation per call. The
-writer numbers what the buffer cuts and hands it to its storage:
+``append`` is on the hot path of every state mutation, so it extends the writer's
+``AppendBuffer`` (``dstl.append_buffer``, whose ``Appender`` gives the writer its ``append``): one
+list extend, no size check, lock or validation per call. The writer numbers what the buffer cuts
+and hands it to its storage:
 
 - *Memory bound (pre-emptive persist).* The storage's loop thread looks at every writer every few
   milliseconds (``check_preemptive``); when the buffer measures past
@@ -38,7 +39,7 @@ import threading
 from collections import Counter
 
 from dstl.api import WriterStorage
-from dstl.append_buffer import AppendBuffer, BufferStatus
+from dstl.append_buffer import AppendBuffer, Appender, BufferStatus
 from dstl.errors import ChangelogError, ConfigurationError, WriterClosedError
 from dstl.format import ChangeSet
 from dstl.scheduler import UploadEntry
@@ -50,11 +51,10 @@ __all__ = ["ChangelogWriter"]
 _EVERY_SQN = 1 << 62
 
 
-class ChangelogWriter:
+class ChangelogWriter(Appender):
     """The ``dstl.api.StateChangelogWriter`` of one operator subtask, on a ``WriterStorage``.
 
-    ``append`` and ``append_many`` are the buffer's bound methods (module doc), so a call costs
-    what the list extend costs."""
+    ``append`` and ``append_many`` (from ``Appender``) extend its buffer (module doc)."""
 
     def __init__(self, storage: WriterStorage, log_id: str, key_group_range: KeyGroupRange) -> None:
         self.log_id = log_id
@@ -62,9 +62,7 @@ class ChangelogWriter:
         self._storage = storage
         self._threshold = storage.config.preemptive_persist_threshold
         #: the changes of the active changeset, driven by the storage's loop thread
-        self.buffer = AppendBuffer(log_id, key_group_range, wait=self._wait_for_capacity)
-        self.append = self.buffer.append
-        self.append_many = self.buffer.append_many
+        self.buffer = AppendBuffer(self, log_id, key_group_range, wait=self._wait_for_capacity)
         self._cut_lock = threading.Lock()
         self._active_sqn = 1
         #: closed, not yet truncated changesets by SQN (ascending); guarded by the storage lock

@@ -31,7 +31,7 @@ import subprocess
 import threading
 from collections.abc import Callable, Iterator
 
-from dstl.append_buffer import AppendBuffer, BufferStatus
+from dstl.append_buffer import AppendBuffer, Appender, BufferStatus
 from dstl.config import ChangelogConfig
 from dstl.errors import ChangelogError, ConfigurationError, WriterClosedError
 from dstl.metrics import ChangelogMetrics
@@ -62,14 +62,14 @@ _log = logging.getLogger(__name__)
 _SHUT = frozenset((BufferStatus.CLOSED, BufferStatus.FENCED, BufferStatus.LOST))
 
 
-class RemoteChangelogWriter:
+class RemoteChangelogWriter(Appender):
     """A ``dstl.api.StateChangelogWriter`` whose changes go to the changelog service (module doc).
 
     Differences from ``ChangelogWriter``: ``persist_durably`` reports a bad ``after`` through its
     future, not by raising; after the connection is lost every call raises
     ``ServiceUnavailableError``, after a newer attempt took the writer over ``FencedWriterError``.
-    Its buffer's status says which (``dstl.append_buffer``); ``append`` and ``append_many`` are
-    the buffer's bound methods, as a local writer's."""
+    Its buffer's status says which (``dstl.append_buffer``); ``append`` and ``append_many``
+    (from ``Appender``) extend the buffer, as a local writer's do."""
 
     def __init__(self, conn: Connection, number: int, log_id: str, key_group_range: KeyGroupRange) -> None:
         self.number = number
@@ -78,10 +78,8 @@ class RemoteChangelogWriter:
         self._conn = conn
         #: the changes not yet shipped; the connection's sender drives it (``outbox``)
         self.buffer = AppendBuffer(
-            log_id, key_group_range, wait=lambda: conn.outbox.wait_drained(self), wake=conn.outbox.wake
+            self, log_id, key_group_range, wait=lambda: conn.outbox.wait_drained(self), wake=conn.outbox.wake
         )
-        self.append = self.buffer.append
-        self.append_many = self.buffer.append_many
         #: appends that waited for the sender (client-side backpressure)
         self.backpressure_waits = 0
 

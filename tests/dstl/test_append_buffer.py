@@ -9,52 +9,55 @@ from typing import Any
 import pytest
 
 from dstl import ChangelogError, ConfigurationError, KeyGroupRange, WriterClosedError
-from dstl.append_buffer import UNMEASURABLE, AppendBuffer, BufferStatus
+from dstl.append_buffer import UNMEASURABLE, AppendBuffer, Appender, BufferStatus
 from tests.polling import wait_until
 
 RANGE = KeyGroupRange(0, 15)
 WAIT_S = 30.0
 
 
-def buffer(wait: Any = lambda: None, wake: Any = lambda: None) -> AppendBuffer:
-    return AppendBuffer("log-1", RANGE, wait=wait, wake=wake)
+class Writer(Appender):
+    """The least owner of a buffer: ``append`` and ``append_many`` (from ``Appender``) and the buffer."""
+
+    def __init__(self, wait: Any = lambda: None, wake: Any = lambda: None) -> None:
+        self.buffer = AppendBuffer(self, "log-1", RANGE, wait=wait, wake=wake)
 
 
 def test_appends_racing_cuts_are_cut_exactly_once_and_in_order() -> None:
-    buf = buffer()
+    w = Writer()
     changes = [(i % 16, i.to_bytes(4, "big")) for i in range(200_000)]
     done = threading.Event()
 
     def operator() -> None:
         for kg, data in changes:
-            buf.append(kg, data)
+            w.append(kg, data)
         done.set()
 
     thread = threading.Thread(target=operator)
     cuts = []
     thread.start()
     while not done.is_set():
-        if (cut := buf.cut()) is not None:
+        if (cut := w.buffer.cut()) is not None:
             cuts.append(cut)
     thread.join()
-    if (cut := buf.cut()) is not None:
+    if (cut := w.buffer.cut()) is not None:
         cuts.append(cut)
     got = [(kg, data) for c in cuts for kg, data in zip(c.key_groups, c.payloads, strict=True)]
     assert got == changes
     assert [c.size for c in cuts] == [sum(map(len, c.payloads)) for c in cuts]
-    assert buf.empty and buf.cut() is None
+    assert w.buffer.empty and w.buffer.cut() is None
 
 
 def test_measure_counts_what_was_appended_since_it_last_looked_and_the_cut_reuses_it() -> None:
-    buf = buffer()
-    buf.append(1, b"abc")
-    assert buf.measure() == 3
-    buf.append_many([2, b"de", 3, b"f"])
-    assert buf.measure() == 6
-    buf.append(4, b"gh")
-    cut = buf.cut()
+    w = Writer()
+    w.append(1, b"abc")
+    assert w.buffer.measure() == 3
+    w.append_many([2, b"de", 3, b"f"])
+    assert w.buffer.measure() == 6
+    w.append(4, b"gh")
+    cut = w.buffer.cut()
     assert cut is not None and cut.size == 8 and list(cut.key_groups) == [1, 2, 3, 4]
-    assert buf.measure() == 0
+    assert w.buffer.measure() == 0
 
 
 @pytest.mark.parametrize(
@@ -67,48 +70,48 @@ def test_measure_counts_what_was_appended_since_it_last_looked_and_the_cut_reuse
     ],
 )
 def test_a_bad_change_fails_the_buffer_at_the_cut_and_every_later_append(pairs: list[Any], problem: str) -> None:
-    buf = buffer()
-    buf.append_many(pairs)
-    assert buf.cut() is None
-    assert buf.status is BufferStatus.FAILED
-    for call in (lambda: buf.check("last_appended_sqn"), lambda: buf.append(0, b"later")):
+    w = Writer()
+    w.append_many(pairs)
+    assert w.buffer.cut() is None
+    assert w.buffer.status is BufferStatus.FAILED
+    for call in (lambda: w.buffer.check("last_appended_sqn"), lambda: w.append(0, b"later")):
         with pytest.raises(ConfigurationError) as exc_info:
             call()
         assert problem in str(exc_info.value)
-    assert buf.close() and buf.status is BufferStatus.CLOSED
+    assert w.buffer.close() and w.buffer.status is BufferStatus.CLOSED
 
 
 def test_a_change_without_a_length_measures_past_every_bound_and_fails_the_cut() -> None:
-    buf = buffer()
-    buf.append(1, b"fine")
-    buf.append(2, None)  # type: ignore[arg-type]
-    assert buf.measure() == UNMEASURABLE
-    assert buf.cut() is None
+    w = Writer()
+    w.append(1, b"fine")
+    w.append(2, None)  # type: ignore[arg-type]
+    assert w.buffer.measure() == UNMEASURABLE
+    assert w.buffer.cut() is None
     with pytest.raises(ConfigurationError, match="changes must be bytes, got NoneType"):
-        buf.check("persist_durably")
+        w.buffer.check("persist_durably")
 
 
 def test_a_closed_buffer_drops_its_changes_and_refuses_appends() -> None:
-    buf = buffer()
-    buf.append(1, b"dropped")
-    assert buf.close()
-    assert not buf.close()  # once
-    assert buf.empty and buf.cut() is None
+    w = Writer()
+    w.append(1, b"dropped")
+    assert w.buffer.close()
+    assert not w.buffer.close()  # once
+    assert w.buffer.empty and w.buffer.cut() is None
     with pytest.raises(WriterClosedError, match="changelog writer log-1 is closed: cannot append"):
-        buf.append(1, b"late")
+        w.append(1, b"late")
 
 
 @pytest.mark.parametrize("status", [BufferStatus.FENCED, BufferStatus.LOST])
 def test_a_fenced_or_lost_buffer_keeps_saying_why_it_died_once_closed(status: BufferStatus) -> None:
-    buf = buffer()
-    buf.append(1, b"never shipped")
-    buf.kill(status, lambda op: ChangelogError(f"{op}: {status.value}"))
-    assert not buf.close()  # nothing to close: it is dead already
-    assert buf.status is status and buf.empty
+    w = Writer()
+    w.append(1, b"never shipped")
+    w.buffer.kill(status, lambda op: ChangelogError(f"{op}: {status.value}"))
+    assert not w.buffer.close()  # nothing to close: it is dead already
+    assert w.buffer.status is status and w.buffer.empty
     with pytest.raises(ChangelogError, match=f"^append: {status.value}$"):
-        buf.append(1, b"late")
+        w.append(1, b"late")
     with pytest.raises(ChangelogError, match=f"^release: {status.value}$"):
-        buf.check("release")
+        w.buffer.check("release")
 
 
 def test_a_gated_append_waits_for_its_owner_then_lands() -> None:
@@ -119,17 +122,17 @@ def test_a_gated_append_waits_for_its_owner_then_lands() -> None:
         waits.append(1)
         assert may_go.wait(WAIT_S)
 
-    buf = buffer(wait=wait)
-    buf.gate()
-    assert buf.gated
-    thread = threading.Thread(target=buf.append, args=(1, b"held back"))
+    w = Writer(wait=wait)
+    w.buffer.gate()
+    assert w.buffer.gated
+    thread = threading.Thread(target=w.append, args=(1, b"held back"))
     thread.start()
     wait_until(lambda: waits == [1], "the append to wait at the gate")
-    assert buf.empty
-    buf.ungate()
+    assert w.buffer.empty
+    w.buffer.ungate()
     may_go.set()
     thread.join(WAIT_S)
-    cut = buf.cut()
+    cut = w.buffer.cut()
     assert cut is not None and cut.payloads == [b"held back"]
 
 
@@ -144,42 +147,42 @@ def test_a_gated_append_raises_when_its_buffer_closes_meanwhile() -> None:
 
     def operator() -> None:
         try:
-            buf.append(1, b"x")
+            w.append(1, b"x")
         except BaseException as exc:
             errors.append(exc)
 
-    buf = buffer(wait=wait)
-    buf.gate()
+    w = Writer(wait=wait)
+    w.buffer.gate()
     thread = threading.Thread(target=operator)
     thread.start()
     assert waiting.wait(WAIT_S)
-    buf.close()
+    w.buffer.close()
     may_go.set()
     thread.join(WAIT_S)
     assert len(errors) == 1 and isinstance(errors[0], WriterClosedError)
-    assert buf.empty
+    assert w.buffer.empty
 
 
 def test_a_parked_buffer_wakes_its_driver_until_it_is_unparked() -> None:
     wakes: list[int] = []
-    buf = buffer(wake=lambda: wakes.append(1))
-    buf.park()
-    buf.append(1, b"a")
-    buf.append(2, b"b")
+    w = Writer(wake=lambda: wakes.append(1))
+    w.buffer.park()
+    w.append(1, b"a")
+    w.append(2, b"b")
     assert len(wakes) == 2
-    buf.unpark()
-    buf.append(3, b"c")
+    w.buffer.unpark()
+    w.append(3, b"c")
     assert len(wakes) == 2
-    cut = buf.cut()
+    cut = w.buffer.cut()
     assert cut is not None and list(cut.key_groups) == [1, 2, 3]
 
 
 def test_gating_parking_and_killing_leave_a_closed_buffer_closed() -> None:
-    buf = buffer()
-    buf.close()
-    buf.gate()
-    buf.park()
-    buf.kill(BufferStatus.LOST, lambda op: ChangelogError(op))
-    assert not buf.gated and buf.status is BufferStatus.CLOSED
+    w = Writer()
+    w.buffer.close()
+    w.buffer.gate()
+    w.buffer.park()
+    w.buffer.kill(BufferStatus.LOST, lambda op: ChangelogError(op))
+    assert not w.buffer.gated and w.buffer.status is BufferStatus.CLOSED
     with pytest.raises(WriterClosedError):
-        buf.append(1, b"x")
+        w.append(1, b"x")
