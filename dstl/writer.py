@@ -1,26 +1,32 @@
 """The per-operator changelog writer: a one-operation append path and SQN bookkeeping.
 
-``append`` is on the hot path of every state mutation, so it does one thing: extend a list with
-the pair ``(key_group, data)`` - a single C-level operation, atomic under the GIL. No size check,
-no lock, no key-group check runs per call (each would cost as much as the append itself):
+``append`` is on the hot path of every state mutation, so it extends the writer's
+``AppendBuffer`` (``dstl.append_buffer``, whose ``Appender`` gives the writer its ``append``): one
+list extend, no size check, lock or validation per call. The writer numbers what the buffer cuts
+and hands it to its storage:
 
 - *Memory bound (pre-emptive persist).* The storage's loop thread looks at every writer every few
-  milliseconds; when the active changeset passed ``preemptive_persist_threshold`` it *cuts* it and
-  queues it for upload. A cut copies the first ``n`` items and deletes exactly those, two atomic
-  list operations, so an append racing with it lands in the next changeset: nothing is lost or
-  duplicated, and the list object ``append`` uses never changes.
+  milliseconds (``check_preemptive``); when the buffer measures past
+  ``preemptive_persist_threshold`` it is cut and the changeset queued for upload.
 - *Backpressure.* When the bytes held for uploads (changesets uploading or failed, and their
-  encoded files) exceed ``max_in_flight_bytes``, the loop thread points ``_records`` at a gate
-  whose ``+=`` blocks the operator thread until they drain, then appends; if the writer or its
-  storage closes meanwhile, the append raises ``WriterClosedError`` (``dstl.storage.throttle``
-  says what ends a wait).
+  encoded files) exceed ``max_in_flight_bytes``, the loop thread gates the buffer: the next
+  append waits in ``WriterStorage.wait_for_capacity`` until they drain, then appends; if the
+  writer or its storage closes meanwhile, the append raises ``WriterClosedError``
+  (``dstl.storage.throttle`` says what ends a wait).
 - *Validation.* Key groups (range) and payload types (``bytes``) are checked once per changeset,
-  vectorized, when it is cut. A bad one fails the writer: the next ``last_appended_sqn`` or
+  at the cut. A bad one fails the writer: its next append, ``last_appended_sqn`` or
   ``persist_durably`` raises an error naming the writer and the key group.
 
+A cut and the SQN it gets are one step (``_cut_lock``): the loop thread's pre-emptive cut and the
+operator's ``last_appended_sqn`` must number changesets in the order they were cut.
+
+Handles are the writer's too: once a persist's segments are durable it builds the handle and
+holds it (a reference per segment in the storage's file registry) until ``confirm`` or
+``release``; ``close`` hands over the ones still held (``dstl.storage.registry``). A persist
+completing after the close fails instead of taking a reference nobody would drop.
+
 ``data`` must be immutable ``bytes``: the writer keeps a reference, not a copy. A writer is used
-from one thread (the operator's), like Flink's task thread. On a free-threaded CPython build the
-list operations are not atomic, so ``append`` takes a lock there.
+from one thread (the operator's), like Flink's task thread.
 
 Uploaded changesets drop their data and keep only their ``SegmentRef`` until truncated.
 """
@@ -28,81 +34,55 @@ Uploaded changesets drop their data and keep only their ``SegmentRef`` until tru
 from __future__ import annotations
 
 import concurrent.futures
-import sys
+import functools
 import threading
-from array import array
-from typing import Any, Protocol
+from collections import Counter
+from collections.abc import Collection
+from typing import Protocol
 
 from dstl.api import StateChangelogWriter
+from dstl.append_buffer import AppendBuffer, Appender, BufferStatus
 from dstl.config import ChangelogConfig
-from dstl.errors import ConfigurationError, WriterClosedError
+from dstl.errors import ChangelogError, ConfigurationError, WriterClosedError
 from dstl.format import ChangeSet
 from dstl.scheduler import UploadEntry
-from dstl.types import ChangelogHandle, KeyGroupRange, Note, SequenceNumber
+from dstl.types import ChangelogHandle, KeyGroupRange, Note, SegmentRef, SequenceNumber
 
 __all__ = ["ChangelogWriter", "WriterStorage"]
 
-_GIL_ENABLED = getattr(sys, "_is_gil_enabled", lambda: True)()
 #: a ``truncate_entries`` bound above every SQN a writer can reach
 _EVERY_SQN = 1 << 62
 
 
-class _BackpressureGate:
-    """Stands in for the active list while too many bytes are in flight (see module doc)."""
+class ChangelogWriter(Appender):
+    """The ``dstl.api.StateChangelogWriter`` of one operator subtask, on a ``WriterStorage``.
 
-    def __init__(self, writer: ChangelogWriter) -> None:
-        self._writer = writer
-
-    def __iadd__(self, items: tuple[int, bytes] | list[Any]) -> list[Any]:
-        writer = self._writer
-        writer._storage.wait_for_capacity(writer)
-        writer._records = writer._active
-        writer._active += items
-        return writer._active
-
-
-class ChangelogWriter:
-    """The ``dstl.api.StateChangelogWriter`` of one operator subtask, on a ``WriterStorage`` (below)."""
+    ``append`` and ``append_many`` (from ``Appender``) extend its buffer (module doc)."""
 
     def __init__(self, storage: WriterStorage, log_id: str, key_group_range: KeyGroupRange) -> None:
         self.log_id = log_id
         self.key_group_range = key_group_range
         self._storage = storage
         self._threshold = storage.config.preemptive_persist_threshold
-        #: the active changeset: key group, payload, key group, payload, ...
-        self._active: list[Any] = []
-        self._records: Any = self._active
-        self._gate = _BackpressureGate(self)
+        #: the changes of the active changeset, driven by the storage's loop thread
+        self.buffer = AppendBuffer(self, log_id, key_group_range, wait=self._wait_for_capacity)
         self._cut_lock = threading.Lock()
-        self._measured = 0  # items of _active whose bytes are counted in _measured_bytes
-        self._measured_bytes = 0
         self._active_sqn = 1
-        self._failure: Exception | None = None
         #: closed, not yet truncated changesets by SQN (ascending); guarded by the storage lock
         self.entries: dict[int, UploadEntry] = {}
         self._truncated_before = 1
-        self.closed = False
-        if not _GIL_ENABLED:  # pragma: no cover - free-threaded builds only
-            self.append = self._append_locked  # type: ignore[method-assign]
+        #: handles handed out and not yet confirmed or released, and how often
+        self._held: Counter[ChangelogHandle] = Counter()
+        self._holds_lock = threading.Lock()
 
-    # -- hot path -------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self.buffer.status is BufferStatus.CLOSED
 
-    def append(self, key_group: int, data: bytes) -> None:
-        """Append one change of ``key_group``; in memory, never does I/O (see module doc)."""
-        records = self._records
-        records += (key_group, data)
-
-    def append_many(self, pairs: list[Any]) -> None:
-        """Append many changes at once: ``[key_group, data, key_group, data, ...]``, in order."""
-        if len(pairs) % 2:
-            raise ConfigurationError(f"append_many(pairs): {len(pairs)} items are not key group and data pairs")
-        records = self._records
-        records += pairs
-
-    def _append_locked(self, key_group: int, data: bytes) -> None:  # pragma: no cover
-        with self._cut_lock:
-            records = self._records
-            records += (key_group, data)
+    def _wait_for_capacity(self) -> None:
+        """An append at the gate: wait until the bytes not yet durable are within the bound."""
+        self._storage.wait_for_capacity(self)
+        self.buffer.ungate()
 
     # -- changesets -----------------------------------------------------------------------
 
@@ -112,71 +92,39 @@ class ChangelogWriter:
         ``scheduled`` marks the entry as already queued for upload in the same step that makes it
         visible in ``entries``: a persist request racing with a pre-emptive cut must never see
         the entry unscheduled and queue it a second time."""
-        active = self._active
-        n = len(active)
-        if not n:
-            return None
-        chunk = active[:n]
-        del active[:n]
-        measured, size = self._measured, self._measured_bytes
-        self._measured = self._measured_bytes = 0
-        payloads = chunk[1::2]
-        try:
-            if not set(map(type, payloads)) <= {bytes}:
-                bad = next(p for p in payloads if type(p) is not bytes)
-                raise TypeError(f"changes must be bytes, got {type(bad).__name__}")
-            size += sum(map(len, chunk[measured + 1 :: 2]))
-            kgs = array("H", chunk[0::2])
-        except (TypeError, OverflowError) as exc:
-            self._failure = ConfigurationError(f"changelog writer {self.log_id}: bad change appended: {exc}")
-            return None
-        rng = self.key_group_range
-        lo, hi = min(kgs), max(kgs)
-        if lo < rng.start or hi > rng.end:
-            self._failure = ConfigurationError(
-                f"changelog writer {self.log_id} owns key groups [{rng.start}, {rng.end}] "
-                f"but key group {lo if lo < rng.start else hi} was appended"
-            )
+        cut = self.buffer.cut()
+        if cut is None:
             return None
         sqn = self._active_sqn
         entry = UploadEntry(
-            changeset=ChangeSet(self.log_id, sqn, kgs, payloads, size), sqn=sqn, size=size, scheduled=scheduled
+            changeset=ChangeSet(self.log_id, sqn, cut.key_groups, cut.payloads, cut.size),
+            sqn=sqn,
+            size=cut.size,
+            scheduled=scheduled,
         )
         with self._storage.lock:
             self.entries[sqn] = entry
         self._active_sqn += 1
         return entry
 
-    def _rollover(self) -> int:
+    def _rollover(self, op: str) -> int:
         """Close the active changeset; returns the SQN of the last closed one."""
-        if self.closed:
-            raise WriterClosedError(f"changelog writer {self.log_id} is closed")
         with self._cut_lock:
             self._cut_locked()
             last = self._active_sqn - 1
-        if self._failure is not None:
-            raise self._failure
+        self.buffer.check(op)  # closed, or a bad change failed the writer
         return last
 
     def check_preemptive(self) -> UploadEntry | None:
         """Loop thread: cut the active changeset if it passed the pre-emptive threshold."""
         with self._cut_lock:
-            active = self._active
-            n = len(active)
-            if n > self._measured:
-                self._measured_bytes += sum(map(len, active[self._measured + 1 : n : 2]))
-                self._measured = n
-            if self._measured_bytes < self._threshold or self.closed:
+            if self.buffer.measure() < self._threshold:
                 return None
             return self._cut_locked(scheduled=True)
 
-    def set_backpressure(self, on: bool) -> None:
-        """Loop thread: make the next append wait for capacity (``on``) or not."""
-        self._records = self._gate if on else self._active
-
     def last_appended_sqn(self) -> SequenceNumber:
         """Close the active changeset; every change appended so far has an SQN <= the result."""
-        return SequenceNumber(self._rollover())
+        return SequenceNumber(self._rollover("last_appended_sqn"))
 
     def persist_durably(self, after: int, note: Note | None = None) -> concurrent.futures.Future[ChangelogHandle]:
         """Make every change with SQN > ``after`` durable; the future yields their handle. A
@@ -188,7 +136,7 @@ class ChangelogWriter:
         uploaded again. May block while the bytes uploading would exceed ``max_in_flight_bytes``
         (backpressure); raises ``WriterClosedError`` if the writer closes meanwhile.
         """
-        upto = self._rollover()
+        upto = self._rollover("persist_durably")
         if after < 0 or after > upto:
             raise ConfigurationError(f"persist_durably(after={after}) outside [0, {upto}] for writer {self.log_id}")
         if after + 1 < self._truncated_before:
@@ -206,9 +154,40 @@ class ChangelogWriter:
                     e.failed = False
                     retried += e.size
         self._storage.reserve_in_flight(self, sum(e.size for e in new) - retried, retried)
+        segments = self._storage.submit_persist(self, entries, new, after, upto, note)
         result: concurrent.futures.Future[ChangelogHandle] = concurrent.futures.Future()
-        self._storage.submit_persist(self, entries, new, after, upto, result, note)
+        segments.add_done_callback(functools.partial(self._hand_out, after, upto, result))
         return result
+
+    def _hand_out(
+        self,
+        after: int,
+        upto: int,
+        result: concurrent.futures.Future[ChangelogHandle],
+        segments: concurrent.futures.Future[list[SegmentRef]],
+    ) -> None:
+        """The storage's loop thread, once a persist's segments are durable: resolve ``result``
+        with their handle, holding its files until it is confirmed or released."""
+        error = segments.exception()
+        if error is not None:
+            result.set_exception(error)
+            return
+        handle = ChangelogHandle(self.log_id, self.key_group_range, after, upto, tuple(segments.result()))
+        with self._holds_lock:
+            if self.closed:
+                result.set_exception(WriterClosedError(f"changelog writer {self.log_id} was closed"))
+                return
+            gone = self._storage.hold_files(_segment_paths(handle))
+            if gone is not None:
+                result.set_exception(
+                    ChangelogError(
+                        f"changelog writer {self.log_id}: changes after sqn {after} were truncated while "
+                        f"being persisted; file {gone} is already released"
+                    )
+                )
+                return
+            self._held[handle] += 1
+        result.set_result(handle)
 
     def truncate(self, before: int) -> None:
         """Forget changesets with SQN < ``before`` (they are materialized or subsumed).
@@ -227,7 +206,7 @@ class ChangelogWriter:
         """This writer will call ``persist_durably`` soon: a flush may wait for it (up to
         ``expected_persist_wait_ms``) so that its changes share the file (``dstl.scheduler``)."""
         if self.closed:
-            raise WriterClosedError(f"changelog writer {self.log_id} is closed")
+            self.buffer.check("expect_persist")
         self._storage.expect_persist(self)
 
     @property
@@ -238,24 +217,45 @@ class ChangelogWriter:
     def confirm(self, handle: ChangelogHandle) -> None:
         """The checkpoint holding ``handle`` completed: its files now belong to that checkpoint
         (and the shared-state registry), so this storage never deletes them."""
-        self._storage.confirm_handle(handle)
+        held = self._unhold(handle)
+        self._storage.hand_over_files(handle.files)
+        if held:
+            self._storage.release_files(_segment_paths(handle))
 
     def release(self, handle: ChangelogHandle) -> None:
         """The checkpoint holding ``handle`` was aborted or the handle is not needed any more."""
-        self._storage.release_handle(handle)
+        if self._unhold(handle):
+            self._storage.release_files(_segment_paths(handle))
+
+    def _unhold(self, handle: ChangelogHandle) -> bool:
+        """Stop holding ``handle`` once; False if this writer did not hold it (any more)."""
+        with self._holds_lock:
+            if not self._held[handle]:
+                return False
+            self._held[handle] -= 1
+            if not self._held[handle]:
+                del self._held[handle]
+            return True
 
     def close(self) -> None:
         """Drop every changeset. Files of handles handed out and not yet confirmed or released
         are handed over (kept: their checkpoint may have completed, see ``dstl.storage.registry``);
         other files no confirmed checkpoint owns are deleted."""
-        if self.closed:
+        if not self.buffer.close():
             return
-        self.closed = True
-        with self._cut_lock:
-            del self._active[:]
-        self._records = self._active
         self._storage.truncate_entries(self.entries, _EVERY_SQN)
+        with self._holds_lock:  # a persist completing from now on sees the writer closed
+            held, self._held = self._held, Counter()
+        for handle, count in held.items():
+            self._storage.hand_over_files(handle.files)
+            for _ in range(count):
+                self._storage.release_files(_segment_paths(handle))
         self._storage.close_writer(self)
+
+
+def _segment_paths(handle: ChangelogHandle) -> list[str]:
+    """A handle's references: one per segment (a file holding two of its segments counts twice)."""
+    return [ref.path for ref in handle.segments]
 
 
 class WriterStorage(Protocol):
@@ -288,12 +288,11 @@ class WriterStorage(Protocol):
         new: list[UploadEntry],
         after: int,
         upto: int,
-        result: concurrent.futures.Future[ChangelogHandle],
         note: Note | None = None,
-    ) -> None:
-        """Upload ``new`` (a subset of ``entries``), then resolve ``result`` with the handle of
-        ``entries`` (SQNs ``after < sqn <= upto``) once every one of them is durable, and the
-        file carrying ``note`` too."""
+    ) -> concurrent.futures.Future[list[SegmentRef]]:
+        """Upload ``new`` (a subset of ``entries``, SQNs ``after < sqn <= upto``); the future
+        yields the segments of ``entries`` once every one of them is durable, and the file
+        carrying ``note`` too (it is resolved on the storage's loop thread)."""
         ...
 
     def truncate_entries(self, entries: dict[int, UploadEntry], before: int) -> None:
@@ -304,9 +303,19 @@ class WriterStorage(Protocol):
         """``writer`` will persist soon: flushes may wait for it (``dstl.scheduler``, rule c)."""
         ...
 
-    def confirm_handle(self, handle: ChangelogHandle) -> None: ...
-    def release_handle(self, handle: ChangelogHandle) -> None: ...
+    def hold_files(self, paths: Collection[str]) -> str | None:
+        """A reference to each of ``paths`` (a handle's, one per segment), all or none: the first
+        path already released is returned and nothing is held."""
+        ...
+
+    def release_files(self, paths: Collection[str]) -> None:
+        """Drop the references ``hold_files`` took."""
+        ...
+
+    def hand_over_files(self, paths: Collection[str]) -> None:
+        """These files belong to a checkpoint now (or may): never deleted by this storage."""
+        ...
+
     def close_writer(self, writer: StateChangelogWriter) -> None:
-        """Hand over every handle of the writer not yet confirmed or released (its files are kept,
-        as a confirmed handle's) and forget it (its entries are truncated first)."""
+        """Forget the writer: it truncated its entries and handed over its held handles' files."""
         ...

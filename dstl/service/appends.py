@@ -5,9 +5,9 @@ other message is JSON. Its payload is ``<u32 writer><u32 n>``, the key groups as
 ``array('H')``, the lengths as ``array('I')`` (little-endian, whatever the host), then the
 payloads back to back, so encoding and decoding are a few C-level operations per frame, not per
 change. ``APPEND`` has no reply: the client streams, and an error surfaces on the writer's next
-control call. ``append_frames`` cuts a writer's buffered changes into frames of bounded size and
-is where a bad change (not bytes, a key group out of range, larger than a frame) is refused,
-once per cut, as ``ChangelogWriter`` validates at its cut.
+control call. ``append_frames`` cuts changes into frames of bounded size; a bad change (not bytes,
+a key group out of range) is refused by the same check as an ``AppendBuffer``'s cut
+(``dstl.append_buffer.check_changes``), and one larger than a frame here.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from dstl.append_buffer import check_changes
 from dstl.errors import ConfigurationError, ProtocolError
 from dstl.service.framing import MAX_PAYLOAD, Kind, pack_frame
 
-__all__ = ["Append", "append_frames"]
+__all__ = ["Append", "append_frames", "encode_frames"]
 
 _APPEND_HEAD = struct.Struct("<II")
 _SWAP = sys.byteorder == "big"  # arrays travel little-endian
@@ -76,17 +77,17 @@ def _columns_payload(writer: int, kgs: array[int], lengths: array[int], payloads
 def append_frames(writer: int, pairs: list[Any], max_bytes: int, request_id: int = 0) -> list[bytes]:
     """Encode ``pairs`` as APPEND frames of about ``max_bytes`` of changes each (at least one change
     per frame). A bad change raises ``ConfigurationError`` saying what is wrong: a payload that is
-    not ``bytes``, a key group that is not an integer in [0, 65535], a change past ``MAX_PAYLOAD``."""
-    key_groups = pairs[0::2]
-    payloads = pairs[1::2]
-    if not set(map(type, payloads)) <= {bytes}:
-        bad = next(p for p in payloads if type(p) is not bytes)
-        raise ConfigurationError(f"changes must be bytes, got {type(bad).__name__}")
-    try:
-        kgs = array("H", key_groups)
-    except (TypeError, OverflowError) as exc:
-        bad = next((k for k in key_groups if type(k) is not int or not 0 <= k <= 0xFFFF), None)
-        raise ConfigurationError(f"key group {bad!r} is not an integer in [0, 65535] ({exc})") from None
+    not ``bytes``, a key group that is not an integer in [0, 65535] (``check_changes``), a change
+    past ``MAX_PAYLOAD``."""
+    kgs, payloads = check_changes(pairs)
+    return encode_frames(writer, kgs, payloads, max_bytes, request_id)
+
+
+def encode_frames(
+    writer: int, kgs: array[int], payloads: list[bytes], max_bytes: int, request_id: int = 0
+) -> list[bytes]:
+    """``append_frames`` of changes checked already (an ``AppendBuffer``'s cut): only a change
+    past ``MAX_PAYLOAD`` is refused here."""
     try:
         lengths = array("I", map(len, payloads))
     except OverflowError:

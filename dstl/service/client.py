@@ -10,11 +10,12 @@ one file per flush.
 
 Why it is shaped so:
 
-- *The writer's hot path is ``ChangelogWriter``'s:* ``append`` extends a list the connection's
-  sender cuts and ships (``outbox``); control calls are requests on the connection, each behind
-  the writer's buffered appends. A call waits for its reply and ``persist_durably``'s future for
-  its handle as long as the service is alive; one that stops answering is declared lost by the
-  connection's liveness rule (``liveness``), which fails them all at once.
+- *The writer's hot path is ``ChangelogWriter``'s:* ``append`` is an ``AppendBuffer``'s
+  (``dstl.append_buffer``), which the connection's sender cuts and ships (``outbox``); control
+  calls are requests on the connection, each behind the writer's buffered appends. A call waits
+  for its reply and ``persist_durably``'s future for its handle as long as the service is alive;
+  one that stops answering is declared lost by the connection's liveness rule (``liveness``),
+  which fails them all at once.
 - *A writer never reconnects* (its SQNs died with its connection): after the connection is lost
   every call of it raises. ``create_writer`` on a storage whose connection was lost connects
   again, starting a new service if needed (``launch``).
@@ -30,9 +31,9 @@ import os
 import subprocess
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 from dstl.api import DfsFiles
+from dstl.append_buffer import AppendBuffer, Appender, BufferStatus
 from dstl.config import ChangelogConfig
 from dstl.errors import ChangelogError, ConfigurationError, WriterClosedError
 from dstl.metrics import ChangelogMetrics
@@ -40,7 +41,6 @@ from dstl.service.configjson import fingerprint
 from dstl.service.connection import Connection, expect
 from dstl.service.launch import START_TIMEOUT_MS, reach_service, service_socket_path
 from dstl.service.liveness import Liveness
-from dstl.service.outbox import WriterBuffer
 from dstl.service.protocol import (
     Ack,
     CloseWriter,
@@ -60,41 +60,41 @@ from dstl.types import ChangelogHandle, KeyGroupRange, Note, NotedHandle, Sequen
 __all__ = ["RemoteChangelogStorage", "RemoteChangelogWriter"]
 
 _log = logging.getLogger(__name__)
+#: the statuses in which nothing of a writer is open on the service any more
+_SHUT = frozenset((BufferStatus.CLOSED, BufferStatus.FENCED, BufferStatus.LOST))
 
 
-class RemoteChangelogWriter(WriterBuffer):
+class RemoteChangelogWriter(Appender):
     """A ``dstl.api.StateChangelogWriter`` whose changes go to the changelog service (module doc).
 
     Differences from ``ChangelogWriter``: ``persist_durably`` reports a bad ``after`` through its
     future, not by raising; after the connection is lost every call raises
-    ``ServiceUnavailableError``, after a newer attempt took the writer over ``FencedWriterError``."""
+    ``ServiceUnavailableError``, after a newer attempt took the writer over ``FencedWriterError``.
+    Its buffer's status says which (``dstl.append_buffer``); ``append`` and ``append_many``
+    (from ``Appender``) extend the buffer, as a local writer's do."""
 
     def __init__(self, conn: Connection, number: int, log_id: str, key_group_range: KeyGroupRange) -> None:
-        super().__init__(conn.outbox, number, log_id)
+        self.number = number
+        self.log_id = log_id
         self.key_group_range = key_group_range
         self._conn = conn
+        #: the changes not yet shipped; the connection's sender drives it (``outbox``)
+        self.buffer = AppendBuffer(
+            self, log_id, key_group_range, wait=lambda: conn.outbox.wait_drained(self), wake=conn.outbox.wake
+        )
+        #: appends that waited for the sender (client-side backpressure)
+        self.backpressure_waits = 0
 
-    # -- hot path -------------------------------------------------------------------------
-
-    def append(self, key_group: int, data: bytes) -> None:
-        """Append one change of ``key_group``; in memory, never does I/O (see module doc)."""
-        records = self._records
-        records += (key_group, data)
-
-    def append_many(self, pairs: list[Any]) -> None:
-        """Append many changes at once: ``[key_group, data, key_group, data, ...]``, in order."""
-        if len(pairs) % 2:
-            raise ConfigurationError(f"append_many(pairs): {len(pairs)} items are not key group and data pairs")
-        records = self._records
-        records += pairs
+    @property
+    def closed(self) -> bool:
+        """True once closed, fenced or its service lost: nothing of it is open on the service."""
+        return self.buffer.status in _SHUT
 
     # -- control calls ----------------------------------------------------------------------
 
     def _usable(self, op: str) -> None:
-        if self._dead is not None:
-            raise self._dead(op)
         if self.closed:
-            raise WriterClosedError(f"changelog writer {self.log_id} is closed: cannot {op}")
+            self.buffer.check(op)
 
     def last_appended_sqn(self) -> SequenceNumber:
         """Close the active changeset (on the service); every change appended so far is <= the result."""
@@ -119,7 +119,7 @@ class RemoteChangelogWriter(WriterBuffer):
         return future
 
     def _control(self, op: str, message: Message) -> None:
-        if self.closed and self._dead is None:
+        if self.buffer.status is BufferStatus.CLOSED:
             return  # as ChangelogWriter: a closed writer holds nothing any more
         self._usable(op)
         self._conn.call(message, op, self, expect(Ack))
@@ -134,7 +134,7 @@ class RemoteChangelogWriter(WriterBuffer):
     @property
     def usable(self) -> bool:
         """False once the writer can never persist again: closed, fenced, or its service lost."""
-        return self._dead is None and not self.closed
+        return not self.closed
 
     def confirm(self, handle: ChangelogHandle) -> None:
         self._control("confirm", Confirm(self.number, handle))

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dstl.append_buffer import BufferStatus
 from dstl.config import ChangelogConfig
 from dstl.errors import (
     ChangelogError,
@@ -52,7 +53,7 @@ from dstl.errors import (
     WriterClosedError,
 )
 from dstl.service.liveness import Liveness, probe
-from dstl.service.outbox import IDLE_WAKE_S, Outbox, WriterBuffer
+from dstl.service.outbox import IDLE_WAKE_S, BufferedWriter, Outbox
 from dstl.service.protocol import (
     JOIN_S,
     PROTOCOL_VERSION,
@@ -88,7 +89,7 @@ def expect(cls: type[Any], convert: Callable[[Any], Any] = lambda m: m) -> Calla
     return check
 
 
-def _what(op: str, writer: WriterBuffer | None) -> str:
+def _what(op: str, writer: BufferedWriter | None) -> str:
     return f"{op} of writer {writer.log_id}" if writer is not None else op
 
 
@@ -96,7 +97,7 @@ def _what(op: str, writer: WriterBuffer | None) -> str:
 class _Pending:
     future: concurrent.futures.Future[Any]
     op: str
-    writer: WriterBuffer | None
+    writer: BufferedWriter | None
     convert: Callable[[Message], Any]
     callback_thread: bool = False
 
@@ -144,7 +145,7 @@ class Connection:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def error(self, op: str, writer: WriterBuffer | None) -> ChangelogError:
+    def error(self, op: str, writer: BufferedWriter | None) -> ChangelogError:
         """The error of an operation the lost connection ended."""
         what = _what(op, writer)
         if self.closed:
@@ -158,7 +159,7 @@ class Connection:
         self,
         message: Message,
         op: str,
-        writer: WriterBuffer | None,
+        writer: BufferedWriter | None,
         convert: Callable[[Message], Any],
         callback_thread: bool = False,
     ) -> tuple[int, concurrent.futures.Future[Any]]:
@@ -169,8 +170,8 @@ class Connection:
                 raise self.error(op, writer)
             if writer is not None:
                 self.outbox.cut_locked(writer)
-                if writer._failure is not None and op in ("last_appended_sqn", "persist_durably"):
-                    raise writer._failure
+                if op in ("last_appended_sqn", "persist_durably"):
+                    writer.buffer.check(op)  # a bad change failed the writer
             request_id = next(self._ids) & 0xFFFFFFFF
             while not request_id or request_id in self._pending:  # 0 is the service's own
                 request_id = next(self._ids) & 0xFFFFFFFF
@@ -183,7 +184,7 @@ class Connection:
         self,
         message: Message,
         op: str,
-        writer: WriterBuffer | None,
+        writer: BufferedWriter | None,
         convert: Callable[[Message], Any],
         deadline_ms: int | None = None,
     ) -> Any:
@@ -223,22 +224,22 @@ class Connection:
         opened: Opened = self.call(OpenWriter(operator_id, key_group_range), "create_writer", None, expect(Opened))
         return opened
 
-    def register(self, writer: WriterBuffer) -> None:
+    def register(self, writer: BufferedWriter) -> None:
         """Start shipping the buffer of a writer ``open_writer`` opened (dead at once if the
         connection was lost meanwhile)."""
         with self._lock:
             if self.lost is None:
                 self.outbox.writers[writer.number] = writer
             else:
-                writer._kill(lambda op: self.error(op, writer))
+                writer.buffer.kill(BufferStatus.LOST, lambda op: self.error(op, writer))
         self._wake.set()
 
-    def discard(self, writer: WriterBuffer) -> bool:
+    def discard(self, writer: BufferedWriter) -> bool:
         """The writer is closed: drop its buffered changes and wake appends waiting at its gate.
         True if the service may still hold it (then the caller closes it there); False if it was
         closed already, or dead, or the connection lost."""
         with self._lock:
-            return self.outbox.discard_locked(writer) and writer._dead is None and self.lost is None
+            return self.outbox.discard_locked(writer) and self.lost is None
 
     # -- threads ----------------------------------------------------------------------------
 
@@ -376,7 +377,7 @@ class Connection:
     def _track_probe(self, sock: socket.socket | None) -> None:
         self._probe_sock = sock
 
-    def _fence(self, writer: WriterBuffer, message: str) -> None:
+    def _fence(self, writer: BufferedWriter, message: str) -> None:
         with self._lock:
             self.outbox.kill_locked(writer, lambda op: FencedWriterError(message))
 

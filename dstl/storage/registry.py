@@ -8,12 +8,13 @@ and no confirmed checkpoint owns the file, it is deleted (unless the storage doe
 files). Once a handle is confirmed, its files belong to the checkpoint (the shared-state registry
 deletes them when no retained checkpoint references them).
 
-A handle handed out and neither confirmed nor released when its writer closes is handed over
-(``close_writer``), as if confirmed: it may be in a ``_metadata`` already, and only the
-coordinator knows whether that checkpoint completed. Its files are never deleted from here,
-whatever closes first (the backend, or the storage closing every writer as a process shuts its
-log down); the orphan scan of the next recovery removes them if no completed checkpoint names
-them. A handle released before the close (its checkpoint aborted or subsumed) is not held.
+Handles are the writer's (``dstl.writer``): it builds them, knows which it holds, and tells the
+registry only about files: ``hold`` and ``release`` a reference per segment, ``hand_over`` the
+files of a confirmed handle, or of one still held when the writer closes (it may be in a
+``_metadata`` already, and only the coordinator knows whether that checkpoint completed). Handed
+over files are never deleted from here, whatever closes first (the backend, or the storage
+closing every writer as a process shuts its log down); the orphan scan of the next recovery
+removes them if no completed checkpoint names them.
 
 A file whose count drops to zero is deleted in the background by the storage's files
 (``dstl.storage.files.RetryingDfsFiles.delete_later``: retried, waited for by ``flush`` and
@@ -25,17 +26,13 @@ The counts are touched from the loop thread (uploads finishing) and from writer 
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import threading
-from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from dstl.api import StateChangelogWriter
-from dstl.errors import ChangelogError, StorageClosedError, WriterClosedError
 from dstl.scheduler import UploadEntry
 from dstl.storage.files import RetryingDfsFiles
-from dstl.types import ChangelogHandle, SegmentRef
 from dstl.writer import ChangelogWriter
 
 __all__ = ["FileRegistry"]
@@ -56,7 +53,6 @@ class FileRegistry:
         self.owns_files = owns_files
         self._dfs = files
         self._files: dict[str, _FileState] = {}
-        self._holds: Counter[ChangelogHandle] = Counter()
         self._writers: dict[str, ChangelogWriter] = {}
 
     # -- writers --------------------------------------------------------------------------
@@ -68,12 +64,7 @@ class FileRegistry:
         return list(self._writers.values())
 
     def close_writer(self, writer: StateChangelogWriter) -> None:
-        """Hand over every handle of the writer still held (see the module doc) and forget it
-        (its entries are truncated)."""
-        with self.lock:
-            for handle in [h for h in self._holds if h.log_id == writer.log_id]:
-                for _ in range(self._holds[handle]):
-                    self._confirm_locked(handle)
+        """Forget the writer (it truncated its entries and handed over its handles first)."""
         self._writers.pop(writer.log_id, None)
 
     # -- files of the scheduler's uploads (loop thread) ------------------------------------
@@ -94,46 +85,6 @@ class FileRegistry:
             for entry in batch:
                 entry.scheduled = False  # the next persist request uploads it again
 
-    async def complete_persist(
-        self,
-        writer: StateChangelogWriter,
-        futures: list[asyncio.Future[SegmentRef] | None],
-        after: int,
-        upto: int,
-        result: concurrent.futures.Future[ChangelogHandle],
-        noted: asyncio.Future[None] | None = None,
-    ) -> None:
-        """Once every segment is uploaded (and the file holding the persist's note, if it has
-        one), hand out the handle, holding a reference to its files."""
-        try:
-            refs: list[SegmentRef] = list(await asyncio.gather(*futures))  # type: ignore[arg-type]
-            if noted is not None:
-                await noted
-        except asyncio.CancelledError:  # by a close that timed out: the caller must not wait forever
-            result.set_exception(StorageClosedError("the changelog storage closed before this persist finished"))
-            raise
-        except Exception as exc:
-            result.set_exception(exc)
-            return
-        handle = ChangelogHandle(writer.log_id, writer.key_group_range, after, upto, tuple(refs))
-        with self.lock:
-            if writer.closed:
-                result.set_exception(WriterClosedError(f"changelog writer {writer.log_id} was closed"))
-                return
-            gone = [ref.path for ref in refs if ref.path not in self._files]
-            if gone:  # truncate() released every reference before this handle could take one
-                result.set_exception(
-                    ChangelogError(
-                        f"changelog writer {writer.log_id}: changes after sqn {after} were truncated while "
-                        f"being persisted; file {gone[0]} is already released"
-                    )
-                )
-                return
-            self._holds[handle] += 1
-            for ref in refs:
-                self._files[ref.path].refs += 1
-        result.set_result(handle)
-
     # -- references from writers and checkpoints (any thread) ------------------------------
 
     def truncate_entries(self, entries: dict[int, UploadEntry], before: int) -> None:
@@ -144,13 +95,29 @@ class FileRegistry:
                 if entry.ref is not None:
                     self._release_ref(entry.ref.path)
 
-    def confirm_handle(self, handle: ChangelogHandle) -> None:
+    def hold(self, paths: Collection[str]) -> str | None:
+        """One more reference to each of ``paths`` (a handle's segments: a path once per segment),
+        all or none: the first path no longer tracked (every reference to it was released, by
+        truncation, before the handle could take one) is returned and nothing is held."""
         with self.lock:
-            self._confirm_locked(handle)
+            gone = next((path for path in paths if path not in self._files), None)
+            if gone is None:
+                for path in paths:
+                    self._files[path].refs += 1
+            return gone
 
-    def release_handle(self, handle: ChangelogHandle) -> None:
+    def release(self, paths: Collection[str]) -> None:
+        """Drop a reference to each of ``paths`` that ``hold`` took."""
         with self.lock:
-            self._drop_hold(handle)
+            for path in paths:
+                self._release_ref(path)
+
+    def hand_over(self, paths: Collection[str]) -> None:
+        """These files belong to a checkpoint now (or may: module doc): never deleted from here."""
+        with self.lock:
+            for path in paths:
+                if path in self._files:
+                    self._files[path].confirmed = True
 
     def tracked_files(self) -> dict[str, tuple[int, bool]]:
         """Files still tracked: path -> (references, confirmed). For tests and tools."""
@@ -158,21 +125,6 @@ class FileRegistry:
             return {p: (s.refs, s.confirmed) for p, s in self._files.items()}
 
     # -- under self.lock -------------------------------------------------------------------
-
-    def _confirm_locked(self, handle: ChangelogHandle) -> None:
-        for path in handle.files:
-            if path in self._files:
-                self._files[path].confirmed = True
-        self._drop_hold(handle)
-
-    def _drop_hold(self, handle: ChangelogHandle) -> None:
-        if handle not in self._holds:
-            return
-        self._holds[handle] -= 1
-        if not self._holds[handle]:
-            del self._holds[handle]
-        for ref in handle.segments:
-            self._release_ref(ref.path)
 
     def _release_ref(self, path: str, count: int = 1) -> None:
         state = self._files.get(path)

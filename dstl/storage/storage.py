@@ -29,12 +29,12 @@ import concurrent.futures
 import logging
 import threading
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import Collection, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from dstl.api import StateChangelogWriter
 from dstl.config import ChangelogConfig
-from dstl.errors import CorruptChangelogError, WriterClosedError
+from dstl.errors import CorruptChangelogError, StorageClosedError, WriterClosedError
 from dstl.format import NOTES_PROBE_BYTES, parse_notes
 from dstl.hedging import UploadExecutor
 from dstl.metrics import ChangelogMetrics
@@ -46,7 +46,7 @@ from dstl.storage.loop import StorageLoop
 from dstl.storage.reader import HandleReader
 from dstl.storage.registry import FileRegistry
 from dstl.storage.throttle import InFlightBytes, WriterMonitor
-from dstl.types import ChangelogHandle, KeyGroupRange, Note, NotedHandle
+from dstl.types import ChangelogHandle, KeyGroupRange, Note, NotedHandle, SegmentRef
 from dstl.uploaders import Uploader, make_uploader
 from dstl.writer import ChangelogWriter
 
@@ -153,10 +153,11 @@ class StateChangelogStorage:
         new: list[UploadEntry],
         after: int,
         upto: int,
-        result: concurrent.futures.Future[ChangelogHandle],
         note: Note | None = None,
-    ) -> None:
-        self._loop.call(self._persist_on_loop, writer, entries, new, after, upto, result, note)
+    ) -> concurrent.futures.Future[list[SegmentRef]]:
+        segments: concurrent.futures.Future[list[SegmentRef]] = concurrent.futures.Future()
+        self._loop.call(self._persist_on_loop, writer, entries, new, after, upto, segments, note)
+        return segments
 
     def _persist_on_loop(
         self,
@@ -165,7 +166,7 @@ class StateChangelogStorage:
         new: list[UploadEntry],
         after: int,
         upto: int,
-        result: concurrent.futures.Future[ChangelogHandle],
+        segments: concurrent.futures.Future[list[SegmentRef]],
         note: Note | None,
     ) -> None:
         pending = None
@@ -175,9 +176,7 @@ class StateChangelogStorage:
         self._scheduler.submit(writer.log_id, new, persist_request=True, note=pending)
         futures = [e.future for e in entries]  # after submit: it gives the new entries theirs
         noted = None if pending is None else pending.done
-        self._executor.track(
-            asyncio.ensure_future(self._registry.complete_persist(writer, futures, after, upto, result, noted))
-        )
+        self._executor.track(asyncio.ensure_future(_when_durable(futures, noted, segments)))
 
     def expect_persist(self, writer: StateChangelogWriter) -> None:
         self._loop.call(self._scheduler.expect, writer.log_id)
@@ -185,11 +184,14 @@ class StateChangelogStorage:
     def truncate_entries(self, entries: dict[int, UploadEntry], before: int) -> None:
         self._registry.truncate_entries(entries, before)
 
-    def confirm_handle(self, handle: ChangelogHandle) -> None:
-        self._registry.confirm_handle(handle)
+    def hold_files(self, paths: Collection[str]) -> str | None:
+        return self._registry.hold(paths)
 
-    def release_handle(self, handle: ChangelogHandle) -> None:
-        self._registry.release_handle(handle)
+    def release_files(self, paths: Collection[str]) -> None:
+        self._registry.release(paths)
+
+    def hand_over_files(self, paths: Collection[str]) -> None:
+        self._registry.hand_over(paths)
 
     def close_writer(self, writer: StateChangelogWriter) -> None:
         self._registry.close_writer(writer)
@@ -270,3 +272,23 @@ class StateChangelogStorage:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def _when_durable(
+    futures: list[asyncio.Future[SegmentRef] | None],
+    noted: asyncio.Future[None] | None,
+    segments: concurrent.futures.Future[list[SegmentRef]],
+) -> None:
+    """Resolve ``segments`` with a persist's segments once every one is uploaded, and the file
+    holding its note if it has one (the writer then builds and holds its handle), or with why not."""
+    try:
+        refs: list[SegmentRef] = list(await asyncio.gather(*futures))  # type: ignore[arg-type]
+        if noted is not None:
+            await noted
+    except asyncio.CancelledError:  # by a close that timed out: the caller must not wait forever
+        segments.set_exception(StorageClosedError("the changelog storage closed before this persist finished"))
+        raise
+    except Exception as exc:
+        segments.set_exception(exc)
+        return
+    segments.set_result(refs)

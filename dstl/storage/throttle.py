@@ -11,8 +11,9 @@ bound; leaving the files out would let memory reach about twice the bound on a s
 
 Neither check may run per append (``ChangelogWriter.append`` is one list operation), so both are
 driven from the loop thread: ``WriterMonitor`` looks at every writer every ``MONITOR_INTERVAL_S``,
-cuts and queues changesets past the threshold, and switches a writer's appends to a gate that
-waits in ``InFlightBytes.wait_for_capacity`` while the bound is exceeded.
+cuts and queues changesets past the threshold, and gates a writer's ``AppendBuffer``
+(``dstl.append_buffer``) while the bound is exceeded: its appends wait in
+``InFlightBytes.wait_for_capacity``.
 
 What ends a wait: bytes becoming durable (an upload succeeds), failed changesets released (their
 writer truncates them or closes), or the writer or storage closing (the append then raises
@@ -259,14 +260,17 @@ class WriterMonitor:
         writers = self._writers()
         for writer in writers:
             entry = writer.check_preemptive()
-            if entry is not None:  # created already marked as scheduled (see ChangelogWriter._cut_locked)
+            if entry is not None:  # created already marked as scheduled (ChangelogWriter.check_preemptive)
                 self._metrics.preemptive_persists += 1
                 self._in_flight.add(entry.size)
                 self._scheduler.submit(writer.log_id, [entry], persist_request=False)
         self._in_flight.prune_failed()
         over = self._in_flight.over_limit
         for writer in writers:
-            writer.set_backpressure(over)
+            if over:
+                writer.buffer.gate()
+            else:
+                writer.buffer.ungate()
         self._retry_while_blocked(over, now)
 
     def _retry_while_blocked(self, over: bool, now: float) -> None:

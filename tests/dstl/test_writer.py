@@ -24,6 +24,7 @@ from dstl import (
 )
 from dstl.format import ChangeSet, encode_file
 from tests.dstl.fake_uploader import MemoryUploader, barrier, fake_storage
+from tests.support.polling import wait_until
 
 WAIT = 10.0
 RANGE = KeyGroupRange(0, 15)
@@ -242,6 +243,23 @@ def test_preemptive_persist_uploads_early_and_is_reused() -> None:
         assert storage.metrics.preemptive_persists == 1
     finally:
         storage.close()
+
+
+def test_a_change_without_a_length_fails_its_writer_not_the_storage_s_monitor(make_storage: StorageFactory) -> None:
+    """Regression: the loop thread measured every writer's new changes with ``len`` and a change
+    without one (``None``) ended its monitor for good, silently: no writer of the storage had a
+    pre-emptive persist or backpressure any more. The change now fails its own writer, at the
+    monitor's next cut."""
+    storage = make_storage(preemptive_persist_threshold=1000)
+    bad = storage.create_writer("bad", RANGE)
+    good = storage.create_writer("good", RANGE)
+    bad.append(1, None)  # type: ignore[arg-type]
+    good.append(2, b"x" * 2000)  # past the threshold: the monitor must still cut it
+    wait_until(lambda: storage.metrics.preemptive_persists >= 1, "a pre-emptive persist of the good writer")
+    with pytest.raises(ConfigurationError, match=f"changelog writer {bad.log_id}: bad change appended"):
+        bad.last_appended_sqn()
+    with pytest.raises(ConfigurationError, match="bad change appended"):
+        bad.append(1, b"after the failure")
 
 
 # -- closing ----------------------------------------------------------------------------------

@@ -1,0 +1,366 @@
+"""The append buffer of a writer: changes not yet cut, and the one-operation path that adds them.
+
+Every writer, local (``dstl.writer.ChangelogWriter``) or remote (``dstl.service.client``), owns
+one ``AppendBuffer``; whoever drives it (the storage's loop thread for a local writer, the
+connection's sender for a remote one) calls only the public methods below. Why it is shaped so:
+
+- *The hot path is one list operation.* ``append`` extends a list with the pair
+  ``(key_group, data)``: a single C-level operation, atomic under the GIL. No size check, lock
+  or validation runs per call (each would cost as much as the append itself). A writer inherits
+  ``append`` and ``append_many`` from ``Appender``: methods of its own class, because CPython
+  calls ``writer.append(...)`` fastest that way (a bound method kept in an attribute, such as
+  the buffer's own, is measurably slower to call, whether looked up each time or bound once).
+- *Everything else swaps what appends extend.* ``append`` extends the writer's ``_records``, which
+  the buffer points at its list or at a stand-in whose ``+=`` does more: the *gate* (backpressure:
+  the appending thread waits in the owner's ``wait``, then appends), the *waker* (the driver
+  sleeps: append, then ``wake`` it), or the *refusal* (the buffer is failed, fenced, lost or
+  closed: raise that status's error). Only this module touches ``_records``. Swapping is an
+  attribute store, so the driver can gate, park or kill a writer between two appends without
+  the appending thread taking a lock.
+- *Cut-then-delete.* ``cut`` copies the first ``n`` items and deletes exactly those, two atomic
+  list operations, so an append racing with it lands in the next cut: nothing is lost or
+  duplicated, and the list ``append`` extends never changes.
+- *Measured, then checked, once per cut.* ``measure`` adds up the bytes appended since it last
+  looked (the driver's bound on memory; a change without a length counts as past every bound,
+  so the next cut fails the writer instead of the driver). ``cut`` checks payload types
+  (``bytes``), key groups (integers in the writer's range) vectorized, and a bad change fails
+  the buffer: status ``FAILED``, its next append or SQN request raises an error naming the writer
+  and the change.
+- *One status.* ``OPEN``, then at most one of ``FAILED`` (a bad change; control calls still
+  work), ``FENCED`` (a newer attempt took the writer over), ``LOST`` (its changelog service is
+  gone), ``CLOSED``. A failed buffer may still be fenced, lost or closed; a fenced or lost one
+  stays so when closed, so that its calls keep saying why it died. ``error(op)`` is what a call
+  raises in each status.
+
+``data`` must be immutable ``bytes``: the buffer keeps a reference, not a copy. Appends come from
+one thread (the operator's). The buffer's lock guards cuts, measuring and status changes; on a
+free-threaded CPython build, where list operations are not atomic, ``append`` takes it too (and
+drops it before a stand-in waits).
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+import threading
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dstl.errors import ChangelogError, ConfigurationError, WriterClosedError
+from dstl.types import KeyGroupRange
+
+__all__ = ["AppendBuffer", "Appender", "BufferStatus", "Cut", "check_changes"]
+
+_GIL_ENABLED = getattr(sys, "_is_gil_enabled", lambda: True)()
+#: the measured size of a buffer holding a change without a length: past every bound
+UNMEASURABLE = 1 << 62
+
+
+class BufferStatus(enum.Enum):
+    """Whether a buffer takes appends, and if not, why (module doc)."""
+
+    OPEN = "open"
+    FAILED = "failed"
+    FENCED = "fenced"
+    LOST = "lost"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """The changes of one cut, checked: key groups and payloads as columns, and their bytes."""
+
+    key_groups: array[int]
+    payloads: list[bytes]
+    size: int
+
+
+def check_changes(pairs: list[Any]) -> tuple[array[int], list[bytes]]:
+    """``[key_group, data, ...]`` as columns; ``ConfigurationError`` saying what is wrong with a
+    payload that is not ``bytes`` or a key group that is not an integer in [0, 65535]."""
+    key_groups = pairs[0::2]
+    payloads = pairs[1::2]
+    if not set(map(type, payloads)) <= {bytes}:
+        bad = next(p for p in payloads if type(p) is not bytes)
+        raise ConfigurationError(f"changes must be bytes, got {type(bad).__name__}")
+    try:
+        kgs = array("H", key_groups)
+    except (TypeError, OverflowError) as exc:
+        bad = next((k for k in key_groups if type(k) is not int or not 0 <= k <= 0xFFFF), None)
+        raise ConfigurationError(f"key group {bad!r} is not an integer in [0, 65535] ({exc})") from None
+    return kgs, payloads
+
+
+class Appender:
+    """The hot path of a writer that owns an ``AppendBuffer``: ``append`` extends what the buffer
+    points ``_records`` at (module doc). Only the buffer sets ``_records``."""
+
+    _records: Any
+
+    def append(self, key_group: int, data: bytes) -> None:
+        """Append one change of ``key_group``; in memory, never does I/O (see module doc)."""
+        records = self._records
+        records += (key_group, data)
+
+    def append_many(self, pairs: list[Any]) -> None:
+        """Append many changes at once: ``[key_group, data, key_group, data, ...]``, in order."""
+        if len(pairs) % 2:
+            raise ConfigurationError(f"append_many(pairs): {len(pairs)} items are not key group and data pairs")
+        records = self._records
+        records += pairs
+
+
+class AppendBuffer:
+    """A writer's changes not yet cut, and its status (module doc).
+
+    ``wait``: called by an append at the gate, on the appending thread; returns once the append
+    may go on (or raises, e.g. ``WriterClosedError`` when the owner closes meanwhile). ``wake``:
+    called after an append at the waker, to wake a sleeping driver (``park``)."""
+
+    def __init__(
+        self,
+        owner: Appender,
+        log_id: str,
+        key_group_range: KeyGroupRange,
+        *,
+        wait: Callable[[], None],
+        wake: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.log_id = log_id
+        self.key_group_range = key_group_range
+        self._wait = wait
+        self._wake = wake
+        self._lock = threading.Lock()
+        #: key group, payload, key group, payload, ...
+        self._active: list[Any] = []
+        #: whose ``append`` extends ``_records``: ``_active`` or one of the stand-ins
+        self._owner = owner
+        owner._records = self._active
+        self._gate = _Gate(self)
+        self._waker = _Waker(self)
+        self._refusal = _Refusal(self)
+        self._measured = 0  # items of _active whose bytes are counted in _measured_bytes
+        self._measured_bytes = 0
+        self._status = BufferStatus.OPEN
+        self._failure: ChangelogError | None = None
+        self._death: Callable[[str], ChangelogError] | None = None
+        if not _GIL_ENABLED:  # pragma: no cover - free-threaded builds only
+            owner.append = self._append_locked  # type: ignore[method-assign]
+            owner.append_many = self._append_many_locked  # type: ignore[method-assign]
+
+    # -- the appending thread: stand-ins and free-threaded builds ------------------------------
+
+    def _append_locked(self, key_group: int, data: bytes) -> None:  # pragma: no cover
+        self._append_many_locked([key_group, data])
+
+    def _append_many_locked(self, pairs: list[Any]) -> None:  # pragma: no cover
+        if len(pairs) % 2:
+            raise ConfigurationError(f"append_many(pairs): {len(pairs)} items are not key group and data pairs")
+        with self._lock:
+            records = self._owner._records
+            if records is self._active:
+                records += pairs
+                return
+        records += pairs  # a stand-in: it may wait, and takes the lock itself to append
+
+    def _extend(self, items: tuple[int, bytes] | list[Any]) -> list[Any]:
+        """A stand-in's append, once it may go on: raises if the buffer stopped taking changes
+        meanwhile (failed, fenced, lost or closed while the append waited)."""
+        with self._lock:
+            if self._status is BufferStatus.OPEN:
+                self._active += items
+                return self._active
+        raise self._refused("append")
+
+    def _refused(self, op: str) -> ChangelogError:
+        error = self.error(op)
+        assert error is not None, "only a buffer that is not open refuses"
+        return error
+
+    # -- status ------------------------------------------------------------------------------
+
+    @property
+    def status(self) -> BufferStatus:
+        return self._status
+
+    def error(self, op: str) -> ChangelogError | None:
+        """What a call ``op`` of the writer raises in the current status (None while open)."""
+        status = self._status
+        if status is BufferStatus.OPEN:
+            return None
+        if status is BufferStatus.FAILED:
+            return self._failure
+        if status is BufferStatus.CLOSED:
+            return WriterClosedError(f"changelog writer {self.log_id} is closed: cannot {op}")
+        assert self._death is not None
+        return self._death(op)
+
+    def check(self, op: str) -> None:
+        """Raise ``error(op)``, if there is one."""
+        error = self.error(op)
+        if error is not None:
+            raise error
+
+    def fail(self, error: ChangelogError) -> None:
+        """A bad change: appends and SQN requests raise ``error`` from now on (if still open)."""
+        with self._lock:
+            if self._status is BufferStatus.OPEN:
+                self._failure = error
+                self._end_locked(BufferStatus.FAILED)
+
+    def kill(self, status: BufferStatus, error: Callable[[str], ChangelogError]) -> None:
+        """The writer can never ship again (``FENCED`` or ``LOST``): its calls raise ``error(op)``.
+        A closed buffer stays closed."""
+        if status is not BufferStatus.FENCED and status is not BufferStatus.LOST:
+            raise ValueError(f"kill(status={status}): only FENCED or LOST")
+        with self._lock:
+            if self._status is BufferStatus.OPEN or self._status is BufferStatus.FAILED:
+                self._death = error
+                self._end_locked(status)
+
+    def close(self) -> bool:
+        """Drop every change; appends raise ``WriterClosedError`` from now on. True if the buffer
+        was open or failed (False: closed already, or fenced or lost, which it stays)."""
+        with self._lock:
+            if self._status is not BufferStatus.OPEN and self._status is not BufferStatus.FAILED:
+                return False
+            self._end_locked(BufferStatus.CLOSED)
+            return True
+
+    def _end_locked(self, status: BufferStatus) -> None:
+        self._status = status
+        self._owner._records = self._refusal
+        del self._active[:]
+        self._measured = self._measured_bytes = 0
+
+    # -- the driver: measure, cut, gate, park ------------------------------------------------
+
+    @property
+    def empty(self) -> bool:
+        """Whether nothing is waiting to be cut."""
+        return not self._active
+
+    def measure(self) -> int:
+        """The bytes of the changes waiting to be cut; counts only what was appended since the
+        last call (``UNMEASURABLE`` once a change has no length)."""
+        if len(self._active) == self._measured:  # nothing new: the common case, without the lock
+            return self._measured_bytes
+        with self._lock:
+            active = self._active
+            n = len(active)
+            if n > self._measured:
+                try:
+                    self._measured_bytes += sum(map(len, active[self._measured + 1 : n : 2]))
+                except TypeError:  # not bytes: the next cut fails the writer
+                    self._measured_bytes = UNMEASURABLE
+                self._measured = n
+            return self._measured_bytes
+
+    def cut(self) -> Cut | None:
+        """Take every change appended so far, checked. None if there is none, or if the buffer
+        is not open (its changes are dropped), or if one is bad: that fails the buffer (module
+        doc). A caller that numbers cuts serializes its calls with the numbering."""
+        with self._lock:
+            active = self._active
+            n = len(active)
+            if not n:
+                return None
+            chunk = active[:n]
+            del active[:n]
+            measured, size = self._measured, self._measured_bytes
+            self._measured = self._measured_bytes = 0
+            if self._status is not BufferStatus.OPEN:
+                return None
+        try:
+            key_groups, payloads = check_changes(chunk)
+        except ConfigurationError as exc:
+            self.fail(ConfigurationError(f"changelog writer {self.log_id}: bad change appended: {exc}"))
+            return None
+        rng = self.key_group_range
+        lo, hi = min(key_groups), max(key_groups)
+        if lo < rng.start or hi > rng.end:
+            self.fail(
+                ConfigurationError(
+                    f"changelog writer {self.log_id} owns key groups [{rng.start}, {rng.end}] "
+                    f"but key group {lo if lo < rng.start else hi} was appended"
+                )
+            )
+            return None
+        size += sum(map(len, chunk[measured + 1 :: 2]))
+        return Cut(key_groups, payloads, size)
+
+    @property
+    def gated(self) -> bool:
+        """Whether the next append waits (``gate``)."""
+        return self._owner._records is self._gate
+
+    def gate(self) -> None:
+        """Make the next append wait in ``wait`` (if the buffer is open and not gated already)."""
+        owner = self._owner
+        if owner._records is self._gate:  # the driver gates every round: no lock when it is
+            return
+        with self._lock:
+            if owner._records is self._active or owner._records is self._waker:
+                owner._records = self._gate
+
+    def ungate(self) -> bool:
+        """Let appends go straight to the list again; True if they were gated."""
+        owner = self._owner
+        if owner._records is not self._gate:  # the driver ungates every round: no lock when not gated
+            return False
+        with self._lock:
+            if owner._records is not self._gate:
+                return False
+            owner._records = self._active
+            return True
+
+    def park(self) -> None:
+        """The driver sleeps: the next append wakes it (``wake``), if the buffer is open and not gated."""
+        with self._lock:
+            if self._owner._records is self._active:
+                self._owner._records = self._waker
+
+    def unpark(self) -> None:
+        """The driver is awake: appends go straight to the list again (unless gated)."""
+        if self._owner._records is not self._waker:
+            return
+        with self._lock:
+            if self._owner._records is self._waker:
+                self._owner._records = self._active
+
+
+class _Gate:
+    """Stands in for the list while the driver holds appends back (module doc)."""
+
+    def __init__(self, buffer: AppendBuffer) -> None:
+        self._buffer = buffer
+
+    def __iadd__(self, items: tuple[int, bytes] | list[Any]) -> list[Any]:
+        buffer = self._buffer
+        buffer._wait()
+        return buffer._extend(items)
+
+
+class _Waker:
+    """Stands in for the list while the driver sleeps: appends, then wakes it (module doc)."""
+
+    def __init__(self, buffer: AppendBuffer) -> None:
+        self._buffer = buffer
+
+    def __iadd__(self, items: tuple[int, bytes] | list[Any]) -> list[Any]:
+        buffer = self._buffer
+        active = buffer._extend(items)
+        buffer._wake()
+        return active
+
+
+class _Refusal:
+    """Stands in for the list once the buffer takes no more changes: raises its status's error."""
+
+    def __init__(self, buffer: AppendBuffer) -> None:
+        self._buffer = buffer
+
+    def __iadd__(self, items: object) -> Any:
+        raise self._buffer._refused("append")
