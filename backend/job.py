@@ -44,7 +44,8 @@ from typing import Any
 
 from prometheus_client.registry import Collector
 
-from backend.checkpointing.coordinator import CheckpointCoordinator, CheckpointRetention, CommitOutcomeUnknownError
+from backend.checkpointing.coordinator import CheckpointCoordinator, CheckpointRetention
+from backend.checkpointing.errors import CommitOutcomeUnknownError, OwnershipLostError
 from backend.checkpointing.metadata import (
     METADATA_NAME,
     Progress,
@@ -55,7 +56,7 @@ from backend.checkpointing.metadata import (
     snapshot_location,
 )
 from backend.checkpointing.metrics import MetricsServer
-from backend.checkpointing.ownership import Ownership, OwnershipLostError
+from backend.checkpointing.ownership import Ownership
 from backend.checkpointing.savepoints import (
     RestoreMode,
     check_operators,

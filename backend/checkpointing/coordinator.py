@@ -44,9 +44,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.checkpointing.errors import CommitOutcomeUnknownError, OwnershipLostError
 from backend.checkpointing.ids import ID_BLOCK_SIZE, CheckpointIdCounter
 from backend.checkpointing.metadata import SnapshotMetadata, aborted_path, metadata_path
-from backend.checkpointing.ownership import Ownership, OwnershipLostError
+from backend.checkpointing.ownership import Ownership
 from backend.checkpointing.registry import SharedStateRegistry
 from backend.checkpointing.store import CompletedCheckpointStore, Protect, StepHook
 from backend.core.errors import CheckpointError
@@ -54,15 +55,9 @@ from backend.core.handles import KeyedStateHandle
 from dstl.api import ChangelogStorage
 from dstl.errors import StorageClosedError
 
-__all__ = ["CheckpointCoordinator", "CheckpointRetention", "CommitOutcomeUnknownError", "PendingCheckpoint"]
+__all__ = ["CheckpointCoordinator", "CheckpointRetention", "PendingCheckpoint"]
 
 _log = logging.getLogger(__name__)
-
-
-class CommitOutcomeUnknownError(CheckpointError):
-    """A checkpoint's ``_metadata`` was written but could not be settled as committed: counted as
-    failed, yet a restart may resume from it, so the caller must not release its files (a runtime
-    forgets the pending checkpoint without telling its subtasks it was aborted)."""
 
 
 class CheckpointRetention(enum.Enum):

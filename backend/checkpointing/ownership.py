@@ -63,6 +63,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from backend.checkpointing.errors import DirectoryOwnedError, OwnershipLostError
 from backend.checkpointing.metadata import OWNER_DIR
 from backend.core.errors import CheckpointError
 from dstl.api import ChangelogStorage
@@ -71,9 +72,7 @@ from dstl.uploaders import Uploader
 __all__ = [
     "BIND_ATTEMPTS",
     "LEGACY_OWNER_FILE",
-    "DirectoryOwnedError",
     "Ownership",
-    "OwnershipLostError",
     "bind_identity",
     "is_ownership_file",
 ]
@@ -89,15 +88,6 @@ _BACKOFF_S = (0.02, 0.2)
 #: reads of a claim's body before it counts as unreadable (a short body from a misbehaving store)
 _READS = 3
 _CLAIM = re.compile(rf"^{OWNER_DIR}/(\d+)\.(run|bind)\.([0-9a-f]+)(?:\.([0-9a-f]+))?$")
-
-
-class DirectoryOwnedError(CheckpointError):
-    """A claim on a job directory was refused: another run or query holds it (the message names it)."""
-
-
-class OwnershipLostError(CheckpointError):
-    """This run may commit, write and delete nothing more in the job directory: a newer run took it
-    over, or a commit's check could not be made (``Ownership.relinquish``)."""
 
 
 def is_ownership_file(path: str) -> bool:

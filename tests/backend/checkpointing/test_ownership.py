@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
+from backend.checkpointing.errors import DirectoryOwnedError, OwnershipLostError
 from backend.checkpointing.metadata import VOID_DIR, metadata_path
-from backend.checkpointing.ownership import DirectoryOwnedError, OwnershipLostError
 from backend.job import JobOptions, LocalJob, OperatorSpec
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from materializer.options import MaterializationOptions

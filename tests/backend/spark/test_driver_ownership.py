@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from backend.checkpointing.ownership import DirectoryOwnedError, OwnershipLostError
+from backend.checkpointing.errors import DirectoryOwnedError, OwnershipLostError
 from backend.core.errors import CheckpointError
 from backend.spark import committed, driver, tasks
 from backend.spark.driver import DriverCoordinator
