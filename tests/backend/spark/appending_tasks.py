@@ -67,10 +67,8 @@ def other_worker(finish_uploads: bool = True) -> None:
     tasks._KEPT.clear()
 
 
-def read_all(cfg: OperatorConfig, batch: int) -> dict[tuple[str], list[int]]:
-    """The state after ``batch`` as a fresh worker would restore it."""
-    other_worker()
-    seen: dict[tuple[str], list[int]] = {}
+def collector(seen: dict[tuple[str], list[int]]) -> Any:
+    """A task body: reads the list state of every key the subtask owns into ``seen``."""
 
     def collect(backend: Any, now: int, watermark: Any) -> list[Any]:
         for key in KEYS:
@@ -78,6 +76,16 @@ def read_all(cfg: OperatorConfig, batch: int) -> dict[tuple[str], list[int]]:
                 backend.set_current_key(key)
                 seen[key] = backend.get_state(SEEN).get()
         return []
+
+    return collect
+
+
+def read_all(cfg: OperatorConfig, batch: int) -> dict[tuple[str], list[int]]:
+    """The state after ``batch`` as a fresh worker would restore it."""
+    other_worker()
+    seen: dict[tuple[str], list[int]] = {}
+
+    collect = collector(seen)
 
     probe = config(Path(cfg.job_dir).parent, cfg.parallelism, cfg.uid, host="probe")
     for i in range(cfg.parallelism):

@@ -32,7 +32,15 @@ from backend.spark.tasks import run_subtask
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from dstl import ChangelogConfig
 from materializer.options import MaterializationOptions
-from tests.backend.spark.appending_tasks import KEYS, SEEN, appender, config, key_group, other_worker, run_tasks
+from tests.backend.spark.appending_tasks import (
+    KEYS,
+    appender,
+    collector,
+    config,
+    key_group,
+    other_worker,
+    run_tasks,
+)
 
 #: the chunks of a materialization of the whole state at parallelism 1: one per non-empty key group,
 #: all in one file (a pack) unless the config says otherwise
@@ -102,12 +110,7 @@ def state_after(cfg: OperatorConfig, batch: int) -> dict[tuple[str], list[int]]:
     probe = dataclasses.replace(cfg, local_root=f"{cfg.local_root}-probe")
     seen: dict[tuple[str], list[int]] = {}
 
-    def collect(backend: Any, now: int, watermark: Any) -> list[Any]:
-        for key in KEYS:
-            if backend.key_group_of(key) in backend.key_group_range:
-                backend.set_current_key(key)
-                seen[key] = backend.get_state(SEEN).get()
-        return []
+    collect = collector(seen)
 
     settle()
     for i in range(cfg.parallelism):

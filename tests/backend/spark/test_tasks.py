@@ -23,8 +23,8 @@ from dstl import ChangelogConfig
 from materializer.options import MaterializationOptions
 from tests.backend.spark.appending_tasks import (
     KEYS,
-    SEEN,
     appender,
+    collector,
     config,
     key_group,
     other_worker,
@@ -150,12 +150,7 @@ def test_a_fenced_checkpoint_whose_metadata_landed_does_not_lose_its_batch(tmp_p
         other_worker()
         seen: dict[tuple[str], list[int]] = {}
 
-        def collect(backend: Any, now: int, watermark: Any) -> list[Any]:
-            for key in KEYS:
-                if backend.key_group_of(key) in backend.key_group_range:
-                    backend.set_current_key(key)
-                    seen[key] = backend.get_state(SEEN).get()
-            return []
+        collect = collector(seen)
 
         for i in range(2):
             run_subtask(on("probe"), i, 3, "q", 1, collect)
