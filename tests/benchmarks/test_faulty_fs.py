@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import threading
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 from benchmarks.support.faulty_fs import Fault, FaultPlan, StallEnded, faulty_base_path
 from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
 from dstl.uploaders import FsspecUploader
+from tests.support.threads import in_thread
 
 WAIT_S = 30.0
 OPS = ["put", "get", "delete", "exists", "list"]
@@ -53,20 +53,6 @@ def call(uploader: FsspecUploader, op: str, path: str = "chk-1/_metadata") -> An
         "list": lambda: uploader.list(path.rpartition("/")[0]),
     }
     return asyncio.run(coros[op]())
-
-
-def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["result"] = fn()
-        except BaseException as exc:
-            out["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, out
 
 
 def test_round_trip_through_the_storage_without_faults(dfs: Path, plan: FaultPlan) -> None:

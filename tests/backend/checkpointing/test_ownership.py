@@ -18,8 +18,6 @@ S3 (moto); the killed job is a child process (``tests.support.checkpoint_crash_c
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +34,7 @@ from tests.backend.checkpointing.workloads import NEVER, State, Workload, materi
 from tests.support.checkpoint_crash_child import model
 from tests.support.checkpoint_crash_child import open_job as open_crash_job
 from tests.support.checkpoint_crash_child import read_state as read_crash_state
+from tests.support.threads import in_thread
 
 
 def open_job(root: str | Path, local: Path, **options: Any) -> LocalJob:
@@ -49,20 +48,6 @@ def resumed(state: State, seed: int) -> Workload:
     work = Workload(seed)
     work.model = {k: (t, list(s), dict(m)) for k, (t, s, m) in state.items()}
     return work
-
-
-def in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = call()
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, outcome
 
 
 def takeover(root: str | Path, tmp_path: Path, **options: Any) -> None:

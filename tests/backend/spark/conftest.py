@@ -9,20 +9,21 @@ from typing import Any
 
 import pytest
 
-from backend.spark import tasks
+from backend.spark import committed, tasks
 from tests.backend.spark.appending_tasks import other_worker
 
 
 @pytest.fixture
 def clean_workers() -> Iterator[None]:
     """No worker state before and after the test: no kept backends (``other_worker``), no open
-    storages (``backend.spark.tasks``' per-process caches)."""
+    storages (``backend.spark.tasks``' per-process caches), no claimed job directories."""
     other_worker()
     yield
     other_worker()
     for storage in tasks._STORAGES.values():
         storage.close()
     tasks._STORAGES.clear()
+    committed._CLAIMED.clear()
 
 
 @pytest.fixture

@@ -13,9 +13,7 @@ earlier one completes no checkpoint from then on, naming the newcomer.
 from __future__ import annotations
 
 import functools
-import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,41 +22,19 @@ import pytest
 
 from backend.checkpointing.errors import DirectoryOwnedError, OwnershipLostError
 from backend.core.errors import CheckpointError
-from backend.spark import committed, driver, tasks
+from backend.spark import committed, driver
 from backend.spark.driver import DriverCoordinator
 from backend.spark.tasks import run_subtask
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from dstl import ChangelogConfig
 from tests.backend.spark.queries import count_rows, publish
 from tests.backend.spark.timer_tasks import config, timers_at
+from tests.support.threads import in_thread
 
 NOW = 1_000
 
 
-@pytest.fixture(autouse=True)
-def _clean_workers() -> Iterator[None]:
-    yield
-    for kept in tasks._KEPT.values():
-        tasks._discard(kept)
-    tasks._KEPT.clear()
-    for storage in tasks._STORAGES.values():
-        storage.close()
-    tasks._STORAGES.clear()
-    committed._CLAIMED.clear()
-
-
-def in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = call()
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, outcome
+pytestmark = pytest.mark.usefixtures("clean_workers")  # every test starts and ends with no worker state
 
 
 def test_a_query_binding_the_directory_while_another_does_is_refused_naming_it(tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ as a task calls it). The same rules run under Spark in the differential suite (t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -26,15 +25,7 @@ from tests.backend.spark.timer_tasks import config, timers_at
 NOW = 10_000  # the batches' processing time
 
 
-@pytest.fixture(autouse=True)
-def _clean_workers() -> Iterator[None]:
-    yield
-    for kept in tasks._KEPT.values():
-        tasks._discard(kept)
-    tasks._KEPT.clear()
-    for storage in tasks._STORAGES.values():
-        storage.close()
-    tasks._STORAGES.clear()
+pytestmark = pytest.mark.usefixtures("clean_workers")  # every test starts and ends with no worker state
 
 
 def run(cfg: OperatorConfig, batch: int, body: Any, max_event: int | None = None, subtasks: Any = None) -> None:
