@@ -19,15 +19,7 @@ pytest.importorskip("pyspark")
 
 from pyspark.sql import Row  # noqa: E402
 from pyspark.sql.streaming import StatefulProcessor  # noqa: E402
-from pyspark.sql.types import (  # noqa: E402
-    ArrayType,
-    LongType,
-    MapType,
-    StringType,
-    StructField,
-    StructType,
-    TimestampType,
-)
+from pyspark.sql.types import ArrayType, LongType, StringType, StructField, StructType, TimestampType  # noqa: E402
 
 from backend.spark.apply_in_pandas import run_apply_in_pandas_with_state  # noqa: E402
 from backend.spark.group_state import GroupState  # noqa: E402
@@ -69,7 +61,7 @@ def test_row_api_rows_have_the_types_sparks_row_api_gives(backend: ChangelogKeye
     structs dicts. The schema tells timestamp from timestamp_ntz and map from struct."""
     from zoneinfo import ZoneInfo
 
-    from pyspark.sql.types import TimestampNTZType
+    from pyspark.sql.types import MapType, TimestampNTZType
 
     class P(StatefulProcessor):
         def init(self, handle: Any) -> None:
