@@ -6,6 +6,8 @@ handle, and closes them all at the end. ``check_restores`` compares the union of
 subtasks with a dict model (``tests.support.materializer_crash_child.Model``): what a restarted
 job sees. ``FlakyUpload`` and ``GatedUpload`` are ``upload`` callables the materializer accepts,
 failing or holding an upload; nothing waits by sleeping.
+The small steps the ``PeriodicMaterializer`` tests share follow: ``materialize`` (start one and
+apply its outcome), ``first_keys_in_key_group``, a ``fake_clock`` and ``new_storage``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from backend.core.keygroups import assign_key_group, key_group_ranges, subtask_f
 from backend.core.serializers import serialize_key
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, ChangelogWriter, KeyGroupRange, StateChangelogStorage
-from materializer.periodic import restore
+from materializer.periodic import PeriodicMaterializer, restore
 from tests.support.materializer_crash_child import LIST, MAP, MAX_P, OPERATOR, VALUE, Model
 
 WAIT_S = 30.0
@@ -174,3 +176,27 @@ def check_restores(env: Env, handle: KeyedStateHandle, model: Model, parallelism
         assert_state_equals(subtasks, model, model_keys(model))
         for b in subtasks:
             env.backends.close(b)
+
+
+def fake_clock(now: list[float]) -> Callable[[], float]:
+    return lambda: now[0]
+
+
+def new_storage(directory: Path) -> StateChangelogStorage:
+    return StateChangelogStorage(ChangelogConfig.local(directory, persist_delay_ms=0))
+
+
+def materialize(m: PeriodicMaterializer) -> None:
+    """Start a materialization and apply its outcome (it must start: something changed)."""
+    assert m.trigger()
+    m.wait(WAIT_S)
+
+
+def first_keys_in_key_group(key_group: int, count: int, start: int = 0) -> list[int]:
+    found: list[int] = []
+    for k in itertools.count(start):
+        if assign_key_group(serialize_key(k), MAX_P) == key_group:
+            found.append(k)
+            if len(found) == count:
+                return found
+    raise AssertionError("unreachable")

@@ -1,15 +1,19 @@
 """Fixtures of the Spark tests (the session itself, ``spark``, is in ``tests/conftest.py``):
-``clean_workers`` for the tests that run ``backend.spark``'s tasks in this process, and
-``session_conf`` for the side-by-side tests (``side_by_side.py``)."""
+``clean_workers`` for the tests that run ``backend.spark``'s tasks in this process,
+``session_conf`` for the side-by-side tests (``side_by_side.py``), and ``backend``, a keyed
+backend without a log for the tests that run a processor without a SparkSession."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from backend.spark import committed, tasks
+from backend.state.keyed_backend import ChangelogKeyedStateBackend
+from dstl import KeyGroupRange
 from tests.backend.spark.appending_tasks import other_worker
 
 
@@ -43,3 +47,10 @@ def session_conf(spark: Any) -> Iterator[Any]:
     finally:
         for key, value in saved.items():
             spark.conf.set(key, value)
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> Iterator[ChangelogKeyedStateBackend]:
+    b = ChangelogKeyedStateBackend("op", KeyGroupRange(0, 127), tmp_path / "local", storage=None, log_enabled=False)
+    yield b
+    b.close()

@@ -38,16 +38,7 @@ from backend.spark.batch import Partition, byte_chunks  # noqa: E402
 from backend.spark.group_state import GroupState, GroupStateTimeout  # noqa: E402
 from backend.spark.transform import run_transform_with_state  # noqa: E402
 from backend.state.keyed_backend import ChangelogKeyedStateBackend  # noqa: E402
-from dstl import KeyGroupRange  # noqa: E402
 from tests.backend.spark.side_by_side import assert_same, both_sides  # noqa: E402
-
-
-@pytest.fixture
-def backend(tmp_path: Path) -> Iterator[ChangelogKeyedStateBackend]:
-    b = ChangelogKeyedStateBackend("op", KeyGroupRange(0, 127), tmp_path / "local", storage=None, log_enabled=False)
-    yield b
-    b.close()
-
 
 DATA = pd.DataFrame({"k": ["a", "a", "a", "b", "b", "b", "d"], "v": [1, 2, 3, 4, 5, 6, 7]})
 INITIAL = pd.DataFrame({"k": ["a", "b", "b", "b", "c"], "v": [10, 20, 21, 22, 30]})

@@ -25,16 +25,8 @@ from pyspark.sql.streaming import stateful_processor as spark_processor  # noqa:
 from backend.spark.apply_in_pandas import run_apply_in_pandas_with_state  # noqa: E402
 from backend.spark.transform import run_transform_with_state  # noqa: E402
 from backend.state.keyed_backend import ChangelogKeyedStateBackend  # noqa: E402
-from dstl import KeyGroupRange  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture
-def backend(tmp_path: Path) -> Iterator[ChangelogKeyedStateBackend]:
-    b = ChangelogKeyedStateBackend("op", KeyGroupRange(0, 127), tmp_path / "local", storage=None, log_enabled=False)
-    yield b
-    b.close()
 
 
 def run(processor: Any, backend: ChangelogKeyedStateBackend, ids: list[int], **kwargs: Any) -> list[Any]:
