@@ -21,10 +21,10 @@ Local LMDB directories are recreated on start: state always comes from the DFS.
 Why it sits above ``backend.checkpointing`` and not in it: it is the standalone job's composition
 root, the one place that constructs ``dstl.storage.StateChangelogStorage`` (for the job
 directory, and for the directories it restores from or writes savepoints to: ``open_directory``).
-Checkpointing, the materializer and the state layers only see a storage through ``dstl.api``
-(``ChangelogStorage``, ``DfsFiles``); an import-linter contract in pyproject.toml keeps them off
-the writer side (docs/architecture.md, layers). The Spark driver and tasks construct theirs in
-``backend.spark`` likewise.
+Checkpointing and the materializer see only its files (``dstl.api.DfsFiles``, ``storage.files``),
+the state layers the storage through ``dstl.api.ChangelogStorage``; an import-linter contract in
+pyproject.toml keeps them off the writer side (docs/architecture.md, layers). The Spark driver
+and tasks construct theirs in ``backend.spark`` likewise.
 
 Its settings are one frozen ``JobOptions`` (the materializers' in ``materializer.options``'s
 ``MaterializationOptions``, which Spark's operators take too), so a
@@ -191,7 +191,7 @@ class LocalJob:
         guarded = self.ownership.guard(uploader or make_uploader(self._config))
         self.storage = StateChangelogStorage(self._config, uploader=guarded)
         self.coordinator = CheckpointCoordinator(
-            self.storage,
+            self.storage.files,
             job_id=job_id,
             num_retained=options.num_retained,
             retention=options.retention,
@@ -234,12 +234,12 @@ class LocalJob:
             )
         source = open_directory(base, self._config)
         try:
-            meta = read_snapshot(source, where)
+            meta = read_snapshot(source.files, where)
             check_operators(meta, [op.uid for op in self.operators], allow_non_restored_state)
             own = meta.format == "native" and mode is not RestoreMode.NO_CLAIM
             if own:  # checkpoints only name files inside the job directory: take a copy
                 files = {p for op in self.operators if op.uid in meta.operators for p in _files_of(meta, op.uid)}
-                copy_files(source, self.storage, sorted(files), self._progress)
+                copy_files(source.files, self.storage.files, sorted(files), self._progress)
                 self._start(meta, self.storage, own=True)
             else:
                 self._start(meta, source, own=False)
@@ -252,9 +252,9 @@ class LocalJob:
         source = open_directory(base, self._config)
         try:
             if where == METADATA_NAME:
-                dispose_savepoint(source)
+                dispose_savepoint(source.files)
             else:  # a checkpoint of another job: its metadata and the files it names
-                meta = read_snapshot(source, where)
+                meta = read_snapshot(source.files, where)
                 source.files.delete(where)
                 for path in sorted(meta.referenced_files()):
                     source.files.delete(path)
@@ -381,7 +381,12 @@ class LocalJob:
                 cid = self.coordinator.trigger()
                 self.coordinator.abort(cid)
                 return write_canonical_savepoint(
-                    backends, out, checkpoint_id=cid, job_id=self.job_id, timestamp_ms=now, progress=self._progress
+                    backends,
+                    out.files,
+                    checkpoint_id=cid,
+                    job_id=self.job_id,
+                    timestamp_ms=now,
+                    progress=self._progress,
                 )
             pending = self.trigger_checkpoint()
             try:
@@ -396,7 +401,7 @@ class LocalJob:
                     for uid, a in sorted(acks.items())
                 }  # fmt: skip
                 meta = SnapshotMetadata(pending.checkpoint_id, operators, job_id=self.job_id, timestamp_ms=now)
-                return write_native_savepoint(meta, self.storage, out, self._progress)
+                return write_native_savepoint(meta, self.storage.files, out.files, self._progress)
             finally:
                 self.abort_checkpoint(pending)  # a savepoint is not a checkpoint of this job
         finally:

@@ -71,7 +71,7 @@ def _dfs_bytes(root: Path) -> int:
 
 
 def _cleanup(storage: StateChangelogStorage, retained: list[KeyedStateHandle]) -> int:
-    return len(delete_unreferenced(storage, retained))
+    return len(delete_unreferenced(storage.files, retained))
 
 
 def _live_size(backend: ChangelogKeyedStateBackend) -> tuple[int, int]:

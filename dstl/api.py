@@ -70,6 +70,12 @@ class DfsFiles(Protocol):
     ``FileNotFoundError``. ``timeout`` (seconds) bounds the caller's wait on top.
     """
 
+    @property
+    def base_path(self) -> str:
+        """The URL or local path the paths are relative to (the storage's ``config.base_path``),
+        for messages and locations."""
+        ...
+
     def put(self, path: str, data: bytes, timeout: float | None = None) -> None:
         """Write a whole file."""
         ...

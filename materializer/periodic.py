@@ -33,6 +33,11 @@ How (FLIP-158's steps, with Flink's rules):
   closed meanwhile, its next read of the tables raises and it fails cleanly (``backend.state.cut``);
   if it had read everything, it still finishes and hands its result over.
 
+Storage: the materializer writes and deletes chunks through the backend's ``storage.files`` (a
+``dstl.api.DfsFiles``) only. The one place this package names ``ChangelogStorage`` is ``restore``'s
+``source``: a restore replays log files, and reading the log back is the storage's side
+(``ChangelogStorage.read``), not the files'; ``restore`` only passes it on to the backend.
+
 Times are milliseconds, as everywhere in this project: ``interval_ms``, a ``clock_ms`` returning
 milliseconds, ``metrics.last_duration_ms``. ``metrics.registry`` holds the same figures as
 Prometheus metrics (``materializer.metrics``).
@@ -310,5 +315,7 @@ def restore(
     progress: Callable[[int], None] | None = None,
     source: ChangelogStorage | None = None,
 ) -> int:
-    """``backend.restore`` that can read materialized chunks (the backend does not import us)."""
+    """``backend.restore`` that can read materialized chunks (the backend does not import us).
+    ``source``: the storage holding the handles' files, if not the backend's (it reads their
+    logs back, hence a ``ChangelogStorage`` and not a ``DfsFiles``)."""
     return backend.restore(handles, progress=progress, load_chunk=bound_chunk_sections, source=source)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from backend.core.handles import KeyedStateHandle
-from dstl.api import ChangelogStorage
+from dstl.api import DfsFiles
 
 PREFIXES = ("dstl", "shared")
 
@@ -27,14 +27,14 @@ def referenced_files(handles: Iterable[KeyedStateHandle]) -> set[str]:
     return paths
 
 
-def delete_unreferenced(storage: ChangelogStorage, retained: Iterable[KeyedStateHandle]) -> list[str]:
+def delete_unreferenced(files: DfsFiles, retained: Iterable[KeyedStateHandle]) -> list[str]:
     """Delete every file under ``dstl/`` and ``shared/`` that ``retained`` does not reference;
     returns the deleted paths."""
     keep = referenced_files(retained)
     deleted = []
     for prefix in PREFIXES:
-        for path in storage.files.list(prefix):
+        for path in files.list(prefix):
             if path not in keep:
-                storage.files.delete(path)
+                files.delete(path)
                 deleted.append(path)
     return deleted

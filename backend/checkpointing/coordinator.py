@@ -52,7 +52,7 @@ from backend.checkpointing.registry import SharedStateRegistry
 from backend.checkpointing.store import CompletedCheckpointStore, Protect, StepHook
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
-from dstl.api import ChangelogStorage
+from dstl.api import DfsFiles
 from dstl.errors import StorageClosedError
 
 __all__ = ["CheckpointCoordinator", "CheckpointRetention", "PendingCheckpoint"]
@@ -87,7 +87,7 @@ class CheckpointCoordinator:
 
     def __init__(
         self,
-        storage: ChangelogStorage,
+        files: DfsFiles,
         *,
         job_id: str = "",
         num_retained: int = 1,
@@ -97,15 +97,15 @@ class CheckpointCoordinator:
         id_block_size: int = ID_BLOCK_SIZE,
         ownership: Ownership | None = None,
     ) -> None:
-        self.storage = storage
-        self.ownership = ownership or Ownership(storage.config.base_path)
+        self.files = files
+        self.ownership = ownership or Ownership(files.base_path)
         self.job_id = job_id
         self.retention = retention
-        self.store = CompletedCheckpointStore(storage, num_retained, on_step)
+        self.store = CompletedCheckpointStore(files, num_retained, on_step)
         self.pending: dict[int, PendingCheckpoint] = {}
         self._clock_ms = clock_ms
         self._step = on_step or (lambda _: None)
-        self.ids = CheckpointIdCounter(storage, id_block_size)
+        self.ids = CheckpointIdCounter(files, id_block_size)
         self._recovered = False
         #: ids whose ``_metadata`` write failed and whose fence could not be written yet
         self.unfenced: set[int] = set()
@@ -136,7 +136,7 @@ class CheckpointCoordinator:
         """Claim the job directory for this run, then ``CompletedCheckpointStore.recover`` (which
         checks the claim again before it writes or deletes anything); new ids then start after
         every id seen."""
-        self.ownership.claim(self.storage)
+        self.ownership.claim(self.files)
         latest = self.store.recover(protect, before_delete=lambda: self.ownership.check("recovering"))
         self.ownership.compact()
         self.ids.seen(self.store.highest_id)
@@ -242,13 +242,13 @@ class CheckpointCoordinator:
         ``CheckpointError`` says what is known of the outcome."""
         path = metadata_path(checkpoint_id)
         try:
-            self.storage.files.put(path, data)
+            self.files.put(path, data)
         except StorageClosedError:
             raise  # refused before it started: certainly not written
         except Exception as exc:
             fenced = self._fence(checkpoint_id)
             try:
-                self.storage.files.delete(path)
+                self.files.delete(path)
                 removed = ""
             except Exception as delete_exc:
                 removed = f"; deleting {path} failed too ({delete_exc})"
@@ -271,7 +271,7 @@ class CheckpointCoordinator:
         marker = json.dumps({"checkpoint_id": checkpoint_id, "reason": "_metadata write failed"}).encode()
         path = aborted_path(checkpoint_id)
         try:
-            self.storage.files.put(path, marker)
+            self.files.put(path, marker)
         except Exception as exc:
             _log.warning("checkpoint %d: writing its fence %s failed: %s", checkpoint_id, path, exc)
             self.unfenced.add(checkpoint_id)

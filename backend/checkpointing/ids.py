@@ -27,7 +27,7 @@ import logging
 
 from backend.checkpointing.metadata import id_block_path
 from backend.core.errors import CheckpointError
-from dstl.api import ChangelogStorage
+from dstl.api import DfsFiles
 from dstl.errors import ConfigurationError, StorageClosedError
 
 __all__ = ["ID_BLOCK_SIZE", "CheckpointIdCounter"]
@@ -41,10 +41,10 @@ ID_BLOCK_SIZE = 1_000_000
 class CheckpointIdCounter:
     """Hands out checkpoint ids, each after every id used or seen, automatic ones from a reserved block."""
 
-    def __init__(self, storage: ChangelogStorage, block_size: int = ID_BLOCK_SIZE) -> None:
+    def __init__(self, files: DfsFiles, block_size: int = ID_BLOCK_SIZE) -> None:
         if block_size < 1:
             raise ConfigurationError(f"block_size must be >= 1, got {block_size}")
-        self.storage = storage
+        self.files = files
         self.block_size = block_size
         #: the highest id used, seen by recovery, or lying in a block whose reservation failed
         self.last = -1
@@ -84,7 +84,7 @@ class CheckpointIdCounter:
             ) from exc
         previous, self.block = self.block, (start, end)
         if previous is not None:  # below the new one: no longer needed to keep ids unique
-            self.storage.files.delete_later(id_block_path(*previous))
+            self.files.delete_later(id_block_path(*previous))
 
     def close(self, discard: bool = False) -> None:
         """Shrink the reservation to the ids used, or with ``discard`` delete it (a cancelled job
@@ -96,7 +96,7 @@ class CheckpointIdCounter:
         (start, end), self.block = self.block, None
         if discard:
             try:
-                self.storage.files.delete(id_block_path(start, end))
+                self.files.delete(id_block_path(start, end))
             except Exception as exc:
                 _log.warning("could not delete the checkpoint id reservation %s..%s: %s", start, end, exc)
             return
@@ -104,9 +104,9 @@ class CheckpointIdCounter:
             return
         try:
             self._write(start, self.last)
-            self.storage.files.delete(id_block_path(start, end))
+            self.files.delete(id_block_path(start, end))
         except Exception as exc:
             _log.warning("could not shrink the checkpoint id reservation %s..%s: %s", start, end, exc)
 
     def _write(self, start: int, end: int) -> None:
-        self.storage.files.put(id_block_path(start, end), json.dumps({"start": start, "end": end}).encode())
+        self.files.put(id_block_path(start, end), json.dumps({"start": start, "end": end}).encode())

@@ -35,7 +35,7 @@ from typing import Any
 
 from backend.core.errors import CheckpointError, StateRestoreError
 from backend.core.handles import KeyedStateHandle
-from dstl.api import ChangelogStorage
+from dstl.api import DfsFiles
 from dstl.paths import check_relative, local_path
 
 __all__ = [
@@ -315,15 +315,13 @@ class SnapshotMetadata:
         return meta
 
 
-def read_snapshot(storage: ChangelogStorage, where: str = METADATA_NAME) -> SnapshotMetadata:
-    """Read the ``_metadata`` at ``where`` in ``storage`` (whose base path is the snapshot's directory)."""
+def read_snapshot(files: DfsFiles, where: str = METADATA_NAME) -> SnapshotMetadata:
+    """Read the ``_metadata`` at ``where`` in ``files`` (whose base path is the snapshot's directory)."""
     try:
-        data = storage.files.get(where)
+        data = files.get(where)
     except FileNotFoundError:
-        raise CheckpointError(
-            f"no {METADATA_NAME} in {storage.config.base_path}: not a checkpoint or savepoint"
-        ) from None
-    return SnapshotMetadata.loads(data, f"{storage.config.base_path.rstrip('/')}/{where}")
+        raise CheckpointError(f"no {METADATA_NAME} in {files.base_path}: not a checkpoint or savepoint") from None
+    return SnapshotMetadata.loads(data, f"{files.base_path.rstrip('/')}/{where}")
 
 
 def _crc(body: Mapping[str, Any]) -> int:

@@ -66,7 +66,7 @@ from typing import Any
 from backend.checkpointing.errors import DirectoryOwnedError, OwnershipLostError
 from backend.checkpointing.metadata import OWNER_DIR
 from backend.core.errors import CheckpointError
-from dstl.api import ChangelogStorage
+from dstl.api import DfsFiles
 from dstl.uploaders import Uploader
 
 __all__ = [
@@ -103,10 +103,10 @@ class _Claim:
     key: str  # the run's id, or the hash of the bound identity
 
 
-def _claims(storage: ChangelogStorage) -> list[_Claim]:
+def _claims(files: DfsFiles) -> list[_Claim]:
     """Every claim under ``_owner/``, by epoch (runs after bindings at one epoch)."""
     found = []
-    for path in storage.files.list(OWNER_DIR):
+    for path in files.list(OWNER_DIR):
         match = _CLAIM.match(path)
         if match is not None:
             found.append(_Claim(path, int(match.group(1)), match.group(2), match.group(3)))
@@ -122,13 +122,13 @@ def _holder() -> str:
     return f"host {socket.gethostname()}, pid {os.getpid()}, started {started}"
 
 
-def _read(storage: ChangelogStorage, path: str) -> dict[str, Any] | None:
+def _read(files: DfsFiles, path: str) -> dict[str, Any] | None:
     """A claim's body, or None if it is gone; read again while it does not parse (a short body),
     ``CheckpointError`` naming it if it never does."""
     problem = ""
     for _ in range(_READS):
         try:
-            value = json.loads(storage.files.get(path))
+            value = json.loads(files.get(path))
         except FileNotFoundError:
             return None
         except ValueError as exc:
@@ -140,39 +140,39 @@ def _read(storage: ChangelogStorage, path: str) -> dict[str, Any] | None:
     raise CheckpointError(f"the ownership claim {path} cannot be read ({problem}, on each of {_READS} reads)")
 
 
-def _describe(storage: ChangelogStorage, claim: _Claim) -> str:
+def _describe(files: DfsFiles, claim: _Claim) -> str:
     """Who holds ``claim``, for messages (never raises)."""
     try:
-        body = _read(storage, claim.path) or {}
+        body = _read(files, claim.path) or {}
     except CheckpointError:
         body = {}
     who = body.get("holder") or "holder unknown"
     return f"epoch {claim.epoch}, {who} ({claim.path})"
 
 
-def _put(storage: ChangelogStorage, path: str, body: dict[str, Any]) -> None:
-    storage.files.put(path, json.dumps(body, sort_keys=True).encode())
+def _put(files: DfsFiles, path: str, body: dict[str, Any]) -> None:
+    files.put(path, json.dumps(body, sort_keys=True).encode())
 
 
-def _withdraw(storage: ChangelogStorage, path: str) -> None:
+def _withdraw(files: DfsFiles, path: str) -> None:
     try:
-        storage.files.delete(path)
+        files.delete(path)
     except Exception as exc:  # a claim left behind loses to the next epoch; the caller's error says more
         _log.warning("withdrawing the ownership claim %s failed: %s", path, exc)
 
 
-def _bound(storage: ChangelogStorage, claims: Sequence[_Claim]) -> tuple[str, str] | None:
+def _bound(files: DfsFiles, claims: Sequence[_Claim]) -> tuple[str, str] | None:
     """``(identity, where it is recorded)`` the directory is bound to, or None: the newest
     confirmed binding or identity a run claim carries forward, else an earlier version's file."""
     for claim in reversed(claims):
-        body = _read(storage, claim.path)
+        body = _read(files, claim.path)
         if body is None:
             continue
         identity = body.get("identity")
         if isinstance(identity, str) and identity and (claim.kind == "run" or body.get("confirmed") is True):
             return identity, claim.path
     try:
-        legacy = json.loads(storage.files.get(LEGACY_OWNER_FILE))
+        legacy = json.loads(files.get(LEGACY_OWNER_FILE))
     except FileNotFoundError:
         return None
     except ValueError as exc:
@@ -192,7 +192,7 @@ class Ownership:
         self.run = uuid.uuid4().hex
         self.holder = _holder()
         self.epoch = 0  # not claimed yet
-        self._storage: ChangelogStorage | None = None
+        self._files: DfsFiles | None = None
         #: why this run writes no more, once known (a newer run's claim, or ``relinquish``): from
         #: then on every check fails at once and the guarded uploader refuses writes and deletions
         self.lost_to: str | None = None
@@ -201,46 +201,46 @@ class Ownership:
     def lost(self) -> bool:
         return self.lost_to is not None
 
-    def claim(self, storage: ChangelogStorage) -> None:
-        """Claim the directory ``storage`` is based on with the next epoch; ``DirectoryOwnedError``
+    def claim(self, files: DfsFiles) -> None:
+        """Claim the directory of ``files`` (their base path) with the next epoch; ``DirectoryOwnedError``
         if another run claimed it at the same time."""
-        epoch = max((c.epoch for c in _claims(storage)), default=0) + 1
+        epoch = max((c.epoch for c in _claims(files)), default=0) + 1
         path = _claim_path(epoch, "run", self.run)
         body: dict[str, Any] = {"kind": "run", "epoch": epoch, "run": self.run, "holder": self.holder, "identity": ""}
-        _put(storage, path, body)
-        claims = _claims(storage)
+        _put(files, path, body)
+        claims = _claims(files)
         rivals = [c for c in claims if c.kind == "run" and c.epoch >= epoch and c.path != path]
         if rivals:
-            _withdraw(storage, path)
+            _withdraw(files, path)
             raise DirectoryOwnedError(
                 f"{self.where}: another run claimed this job directory at the same time "
-                f"({_describe(storage, rivals[-1])}); this one withdrew: a job directory has one owner at a time. "
+                f"({_describe(files, rivals[-1])}); this one withdrew: a job directory has one owner at a time. "
                 "Start again once the other is stopped (a run started later takes the directory over and "
                 "fences the earlier one)"
             )
-        bound = _bound(storage, [c for c in claims if c.epoch < epoch])
+        bound = _bound(files, [c for c in claims if c.epoch < epoch])
         if bound is not None:
-            _put(storage, path, {**body, "identity": bound[0]})
-        self._storage, self.epoch = storage, epoch
+            _put(files, path, {**body, "identity": bound[0]})
+        self._files, self.epoch = files, epoch
         _log.info("%s: owned by this run from epoch %d (%s)", self.where, epoch, self.holder)
 
     def compact(self) -> None:
         """Delete the claims below this run's epoch (fenced already; this run's claim carries the
         bound identity on): after a recovery that went through, so that a refused start deletes
         nothing. Best effort: a claim left is ignored, and deleted by the next run."""
-        if self._storage is not None and not self.lost:
-            for older in (c for c in _claims(self._storage) if c.epoch < self.epoch):
-                _withdraw(self._storage, older.path)
+        if self._files is not None and not self.lost:
+            for older in (c for c in _claims(self._files) if c.epoch < self.epoch):
+                _withdraw(self._files, older.path)
 
     def check(self, operation: str) -> None:
         """Raise ``OwnershipLostError`` if a newer run has claimed the directory."""
         if self.lost_to is None:
-            if self._storage is None:
+            if self._files is None:
                 raise CheckpointError(f"{operation}: {self.where} is not claimed by this run (claim it first)")
-            newer = [c for c in _claims(self._storage) if c.kind == "run" and c.epoch > self.epoch]
+            newer = [c for c in _claims(self._files) if c.kind == "run" and c.epoch > self.epoch]
             if not newer:
                 return
-            self.lost_to = f"taken over by a newer run ({_describe(self._storage, newer[-1])})"
+            self.lost_to = f"taken over by a newer run ({_describe(self._files, newer[-1])})"
         raise OwnershipLostError(
             f"{operation}: {self.where} was {self.lost_to}; this run (epoch {self.epoch}, {self.holder}) "
             "writes nothing more there: stop it"
@@ -293,13 +293,13 @@ class _GuardedUploader:
         return getattr(self._inner, name)
 
 
-def bind_identity(storage: ChangelogStorage, identity: str, where: str, *, what: str, hint: str = "") -> None:
+def bind_identity(files: DfsFiles, identity: str, where: str, *, what: str, hint: str = "") -> None:
     """Make sure the directory's state belongs to ``identity`` (a ``what``, e.g. "streaming query"):
     bind it if nothing is bound yet; ``DirectoryOwnedError`` naming the owner if another is."""
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     for attempt in range(1, BIND_ATTEMPTS + 1):
-        claims = _claims(storage)
-        bound = _bound(storage, claims)
+        claims = _claims(files)
+        bound = _bound(files, claims)
         if bound is not None:
             if bound[0] == identity:
                 return
@@ -310,14 +310,14 @@ def bind_identity(storage: ChangelogStorage, identity: str, where: str, *, what:
         epoch = max((c.epoch for c in claims if c.kind == "run"), default=0)
         path = _claim_path(epoch, "bind", key, uuid.uuid4().hex[:16])
         body = {"kind": "bind", "epoch": epoch, "identity": identity, "holder": _holder(), "confirmed": False}
-        _put(storage, path, body)
-        if not _contested(_claims(storage), path, epoch, key):
-            _put(storage, path, {**body, "confirmed": True})
-            if not any(c.kind == "run" and c.epoch > epoch for c in _claims(storage)):
+        _put(files, path, body)
+        if not _contested(_claims(files), path, epoch, key):
+            _put(files, path, {**body, "confirmed": True})
+            if not any(c.kind == "run" and c.epoch > epoch for c in _claims(files)):
                 return
-        _withdraw(storage, path)  # another query is binding it, or a new run came: look again
+        _withdraw(files, path)  # another query is binding it, or a new run came: look again
         time.sleep(random.uniform(*_BACKOFF_S) * attempt)
-    rivals = [c.path for c in _claims(storage) if c.kind == "bind" and c.key != key]
+    rivals = [c.path for c in _claims(files) if c.kind == "bind" and c.key != key]
     raise DirectoryOwnedError(
         f"the state directory {where}: binding it to {what} {identity} failed on each of {BIND_ATTEMPTS} "
         f"attempts, other {what}s binding it at the same time ({', '.join(rivals) or 'none left'}); if no "

@@ -47,7 +47,7 @@ from backend.core.handles import (
     chunk_digest,
 )
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
-from dstl.api import ChangelogStorage
+from dstl.api import DfsFiles
 from dstl.paths import local_path
 from dstl.types import KeyGroupRange
 from materializer.chunks import encode_chunk
@@ -60,14 +60,14 @@ class RestoreMode(enum.Enum):
     LEGACY = "LEGACY"
 
 
-def copy_files(source: ChangelogStorage, target: ChangelogStorage, paths: Sequence[str], progress: Progress) -> int:
+def copy_files(source: DfsFiles, target: DfsFiles, paths: Sequence[str], progress: Progress) -> int:
     copied = 0
     for i, path in enumerate(sorted(paths)):
         try:
-            data = source.files.get(path)
+            data = source.get(path)
         except FileNotFoundError:
-            raise CheckpointError(f"{source.config.base_path}/{path} is missing: the snapshot is incomplete") from None
-        target.files.put(path, data)
+            raise CheckpointError(f"{source.base_path}/{path} is missing: the snapshot is incomplete") from None
+        target.put(path, data)
         copied += len(data)
         progress("copy", i + 1, len(paths))
     return copied
@@ -75,8 +75,8 @@ def copy_files(source: ChangelogStorage, target: ChangelogStorage, paths: Sequen
 
 def write_native_savepoint(
     checkpoint: SnapshotMetadata,
-    source: ChangelogStorage,
-    target: ChangelogStorage,
+    source: DfsFiles,
+    target: DfsFiles,
     progress: Progress = no_progress,
 ) -> SnapshotMetadata:
     """Copy a checkpoint's files from ``source`` (its job directory) into ``target`` and write
@@ -86,13 +86,13 @@ def write_native_savepoint(
     _refuse_existing(target)
     copy_files(source, target, sorted(checkpoint.referenced_files()), progress)
     meta = replace(checkpoint, kind="savepoint")
-    target.files.put(METADATA_NAME, meta.dumps())
+    target.put(METADATA_NAME, meta.dumps())
     return meta
 
 
 def write_canonical_savepoint(
     operators: Mapping[str, Sequence[ChangelogKeyedStateBackend]],
-    target: ChangelogStorage,
+    target: DfsFiles,
     *,
     checkpoint_id: int,
     job_id: str = "",
@@ -119,7 +119,7 @@ def write_canonical_savepoint(
             if sections:
                 data = encode_chunk(rng, 0, sections)
                 path = f"canonical/op-{index}/kg-{rng.start}-{rng.end}.chunk"
-                target.files.put(path, data)
+                target.put(path, data)
                 entries = sum(len(v) for v in sections.values())
                 files.append({"path": path, "key_groups": rng.to_json(), "size": len(data), "entries": entries,
                               CHUNK_HASH: chunk_digest(data)})  # fmt: skip
@@ -129,13 +129,13 @@ def write_canonical_savepoint(
     meta = SnapshotMetadata(
         checkpoint_id, parts, kind="savepoint", format="canonical", job_id=job_id, timestamp_ms=timestamp_ms
     )
-    target.files.put(METADATA_NAME, meta.dumps())
+    target.put(METADATA_NAME, meta.dumps())
     return meta
 
 
-def _refuse_existing(target: ChangelogStorage) -> None:
-    if target.files.list(""):
-        raise CheckpointError(f"{target.config.base_path} is not empty (it may hold a snapshot already)")
+def _refuse_existing(target: DfsFiles) -> None:
+    if target.list(""):
+        raise CheckpointError(f"{target.base_path} is not empty (it may hold a snapshot already)")
 
 
 def handles_of(meta: SnapshotMetadata, uid: str) -> list[KeyedStateHandle]:
@@ -171,18 +171,18 @@ def check_operators(meta: SnapshotMetadata, uids: Sequence[str], allow_non_resto
         )
 
 
-def dispose_savepoint(directory: ChangelogStorage, progress: Progress = no_progress) -> int:
+def dispose_savepoint(directory: DfsFiles, progress: Progress = no_progress) -> int:
     """Delete a savepoint: ``_metadata`` first (from then on it is gone, a crash leaves only
     unreferenced files), then every file it names. Returns the number of files deleted."""
     meta = read_snapshot(directory)
     if meta.kind != "savepoint":
-        raise CheckpointError(f"{directory.config.base_path} is a checkpoint, not a savepoint: not disposing it")
+        raise CheckpointError(f"{directory.base_path} is a checkpoint, not a savepoint: not disposing it")
     files = sorted(meta.referenced_files())
-    directory.files.delete(METADATA_NAME)
+    directory.delete(METADATA_NAME)
     for i, path in enumerate(files):
-        directory.files.delete(path)
+        directory.delete(path)
         progress("delete", i + 1, len(files))
-    _remove_empty_dirs(directory.config.base_path)
+    _remove_empty_dirs(directory.base_path)
     return len(files) + 1
 
 

@@ -73,7 +73,7 @@ from backend.checkpointing.metadata import (
 from backend.checkpointing.ownership import is_ownership_file
 from backend.checkpointing.registry import SharedStateRegistry
 from backend.core.errors import CheckpointError
-from dstl.api import ChangelogStorage
+from dstl.api import DfsFiles
 from dstl.errors import ConfigurationError
 
 __all__ = ["VALIDATION_READS", "CompletedCheckpointStore", "Protect", "StepHook"]
@@ -107,10 +107,10 @@ class _Problem:
 class CompletedCheckpointStore:
     """The retained completed checkpoints of one job directory and the files they share."""
 
-    def __init__(self, storage: ChangelogStorage, num_retained: int = 1, on_step: StepHook | None = None) -> None:
+    def __init__(self, files: DfsFiles, num_retained: int = 1, on_step: StepHook | None = None) -> None:
         if num_retained < 1:
             raise ConfigurationError(f"num_retained must be >= 1, got {num_retained}")
-        self.storage = storage
+        self.files = files
         self.num_retained = num_retained
         self.registry = SharedStateRegistry()
         self.completed: list[SnapshotMetadata] = []
@@ -136,7 +136,7 @@ class CompletedCheckpointStore:
         new job). ``before_delete`` runs before the first write (it may raise: the owner's check).
         Raises ``CheckpointError``, deleting nothing, when a ``_metadata`` names another checkpoint
         than its directory, or when the newest unfenced one is damaged or names a missing file."""
-        all_files = self.storage.files.list("")
+        all_files = self.files.list("")
         candidates: dict[int, str] = {}
         fenced: set[int] = set()
         reservations: dict[str, int] = {}
@@ -194,15 +194,15 @@ class CompletedCheckpointStore:
             voiding = void_range_path(latest_id + 1, self.highest_id)
             if voiding not in voids:
                 reason = f"voided by a recovery that resumed from checkpoint {latest_id}"
-                self.storage.files.put(voiding, json.dumps({"reason": reason}).encode())
+                self.files.put(voiding, json.dumps({"reason": reason}).encode())
             keep.add(voiding)
         # A fenced _metadata goes first (and its fence never here): stopped halfway, this recovery
         # must not leave it unfenced for the next one.
         for path in sorted((p for p in all_files if p not in keep), key=lambda p: (parse_metadata_path(p) is None, p)):
-            self.storage.files.delete(path)
+            self.files.delete(path)
             head = path.partition("/")[0]
             if parse_checkpoint_dir(head) is not None:
-                self.storage.files.remove_empty_directory(head)
+                self.files.remove_empty_directory(head)
         return latest
 
     def _select(
@@ -271,7 +271,7 @@ class CompletedCheckpointStore:
         problem = CheckpointError(f"{path}: not read")
         for attempt in range(1, VALIDATION_READS + 1):
             try:
-                data = self.storage.files.get(path)
+                data = self.files.get(path)
             except FileNotFoundError:
                 raise CheckpointError(f"{path} disappeared while recovering") from None
             try:
@@ -297,7 +297,7 @@ class CompletedCheckpointStore:
 
     def _exists(self, path: str) -> bool:
         try:
-            self.storage.files.read_range(path, 0, 1)
+            self.files.read_range(path, 0, 1)
         except FileNotFoundError:
             return False
         return True
@@ -310,18 +310,18 @@ class CompletedCheckpointStore:
         self.completed.append(meta)
         for fenced in sorted(c for c in self.fences if c < meta.checkpoint_id):
             self.fences.discard(fenced)
-            self.storage.files.delete_later(aborted_path(fenced), functools.partial(self._directory_emptied, fenced))
+            self.files.delete_later(aborted_path(fenced), functools.partial(self._directory_emptied, fenced))
         while len(self.completed) > self.num_retained:
             old = self.completed.pop(0)
             self._step("before-subsume")
             unused = self.registry.unregister(old.checkpoint_id)
             self.registry.deleted.update(unused)  # never to be named again, in doubt until deleted
             after = functools.partial(self._subsumed_metadata_deleted, old.checkpoint_id, unused)
-            self.storage.files.delete_later(metadata_path(old.checkpoint_id), after)
+            self.files.delete_later(metadata_path(old.checkpoint_id), after)
 
     def _directory_emptied(self, checkpoint_id: int, deleted: bool) -> None:
         if deleted:
-            self.storage.files.remove_empty_directory(checkpoint_dir(checkpoint_id))
+            self.files.remove_empty_directory(checkpoint_dir(checkpoint_id))
 
     def _subsumed_metadata_deleted(self, checkpoint_id: int, unused: Sequence[str], deleted: bool) -> None:
         """On the storage's loop: the old ``_metadata`` is gone, so its files may go; if its deletion
@@ -330,10 +330,10 @@ class CompletedCheckpointStore:
             path = metadata_path(checkpoint_id)
             self.cleanup_errors.append(f"subsuming checkpoint {checkpoint_id}: deleting {path} failed")
             return
-        self.storage.files.remove_empty_directory(checkpoint_dir(checkpoint_id))
+        self.files.remove_empty_directory(checkpoint_dir(checkpoint_id))
         self._step("after-subsume-metadata")
         for i, path in enumerate(unused):
-            self.storage.files.delete_later(path, functools.partial(self._file_deleted, path, i == 0))
+            self.files.delete_later(path, functools.partial(self._file_deleted, path, i == 0))
 
     def _file_deleted(self, path: str, first: bool, deleted: bool) -> None:
         if deleted:
@@ -348,12 +348,12 @@ class CompletedCheckpointStore:
         DELETE_ON_CANCELLATION)."""
         while self.completed:
             old = self.completed.pop(0)
-            self.storage.files.delete(metadata_path(old.checkpoint_id))
-            self.storage.files.remove_empty_directory(checkpoint_dir(old.checkpoint_id))
+            self.files.delete(metadata_path(old.checkpoint_id))
+            self.files.remove_empty_directory(checkpoint_dir(old.checkpoint_id))
             for path in self.registry.unregister(old.checkpoint_id):
                 self.registry.deleted.add(path)
                 try:
-                    self.storage.files.delete(path)
+                    self.files.delete(path)
                 except Exception as exc:
                     self.cleanup_errors.append(f"{path}: {exc}")  # an orphan for the next recover()
                 else:

@@ -250,7 +250,7 @@ def claim_directory(storage: ChangelogStorage, cfg: OperatorConfig, query_id: st
     if not query_id or (cfg.job_dir, query_id) in _CLAIMED:
         return
     bind_identity(
-        storage, query_id, cfg.job_dir, what="streaming query",
+        storage.files, query_id, cfg.job_dir, what="streaming query",
         hint="two queries cannot share one state directory; give each query its own checkpoint_location "
         "(or operator_uid with use_for_session). If this is the same query with a new Spark "
         "checkpointLocation, its state is gone with the old one: delete this directory too",

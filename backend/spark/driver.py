@@ -55,7 +55,7 @@ class DriverCoordinator:
         guarded = self.ownership.guard(make_uploader(cfg.changelog))
         self.storage = StateChangelogStorage(cfg.changelog, uploader=guarded)
         self.coordinator = CheckpointCoordinator(
-            self.storage, job_id=cfg.job_dir, num_retained=num_retained, ownership=self.ownership
+            self.storage.files, job_id=cfg.job_dir, num_retained=num_retained, ownership=self.ownership
         )
         self.operators: dict[str, int] = {}
         self.lock = threading.Lock()

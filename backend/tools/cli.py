@@ -144,12 +144,12 @@ def cmd_trigger(args: argparse.Namespace) -> int:
         try:
             with open_storage(target) as out, contextlib.ExitStack() as stack:
                 if args.format == "native":
-                    meta = write_native_savepoint(snapshot.meta, snapshot.storage, out, progress)
+                    meta = write_native_savepoint(snapshot.meta, snapshot.storage.files, out.files, progress)
                 else:
                     scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dstl-", dir=args.tmp_dir)))
                     source = snapshot.meta
                     meta = write_canonical_savepoint(
-                        restore_all(snapshot, scratch, stack, progress), out, checkpoint_id=source.checkpoint_id,
+                        restore_all(snapshot, scratch, stack, progress), out.files, checkpoint_id=source.checkpoint_id,
                         job_id=source.job_id, timestamp_ms=source.timestamp_ms, progress=progress,
                     )  # fmt: skip
         except BaseException:
@@ -170,7 +170,7 @@ def cmd_dispose(args: argparse.Namespace) -> int:
         if snapshot.meta.kind != "savepoint":
             raise CliError(f"{snapshot.metadata_url} is a {snapshot.meta.kind}, not a savepoint: not disposing it")
         try:
-            deleted = dispose_savepoint(snapshot.storage, progress)
+            deleted = dispose_savepoint(snapshot.storage.files, progress)
         finally:
             progress.clear()
     print(f"disposed savepoint {snapshot.base}: {deleted} files deleted")

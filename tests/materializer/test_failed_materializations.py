@@ -217,7 +217,7 @@ def test_crash_during_materialization_upload(tmp_path: Path) -> None:
         assert referenced <= shared | logs
         assert shared - referenced == {partial}  # what the crash left behind: the partial upload
 
-        deleted = delete_unreferenced(storage, [handle])  # orphan cleanup after the crash
+        deleted = delete_unreferenced(storage.files, [handle])  # orphan cleanup after the crash
         assert set(deleted) == (shared | logs) - referenced
         assert set(storage.files.list("shared")) | set(storage.files.list("dstl")) == referenced
         check_restores(env, handle, model, parallelisms=(1, 4))

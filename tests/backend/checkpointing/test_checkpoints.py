@@ -160,7 +160,7 @@ def test_registry_counts_per_checkpoint() -> None:
 
 def _coordinator(tmp_path: Path) -> tuple[StateChangelogStorage, CheckpointCoordinator]:
     storage = StateChangelogStorage(ChangelogConfig.local(tmp_path / "job"))
-    coordinator = CheckpointCoordinator(storage)
+    coordinator = CheckpointCoordinator(storage.files)
     coordinator.recover()
     return storage, coordinator
 

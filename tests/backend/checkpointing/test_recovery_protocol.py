@@ -229,15 +229,20 @@ def test_a_file_the_listing_lacks_but_that_exists_is_no_reason_to_drop_a_checkpo
 
 
 @pytest.fixture
-def faulty_coordinator(tmp_path: Path, plan: FaultPlan) -> Iterator[CheckpointCoordinator]:
+def faulty_storage(tmp_path: Path, plan: FaultPlan) -> Iterator[StateChangelogStorage]:
     config = ChangelogConfig(base_path=faulty_base_path(tmp_path / "dfs", plan), max_attempts=2, retry_delay_ms=1)
     storage = StateChangelogStorage(replace(config, dfs_timeout_ms=1500))
-    coordinator = CheckpointCoordinator(storage, num_retained=1)
-    coordinator.recover()
     try:
-        yield coordinator
+        yield storage
     finally:
         storage.close()
+
+
+@pytest.fixture
+def faulty_coordinator(faulty_storage: StateChangelogStorage) -> CheckpointCoordinator:
+    coordinator = CheckpointCoordinator(faulty_storage.files, num_retained=1)
+    coordinator.recover()
+    return coordinator
 
 
 def _checkpoint_naming(coordinator: CheckpointCoordinator, path: str) -> Any:
@@ -247,16 +252,16 @@ def _checkpoint_naming(coordinator: CheckpointCoordinator, path: str) -> Any:
 
 
 def test_a_file_whose_deletion_may_land_late_is_never_named_again(
-    faulty_coordinator: CheckpointCoordinator, plan: FaultPlan
+    faulty_coordinator: CheckpointCoordinator, faulty_storage: StateChangelogStorage, plan: FaultPlan
 ) -> None:
     """Finding 6: a subsumption DELETE that timed out on every attempt was forgotten after four
     completions; a checkpoint naming the file again passed, then the DELETE landed."""
     coordinator = faulty_coordinator
     plan.add(Fault(op="delete", path="shared/0.chunk", action="late"))
     for i in range(8):
-        coordinator.storage.files.put(f"shared/{i}.chunk", b"x")
+        coordinator.files.put(f"shared/{i}.chunk", b"x")
         _checkpoint_naming(coordinator, f"shared/{i}.chunk")
-    coordinator.storage.flush()
+    faulty_storage.flush()
     assert any("shared/0.chunk" in e for e in coordinator.cleanup_errors)
     with pytest.raises(CheckpointError, match=r"shared/0\.chunk, which was deleted with a subsumed checkpoint"):
         _checkpoint_naming(coordinator, "shared/0.chunk")
@@ -266,12 +271,12 @@ def test_a_file_whose_deletion_may_land_late_is_never_named_again(
 
 
 def test_subsumption_on_a_stalled_dfs_does_not_hold_the_commit(
-    faulty_coordinator: CheckpointCoordinator, plan: FaultPlan
+    faulty_coordinator: CheckpointCoordinator, faulty_storage: StateChangelogStorage, plan: FaultPlan
 ) -> None:
     """Finding 7: complete() deleted the subsumed checkpoint synchronously: attempts x dfs_timeout."""
     coordinator = faulty_coordinator
-    coordinator.storage.files.put("shared/0.chunk", b"x")
-    coordinator.storage.files.put("shared/1.chunk", b"x")
+    coordinator.files.put("shared/0.chunk", b"x")
+    coordinator.files.put("shared/1.chunk", b"x")
     _checkpoint_naming(coordinator, "shared/0.chunk")
     plan.add(Fault(op="delete", action="stall"))
     started = time.monotonic()
@@ -279,7 +284,7 @@ def test_subsumption_on_a_stalled_dfs_does_not_hold_the_commit(
     assert time.monotonic() - started < 1.0  # one attempt alone takes 1.5 s
     plan.clear()
     plan.close()  # ends the stalled attempt
-    coordinator.storage.flush()
+    faulty_storage.flush()
     assert [m.checkpoint_id for m in coordinator.completed] == [2]
 
 

@@ -22,14 +22,19 @@ ROUNDS = 60
 
 
 @pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[CheckpointCoordinator]:
+def storage(tmp_path: Path) -> Iterator[StateChangelogStorage]:
     storage = StateChangelogStorage(ChangelogConfig.local(tmp_path / "job"))
-    c = CheckpointCoordinator(storage, num_retained=1)
-    c.recover()
     try:
-        yield c
+        yield storage
     finally:
         storage.close()
+
+
+@pytest.fixture
+def coordinator(storage: StateChangelogStorage) -> CheckpointCoordinator:
+    c = CheckpointCoordinator(storage.files, num_retained=1)
+    c.recover()
+    return c
 
 
 def checkpoint_naming(coordinator: CheckpointCoordinator, path: str) -> int:
@@ -42,15 +47,15 @@ def checkpoint_naming(coordinator: CheckpointCoordinator, path: str) -> int:
 def run(coordinator: CheckpointCoordinator, rounds: int) -> None:
     for i in range(rounds):
         path = f"shared/{i}.chunk"
-        coordinator.storage.files.put(path, b"x")
+        coordinator.files.put(path, b"x")
         checkpoint_naming(coordinator, path)
 
 
 def test_the_memory_of_deleted_files_stays_bounded_over_a_long_run(
-    coordinator: CheckpointCoordinator, tmp_path: Path
+    coordinator: CheckpointCoordinator, storage: StateChangelogStorage, tmp_path: Path
 ) -> None:
     run(coordinator, ROUNDS)
-    coordinator.storage.flush()  # subsumption deletes in the background
+    storage.flush()  # subsumption deletes in the background
     assert sorted(p.name for p in (tmp_path / "job" / "shared").iterdir()) == [f"{ROUNDS - 1}.chunk"]
     assert coordinator.registry.deleted.unsettled == 0
     assert len(coordinator.registry.deleted) <= REMEMBERED_COMPLETIONS < ROUNDS - 1
