@@ -61,6 +61,16 @@ class StateRestoreError(ChangelogError, ValueError):
     """A snapshot cannot be restored here: corrupt or foreign handle, or incompatible state."""
 
 
+class SchemaEvolutionError(StateRestoreError):
+    """A state's schema changed in a way its stored values cannot be read through
+    (``backend.core.serializers.evolution``): names the state, the field, both types and why."""
+
+    def __init__(self, state: str, field: str, old: str, new: str, why: str) -> None:
+        where = f"state {state!r}" + (f" field {field!r}" if field else "")
+        super().__init__(f"{where} was stored as {old} and is registered as {new}: {why}")
+        self.state, self.field, self.old, self.new = state, field, old, new
+
+
 class CheckpointError(ChangelogError):
     """A checkpoint cannot be completed, read or restored (the message names the file or path)."""
 
@@ -101,6 +111,7 @@ __all__ = [
     "LocalStateError",
     "NoCurrentKeyError",
     "NoneElementError",
+    "SchemaEvolutionError",
     "SerializationError",
     "SerializerMismatchError",
     "StateRestoreError",
