@@ -31,6 +31,7 @@ from backend.core.handles import KeyedStateHandle, LogEntry, intersect
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM
 from backend.core.records import Op
 from backend.core.serializers import Serializer
+from backend.core.serializers.evolution import check_registration
 from backend.core.tablekeys import key_group_of, split_table_key
 from backend.state import restore as restoring
 from backend.state.context import KeyContext
@@ -151,11 +152,8 @@ class ChangelogKeyedStateBackend(KeyContext):
         restored = self._restored_meta.get(descriptor.name)
         if restored is not None and restored.get("dropped"):
             restored = None
-        if restored is not None and restored != meta:
-            raise StateRestoreError(
-                f"state {descriptor.name!r} was checkpointed as {restored} but is registered as {meta}: "
-                "its stored bytes cannot be read with the new kind or serializer"
-            )
+        if restored is not None:
+            check_registration(descriptor.name, restored, meta, descriptor.serializer)
         sid = rec.state_id(descriptor.name)
         for other in self._states.values():
             if other.sid == sid:

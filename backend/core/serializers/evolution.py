@@ -26,16 +26,16 @@ decode keeps each serializer's byte format its own; a value in today's schema is
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from backend.core.errors import SchemaEvolutionError, SerializationError
+from backend.core.errors import SchemaEvolutionError, SerializationError, StateRestoreError
 from backend.core.serializers.base import Serializer
 from backend.core.serializers.composite import OptionalSerializer, RowSerializer, TupleSerializer
 from backend.core.serializers.ids import serializer_for_id
 from backend.core.serializers.values import BytesSerializer, Float64Serializer, Int64Serializer, StrSerializer
 
-__all__ = ["Conversion", "evolve"]
+__all__ = ["Conversion", "check_registration", "evolve"]
 
 #: an old value (as the old serializer decodes it) -> the value today's serializer would decode
 Conversion = Callable[[Any], Any]
@@ -142,3 +142,35 @@ def _tuple_conversion(old: TupleSerializer, new: TupleSerializer, state: str, pa
 
 def _same(value: Any) -> Any:
     return value
+
+
+def check_registration(
+    name: str, restored: Mapping[str, Any], registered: Mapping[str, Any], serializer: Serializer[Any]
+) -> None:
+    """Refuse, before any value is read, a state registered otherwise than it was stored: a changed
+    kind or map key schema (neither can evolve, as in Spark), a value schema change the rules
+    above cannot resolve (``SchemaEvolutionError`` naming the field), or any other difference.
+    ``restored`` and ``registered`` are descriptors' metadata; ``serializer`` the registered one."""
+    if restored == registered:
+        return
+    if restored.get("kind") != registered.get("kind"):
+        raise SchemaEvolutionError(
+            name,
+            "",
+            f"{restored.get('kind')} state",
+            f"{registered.get('kind')} state",
+            "a state cannot change its kind",
+        )
+    old_key, new_key = restored.get("user_key_serializer"), registered.get("user_key_serializer")
+    if old_key != new_key:
+        raise SchemaEvolutionError(
+            name, "(map key)", str(old_key), str(new_key), "a map state's key schema cannot change"
+        )
+    old_id = restored.get("serializer")
+    if old_id != serializer.id:
+        evolve(str(old_id), serializer, name)  # raises when the change cannot be resolved
+    raise StateRestoreError(
+        f"state {name!r} was checkpointed as {dict(restored)} but is registered as {dict(registered)}: "
+        "reading stored values through a changed schema or TTL is not supported yet; restart with the "
+        "schema it was checkpointed with"
+    )

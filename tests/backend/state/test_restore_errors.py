@@ -10,7 +10,7 @@ import pytest
 
 from backend.core import records as rec
 from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, StateTtl, ValueStateDescriptor
-from backend.core.errors import StateRestoreError
+from backend.core.errors import SchemaEvolutionError, StateRestoreError
 from backend.core.handles import KeyedStateHandle
 from backend.core.records import Op
 from backend.core.serializers import BytesSerializer, Int64Serializer, JsonSerializer, StrSerializer
@@ -135,21 +135,28 @@ def test_handle_text_that_is_no_handle_raises_state_restore_error(text: str) -> 
 
 
 @pytest.mark.parametrize(
-    "registered",
+    ("registered", "error", "why"),
     [
-        ValueStateDescriptor(VALUE.name, StrSerializer()),
-        ValueStateDescriptor(VALUE.name, Int64Serializer(), ttl=StateTtl(10)),
-        ListStateDescriptor(VALUE.name, Int64Serializer()),
-        MapStateDescriptor(MAP.name, Int64Serializer(), user_key_serializer=JsonSerializer()),
-        ListStateDescriptor(LIST.name, BytesSerializer()),
+        (ValueStateDescriptor(VALUE.name, StrSerializer()), SchemaEvolutionError, "not a widening"),
+        (ValueStateDescriptor(VALUE.name, Int64Serializer(), ttl=StateTtl(10)), StateRestoreError, "not supported"),
+        (ListStateDescriptor(VALUE.name, Int64Serializer()), SchemaEvolutionError, "cannot change its kind"),
+        (
+            MapStateDescriptor(MAP.name, Int64Serializer(), user_key_serializer=JsonSerializer()),
+            SchemaEvolutionError,
+            "key schema cannot change",
+        ),
+        (ListStateDescriptor(LIST.name, BytesSerializer()), StateRestoreError, "not supported"),  # a widening
     ],
     ids=["value-serializer", "value-ttl", "value-as-list", "map-user-key", "list-serializer"],
 )
-def test_registering_a_restored_state_incompatibly_raises(env: Env, handle: KeyedStateHandle, registered: Any) -> None:
+def test_registering_a_restored_state_incompatibly_raises(
+    env: Env, handle: KeyedStateHandle, registered: Any, error: type[Exception], why: str
+) -> None:
     b = env.backend()
     b.restore([handle])
-    with pytest.raises(StateRestoreError):
+    with pytest.raises(error, match=why) as info:
         b.get_state(registered)
+    assert repr(registered.name) in str(info.value)
     # the compatible registrations still read the restored state
     key = POOL[5]
     b.set_current_key(key)

@@ -1,0 +1,62 @@
+"""A restored state registered with a changed schema: what is refused, with which error, and that
+the checkpoint stays usable by the code that wrote it (``backend.core.serializers.evolution``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from backend.core.descriptors import ValueStateDescriptor
+from backend.core.errors import SchemaEvolutionError, StateRestoreError
+from backend.core.serializers import Float64Serializer, Int64Serializer, OptionalSerializer, RowSerializer
+from tests.backend.state.support import Env
+
+
+def acc(*fields: tuple[str, Any]) -> ValueStateDescriptor[Any]:
+    return ValueStateDescriptor("acc", RowSerializer([(n, OptionalSerializer(s)) for n, s in fields]))
+
+
+OLD = acc(("total", Float64Serializer()), ("n", Int64Serializer()))
+
+
+@pytest.mark.parametrize(
+    ("registered", "field", "why"),
+    [
+        (acc(("total", Int64Serializer()), ("n", Int64Serializer())), "total", "not a widening"),
+        (ValueStateDescriptor("acc", RowSerializer([("total", Float64Serializer())])), "total", "NOT NULL"),
+    ],
+    ids=["narrowed", "made-not-null"],
+)
+def test_an_unresolvable_change_is_refused_naming_the_field_and_the_old_code_restores(
+    env: Env, registered: ValueStateDescriptor[Any], field: str, why: str
+) -> None:
+    b = env.backend()
+    b.set_current_key("k")
+    b.get_state(OLD).update((1.5, 2))
+    (handle,) = env.checkpoint(b)
+
+    changed = env.backend()
+    changed.restore([handle])
+    with pytest.raises(SchemaEvolutionError, match=why) as info:
+        changed.get_state(registered)
+    assert (info.value.state, info.value.field) == ("acc", field)
+    error = info.value
+    assert f"field {field!r}" in str(error) and error.old in str(error) and error.new in str(error)
+    assert "float64/1" in error.old  # the field's stored type, not the whole schema
+
+    again = env.backend()
+    again.restore([handle])
+    again.set_current_key("k")
+    assert again.get_state(OLD).value() == (1.5, 2)
+
+
+def test_a_change_the_rules_resolve_is_still_refused_until_stored_values_are_converted(env: Env) -> None:
+    b = env.backend()
+    b.set_current_key("k")
+    b.get_state(OLD).update((1.5, 2))
+    (handle,) = env.checkpoint(b)
+    changed = env.backend()
+    changed.restore([handle])
+    with pytest.raises(StateRestoreError, match="not supported yet"):
+        changed.get_state(acc(("n", Int64Serializer()), ("total", Float64Serializer()), ("added", Int64Serializer())))
