@@ -240,9 +240,14 @@ class ChangelogWriter(Appender):
     def close(self) -> None:
         """Drop every changeset. Files of handles handed out and not yet confirmed or released
         are handed over (kept: their checkpoint may have completed, see ``dstl.storage.registry``);
-        other files no confirmed checkpoint owns are deleted."""
-        if not self.buffer.close():
-            return
+        other files no confirmed checkpoint owns are deleted.
+
+        The buffer closes under ``_cut_lock``: a pre-emptive cut of the loop thread either ended
+        before (its entry is truncated below) or finds the buffer closed (it cuts nothing), so no
+        entry lands in ``entries`` after the truncation, where its file would never be released."""
+        with self._cut_lock:
+            if not self.buffer.close():
+                return
         self._storage.truncate_entries(self.entries, _EVERY_SQN)
         with self._holds_lock:  # a persist completing from now on sees the writer closed
             held, self._held = self._held, Counter()
