@@ -9,10 +9,11 @@ and caller above the log (``backend.checkpointing``) goes through it.
 
 An operator uid (and a job id) becomes a directory name, on the DFS (``pending/<b>/<uid>``), on
 local disk (each subtask's LMDB directory) and in log ids, so what one may be is one rule,
-``check_name``: letters, digits, ``_``, ``-`` and ``.``, not ``.`` or ``..``. It is checked where
+``check_name``: not empty, no ``/``, ``\\`` or NUL, not ``.`` or ``..``. It is checked where
 a name enters (``OperatorSpec`` and ``LocalJob``, Spark's ``operator_uid`` on the driver, a
 writer of the storage), so a bad one is refused at once, naming it, never later on an executor.
-``as_name`` makes a valid name of any text (a routed operator's class name).
+``as_name`` makes a valid name of any text (a routed operator's class name), keeping only letters,
+digits, ``_``, ``-`` and ``.``, as routed uids always were.
 
 A base path is local when it has no URL scheme or is a ``file://`` URL (``local_path``): callers
 that work on a local directory directly (comparing real paths, removing empty directories, listing
@@ -39,23 +40,29 @@ __all__ = [
 
 #: the directory, under the base path, of the changelog files (``dstl/<prefix>/<uuid>``)
 LOG_DIRECTORY = "dstl"
-#: a character a name (an operator uid, a job id) may not hold
-_NOT_IN_NAME = re.compile(r"[^A-Za-z0-9_.\-]")
+#: what a name (an operator uid, a job id) may not hold: it names one directory level of a local
+#: path and of an object store key alike
+_NOT_IN_NAME = re.compile(r"[/\\\x00]")
+#: what a name derived from other text (``as_name``) replaces: kept conservative, since the names it
+#: derives (a routed operator's uid) name existing state directories
+_NOT_IN_DERIVED_NAME = re.compile(r"[^A-Za-z0-9_.\-]")
 
 
 def check_name(name: str, what: str = "operator uid") -> str:
     """``name`` if it may name an operator (``what``: or a job, ...), else ``ConfigurationError``
-    naming it and the rule (module docstring)."""
+    naming it and the rule: not empty, no ``/``, ``\\`` or NUL, and not ``.`` or ``..``."""
     if not isinstance(name, str) or not name or _NOT_IN_NAME.search(name) or name in (".", ".."):
         raise ConfigurationError(
-            f"{what} {name!r} must be letters, digits, '_', '-' or '.' (and not '.' or '..'): it names a directory"
+            f"{what} {name!r} must be a non-empty name without '/', '\\' or NUL, and not '.' or '..': "
+            "it names a directory"
         )
     return name
 
 
 def as_name(text: str) -> str:
-    """``text`` as a valid name: every character ``check_name`` refuses replaced by ``-``."""
-    return _NOT_IN_NAME.sub("-", text)
+    """``text`` as a valid name: every character but letters, digits, ``_``, ``-`` and ``.``
+    replaced by ``-`` (the rule ``routed_uid`` has always derived uids by)."""
+    return _NOT_IN_DERIVED_NAME.sub("-", text)
 
 
 def check_relative(path: str) -> str:

@@ -10,11 +10,15 @@ from typing import Any
 import pytest
 
 from backend.checkpointing.metadata import is_inside, snapshot_location
+from backend.core.descriptors import ValueStateDescriptor
 from backend.core.errors import CheckpointError
+from backend.core.serializers import Int64Serializer
 from backend.job import JobOptions, LocalJob, OperatorSpec
 from dstl import ConfigurationError
 from dstl.paths import local_path
 from materializer.options import MaterializationOptions
+
+VALUE = ValueStateDescriptor("value", Int64Serializer())
 
 
 @pytest.mark.parametrize(
@@ -64,9 +68,23 @@ def test_bad_operators_and_job_ids_are_configuration_errors(tmp_path: Path) -> N
     with pytest.raises(ConfigurationError, match="parallelism"):
         OperatorSpec("op", 200, max_parallelism=128)
     with pytest.raises(ConfigurationError, match="job id"):
-        LocalJob(tmp_path / "ckpt", "a b", [OperatorSpec("op", 1)], tmp_path / "local")
+        LocalJob(tmp_path / "ckpt", "a\\b", [OperatorSpec("op", 1)], tmp_path / "local")
     with pytest.raises(ConfigurationError, match="unique"):
         LocalJob(tmp_path / "ckpt", "job", [OperatorSpec("op", 1), OperatorSpec("op", 2)], tmp_path / "local")
+
+
+def test_a_uid_and_job_id_of_any_other_characters_name_their_directories(tmp_path: Path) -> None:
+    """The one rule refuses only what cannot name one directory level: a uid the storage's writers
+    and the changelog service always took (a space, a colon, non-ASCII) keeps working everywhere."""
+    ops = [OperatorSpec("orders: v2", 1), OperatorSpec("café", 1)]
+    with LocalJob(tmp_path / "ckpt", "job 1", ops, tmp_path / "local") as job:
+        for op in ops:
+            backend = job.backend_for(op.uid, "k")
+            backend.get_state(VALUE).update(7)
+        job.checkpoint()
+    with LocalJob(tmp_path / "ckpt", "job 1", ops, tmp_path / "local") as job:
+        for op in ops:
+            assert job.backend_for(op.uid, "k").get_state(VALUE).value() == 7
 
 
 def test_is_inside(tmp_path: Path) -> None:
