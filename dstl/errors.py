@@ -86,7 +86,21 @@ class FencedWriterError(WriterClosedError):
     task); the older writer was closed and every request naming it fails."""
 
 
+# -- what one upload attempt ended with (dstl.hedging): the causes an UploadFailedError names --
+
+
+class AttemptTimedOut(TimeoutError):
+    """An upload attempt got no answer within ``upload_timeout_ms`` (the uploader's own
+    ``TimeoutError``, a socket's or an ``ETIMEDOUT``, is an error it raised: ``AttemptFailed``)."""
+
+
+class AttemptFailed(Exception):
+    """What an upload attempt's uploader raised, and after how long (the message says both)."""
+
+
 __all__ = [
+    "AttemptFailed",
+    "AttemptTimedOut",
     "ChangelogError",
     "ConfigurationError",
     "CorruptChangelogError",

@@ -19,7 +19,7 @@ of a hedge can be deleted without touching the winner's object):
    timed-out *last* attempt fails the upload too (Flink's FLINK-26396 did not).
 
 Those deletions go to ``discard``: a storage passes its retried, counted background deletion
-(``dstl.storage.registry.FileRegistry.discard``), so a loser whose DELETE is refused is retried,
+(``dstl.storage.files.RetryingDfsFiles.discard``), so a loser whose DELETE is refused is retried,
 and if it never goes, counted and listed with the other files left to the orphan scan. An executor
 used alone (tests, benchmarks) deletes each loser once, best effort.
 
@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dstl.config import ChangelogConfig, HedgingPolicy
-from dstl.errors import UploadFailedError
+from dstl.errors import AttemptFailed, AttemptTimedOut, UploadFailedError
 from dstl.metrics import ChangelogMetrics
 from dstl.retry import RetryPolicy, describe_attempt
 from dstl.uploaders.base import Uploader
@@ -330,15 +330,6 @@ def unpin(exc: BaseException) -> None:
         seen.add(id(error))
         traceback.clear_frames(error.__traceback__)
         pending += [e for e in (error.__cause__, error.__context__) if e is not None]
-
-
-class AttemptTimedOut(TimeoutError):
-    """An upload attempt got no answer within ``upload_timeout_ms`` (the uploader's own
-    ``TimeoutError``, a socket's or an ``ETIMEDOUT``, is an error it raised: ``AttemptFailed``)."""
-
-
-class AttemptFailed(Exception):
-    """What an upload attempt's uploader raised, and after how long (the message says both)."""
 
 
 def _raised_after(exc: BaseException, start: float) -> AttemptFailed:

@@ -67,7 +67,7 @@ from backend.checkpointing.errors import DirectoryOwnedError, OwnershipLostError
 from backend.checkpointing.metadata import OWNER_DIR
 from backend.core.errors import CheckpointError
 from dstl.api import DfsFiles
-from dstl.uploaders import Uploader
+from dstl.uploaders.base import Uploader
 
 __all__ = [
     "BIND_ATTEMPTS",

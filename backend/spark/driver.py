@@ -30,7 +30,7 @@ from collections import Counter
 from typing import Any
 
 from backend.checkpointing.coordinator import CheckpointCoordinator
-from backend.checkpointing.metadata import PENDING_DIR, SnapshotMetadata, parse_pending_path
+from backend.checkpointing.metadata import PENDING_DIR, SnapshotMetadata, parse_pending_path, pending_dir
 from backend.checkpointing.ownership import Ownership
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
@@ -60,7 +60,7 @@ class DriverCoordinator:
         self.operators: dict[str, int] = {}
         self.lock = threading.Lock()
         self.completed_batches: list[int] = []
-        self._pending_dirs: set[str] = set()  # pending/<b>/<uid> directories not removed yet
+        self._pending_dirs: set[tuple[int, str]] = set()  # (b, uid) of pending/<b>/<uid> not removed yet
         self.errors: list[str] = []
         self._recover()
 
@@ -151,11 +151,11 @@ class DriverCoordinator:
             if pending and pending[0] < batch:
                 if registry.count(path) == 0:
                     self.storage.files.delete(path)
-                self._pending_dirs.add(path.rsplit("/", 1)[0])
-        for directory in sorted(self._pending_dirs, reverse=True):
-            if self.storage.files.remove_empty_directory(directory):
-                self._pending_dirs.discard(directory)
-                self.storage.files.remove_empty_directory(directory.rsplit("/", 1)[0])
+                self._pending_dirs.add(pending)
+        for done, uid in sorted(self._pending_dirs, reverse=True):
+            if self.storage.files.remove_empty_directory(pending_dir(done, uid)):
+                self._pending_dirs.discard((done, uid))
+                self.storage.files.remove_empty_directory(pending_dir(done))
 
     def close(self) -> None:
         self.storage.close()

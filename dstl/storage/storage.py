@@ -97,7 +97,7 @@ class StateChangelogStorage:
             self._in_flight,
             self._scheduler,
             self.metrics,
-            retry_delay_s=config.retry_delay_ms / 1000,
+            policy=RetryPolicy.for_uploads(config),
             round_bytes=config.persist_size_threshold,
         )
         self._monitor = self._loop.submit(monitor.run())

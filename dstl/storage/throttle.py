@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dstl.api import StateChangelogWriter
 from dstl.errors import WriterClosedError
 from dstl.metrics import ChangelogMetrics
+from dstl.retry import RetryPolicy
 from dstl.scheduler import BatchingScheduler, UploadEntry
 from dstl.writer import ChangelogWriter
 
@@ -235,16 +236,20 @@ class WriterMonitor:
         in_flight: InFlightBytes,
         scheduler: BatchingScheduler,
         metrics: ChangelogMetrics,
-        retry_delay_s: float,
+        policy: RetryPolicy,
         round_bytes: int,
     ) -> None:
+        """``policy``: the uploads' retry policy, whose backoff spaces the background rounds (at
+        least ``MONITOR_INTERVAL_S``, at most ``RETRY_BACKOFF_MAX_S`` apart)."""
         self._writers = writers
         self._in_flight = in_flight
         self._scheduler = scheduler
         self._metrics = metrics
-        self._retry_delay_s = max(retry_delay_s, MONITOR_INTERVAL_S)
+        self._policy = policy
         self._round_bytes = round_bytes
-        self._backoff_s = self._retry_delay_s
+        #: background rounds since the last that made its changesets durable (or since appends
+        #: were last unblocked): the next wait is the policy's backoff after that many failures
+        self._rounds = 1
         self._retry_at: float | None = None
         #: the entries of the last background round, to tell whether it made them durable
         self._last_round: list[UploadEntry] = []
@@ -280,14 +285,14 @@ class WriterMonitor:
         backoff, so a DFS that recovers is drained a file at a time without waiting."""
         if not over:
             self._retry_at = None
-            self._backoff_s = self._retry_delay_s
+            self._rounds = 1
             return
         if self._last_round and all(e.changeset is None for e in self._last_round):
             self._last_round = []
-            self._backoff_s = self._retry_delay_s
+            self._rounds = 1
             self._retry_at = now
         if self._retry_at is None:
-            self._retry_at = now + self._backoff_s
+            self._retry_at = now + self._backoff_s()
         if now < self._retry_at:
             return
         entries = self._in_flight.take_failed(self._round_bytes)
@@ -296,5 +301,8 @@ class WriterMonitor:
             self._scheduler.submit("", entries, persist_request=False)
             self._scheduler.flush()
             self._last_round = entries
-            self._backoff_s = min(RETRY_BACKOFF_MAX_S, self._backoff_s * 2)
-        self._retry_at = now + self._backoff_s
+            self._rounds += 1
+        self._retry_at = now + self._backoff_s()
+
+    def _backoff_s(self) -> float:
+        return min(RETRY_BACKOFF_MAX_S, max(MONITOR_INTERVAL_S, self._policy.delay_after(self._rounds)))

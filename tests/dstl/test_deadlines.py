@@ -57,7 +57,7 @@ def faulty_storage(tmp_path: Path, plan: FaultPlan, **overrides: Any) -> tuple[S
         ("get", "read", lambda s: s.files.read_range(PATH, 0, 1, timeout=WAIT_S)),
         ("delete", "delete", lambda s: s.files.delete(PATH, timeout=WAIT_S)),
     ],
-    ids=["put_file", "get_file", "read_range", "delete_file"],
+    ids=["put", "get", "read_range", "delete"],
 )
 def test_a_stalled_call_fails_at_its_deadline_naming_the_object(
     tmp_path: Path, plan: FaultPlan, op: str, name: str, call: Any
@@ -134,7 +134,7 @@ def test_a_write_that_lands_after_its_delete_removes_itself(tmp_path: Path, plan
         ("delete", lambda s: s.files.delete(PATH)),
         ("list", lambda s: s.files.list("")),
     ],
-    ids=["put_file", "get_file", "read_range", "delete_file", "list_all"],
+    ids=["put", "get", "read_range", "delete", "list"],
 )
 def test_a_failed_attempt_is_retried(tmp_path: Path, plan: FaultPlan, op: str, call: Any) -> None:
     storage, _ = faulty_storage(tmp_path, plan, max_attempts=3)

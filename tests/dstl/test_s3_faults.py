@@ -94,7 +94,7 @@ def s3(moto_server: S3Server) -> Iterator[S3Env]:
         ("get", lambda s: s.files.get(PATH, timeout=WAIT_S)),
         ("read", lambda s: s.files.read_range(PATH, 0, 20_000, WAIT_S)),
     ],
-    ids=["get_file", "read_range"],
+    ids=["get", "read_range"],
 )
 def test_a_trickled_read_fails_at_its_deadline_naming_the_object(s3: S3Env, name: str, call: Call) -> None:
     """20 KB at 2,000 B/s would take 10 s per attempt; each attempt is cut at 500 ms."""
@@ -118,17 +118,17 @@ def test_a_trickled_read_fails_at_its_deadline_naming_the_object(s3: S3Env, name
 # -- defect 8: checkpoint-path calls are retried and fail as StorageError naming the object -------
 
 CALLS: dict[str, tuple[str, Call]] = {
-    "put_file": ("put", lambda s: s.files.put(PATH, b"meta-2")),
-    "get_file": ("get", lambda s: s.files.get(PATH)),
+    "put": ("put", lambda s: s.files.put(PATH, b"meta-2")),
+    "get": ("get", lambda s: s.files.get(PATH)),
     "read_range": ("get", lambda s: s.files.read_range(PATH, 0, 1)),  # the coordinator's existence check
-    "delete_file": ("delete", lambda s: s.files.delete(PATH)),
-    "list_all": ("list", lambda s: s.files.list("chk-1")),
+    "delete": ("delete", lambda s: s.files.delete(PATH)),
+    "list": ("list", lambda s: s.files.list("chk-1")),
 }
 
 
 @pytest.mark.parametrize(
     ("call_name", "action"),
-    [(name, "fail") for name in CALLS] + [("put_file", "reset"), ("get_file", "reset")],
+    [(name, "fail") for name in CALLS] + [("put", "reset"), ("get", "reset")],
 )
 def test_a_slow_down_or_reset_on_a_checkpoint_path_is_retried(s3: S3Env, call_name: str, action: str) -> None:
     storage = s3.storage()
@@ -138,15 +138,15 @@ def test_a_slow_down_or_reset_on_a_checkpoint_path_is_retried(s3: S3Env, call_na
     s3.plan.add(Fault(op=op, path="chk-1*", action=action, times=2))  # type: ignore[arg-type]
     result = call(storage)
     assert s3.calls_since(start, op) == [action, action, "ok"]
-    expected: dict[str, Any] = {"get_file": b"meta-1", "read_range": b"m", "list_all": [PATH]}
+    expected: dict[str, Any] = {"get": b"meta-1", "read_range": b"m", "list": [PATH]}
     assert result == expected.get(call_name)
-    if call_name == "put_file":
+    if call_name == "put":
         assert storage.files.get(PATH) == b"meta-2"
-    elif call_name == "delete_file":
+    elif call_name == "delete":
         assert storage.files.list("") == []
 
 
-@pytest.mark.parametrize("call_name", ["put_file", "get_file"])
+@pytest.mark.parametrize("call_name", ["put", "get"])
 def test_a_path_answering_slow_down_every_time_raises_storage_error_naming_it(s3: S3Env, call_name: str) -> None:
     storage = s3.storage()
     storage.files.put(PATH, b"meta-1")
