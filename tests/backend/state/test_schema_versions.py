@@ -146,9 +146,12 @@ def test_old_values_read_converted_writes_and_clears_replace_them_across_restore
     b.set_current_key("k4")
     write(state, kind, [(4.5, 4, None)])
     expected["k4"] = [(4.5, 4, None)]
-    for key, values in expected.items():
-        b.set_current_key(key)
-        assert read(state, kind) == values
+    for flushed in (False, True):  # the changes cached, then written to the tables
+        if flushed:
+            b.flush()
+        for key, values in expected.items():
+            b.set_current_key(key)
+            assert read(state, kind) == values
     (after,) = env.checkpoint(b)
     assert after.states["acc"]["version"] == 1
     assert after.states["acc"]["older"] == [{**descriptor(kind, A, ttl).metadata(), "version": 0}]
