@@ -8,10 +8,10 @@ stored.
 
 The backend is the coordinator of smaller parts, each in its module: the current key
 (``context.KeyContext``, which the backend is), the LMDB tables (``lmdb_tables``), one table and
-one user-facing wrapper per state (``primitives``), the timers (``timers``), the restore of
-handles of any old parallelism (``restore``), and what the snapshots reference on the DFS and
-when the log is truncated (``truncation``), and the cut a materialization reads (``cut``). Times are
-milliseconds throughout.
+one user-facing wrapper per state (``primitives``), a state's schema versions (``versions``), the
+timers (``timers``), the restore of handles of any old parallelism (``restore``), and what the
+snapshots reference on the DFS and when the log is truncated (``truncation``), and the cut a
+materialization reads (``cut``). Times are milliseconds throughout.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from backend.core.handles import KeyedStateHandle, LogEntry, intersect
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM
 from backend.core.records import Op
 from backend.core.serializers import Serializer
-from backend.core.serializers.evolution import check_registration
 from backend.core.tablekeys import key_group_of, split_table_key
 from backend.state import restore as restoring
+from backend.state import versions
 from backend.state.context import KeyContext
 from backend.state.cut import MaterializationPoint
 from backend.state.lmdb_tables import DEFAULT_MAP_SIZE, LmdbTables
@@ -106,6 +106,8 @@ class ChangelogKeyedStateBackend(KeyContext):
         self._states: dict[str, StateTable] = {}
         self._wrappers: dict[str, Any] = {}
         self._restored_meta: dict[str, dict[str, Any]] = {}
+        #: the metadata of the registered states, with their schema versions (``versions``)
+        self._meta: dict[str, dict[str, Any]] = {}
         self.timers = TimerService(self)
         self._lock = threading.RLock()
         #: cuts of materializations not yet completed or aborted: ``close`` releases them
@@ -149,21 +151,29 @@ class ChangelogKeyedStateBackend(KeyContext):
             return self._wrappers[descriptor.name]
         if descriptor.name == TIMERS_DB:
             raise ConfigurationError(f"state name {TIMERS_DB!r} is reserved (descriptor.name)")
-        restored = self._restored_meta.get(descriptor.name)
-        if restored is not None and restored.get("dropped"):
-            restored = None
-        if restored is not None:
-            check_registration(descriptor.name, restored, meta, descriptor.serializer)
-        sid = rec.state_id(descriptor.name)
-        for other in self._states.values():
-            if other.sid == sid:
-                raise ConfigurationError(
-                    f"state names {other.name!r} and {descriptor.name!r} collide (same state id); rename one"
-                )
-        table, wrapper = create_state(self, descriptor)
+        # the same schema keeps its version; a change the evolution rules resolve makes a new one
+        # over the restored tables (``versions``), one they refuse raises here, before any read
+        full = versions.register(descriptor.name, self._restored_meta.get(descriptor.name), meta, descriptor.serializer)
+        self._check_collisions(descriptor.name, full)
+        table, wrapper = create_state(self, descriptor, versions.version_of(full), versions.older_of(full))
         self._states[descriptor.name] = table
         self._wrappers[descriptor.name] = wrapper
+        self._meta[descriptor.name] = full
         return wrapper
+
+    def _check_collisions(self, name: str, meta: dict[str, Any]) -> None:
+        """Refuse a state whose tables (one per schema version) would share a name or state id
+        with another known state's tables."""
+        others = self.state_metadata()
+        others.pop(name, None)
+        taken = {rec.state_id(table): table for table in versions.tables_of(others)}
+        for table in versions.tables_of({name: meta}):
+            other = taken.get(rec.state_id(table))
+            if other is not None:
+                raise ConfigurationError(
+                    f"state {name!r} (its table {table!r}) and the table {other!r} of another state collide "
+                    "(same state id); rename one"
+                )
 
     def delete_state(self, name: str) -> None:
         """Forget a state and its data in every key (Spark's deleteIfExists)."""
@@ -171,27 +181,32 @@ class ChangelogKeyedStateBackend(KeyContext):
         if table is None and name not in self._restored_meta:
             return
         self.flush()
-        db = self.tables.database(name)
-        keys = [key for key, _ in self.tables.scan_prefix(db, b"")]
-        sid = rec.state_id(name)
-        with self.tables.write(f"the deletion of state {name!r}") as txn:
-            for key in keys:
-                txn.delete(key, db=db)
-        if self._append is not None:  # logged once the deletion committed
-            for key in keys:
-                # REMOVE of the exact table key replays the same whatever the state's kind.
-                ck, user_key = split_table_key(key)
-                self._append(key_group_of(ck), rec.record(Op.REMOVE, sid, ck, user_key))
         meta = self.state_metadata()[name]
+        tables = [
+            (self.tables.database(table), [key for key, _ in self.tables.scan_prefix(self.tables.database(table), b"")])
+            for table in versions.tables_of({name: meta})  # every schema version's table
+        ]
+        with self.tables.write(f"the deletion of state {name!r}") as txn:
+            for db, keys in tables:
+                for key in keys:
+                    txn.delete(key, db=db)
+        if self._append is not None:  # logged once the deletion committed
+            for table_name, (_, keys) in zip(versions.tables_of({name: meta}), tables, strict=True):
+                sid = rec.state_id(table_name)
+                for key in keys:
+                    # REMOVE of the exact table key replays the same whatever the state's kind.
+                    ck, user_key = split_table_key(key)
+                    self._append(key_group_of(ck), rec.record(Op.REMOVE, sid, ck, user_key))
         self._states.pop(name, None)
         self._wrappers.pop(name, None)
+        self._meta.pop(name, None)
         # The log still holds the state's records (and the removals): keep its metadata so a restore
         # can replay them, marked dropped so the name may be registered again with another schema.
         self._restored_meta[name] = {**meta, "dropped": True}
 
     def state_metadata(self) -> dict[str, dict[str, Any]]:
         meta = dict(self._restored_meta)
-        meta.update({name: t.descriptor.metadata() for name, t in self._states.items()})
+        meta.update(self._meta)
         return meta
 
     # -- a unit of work with known keys ----------------------------------------------------
@@ -483,11 +498,12 @@ class ChangelogKeyedStateBackend(KeyContext):
         if handles and reader is None:
             raise StateRestoreError("restoring changelog handles needs a changelog storage")
         lineage = self.lineage
+        tables = versions.tables_of(self._restored_meta)  # every schema version's table
         applied = restoring.load_materialized(
             self.tables,
             handles,
             self.key_group_range,
-            self._restored_meta,
+            tables,
             lineage.materialized,
             load_chunk,
             progress,
@@ -503,7 +519,7 @@ class ChangelogKeyedStateBackend(KeyContext):
                 if not len(rng) or not rng.intersects(log.key_group_range.start, log.key_group_range.end):
                     continue
                 assert reader is not None
-                applied += restoring.replay_log(self.tables, reader, log, rng, self._restored_meta, progress, applied)
+                applied += restoring.replay_log(self.tables, reader, log, rng, tables, progress, applied)
                 lineage.carried.append(LogEntry(log, rng))
         self.timers.load()
         self.log_bytes_since_materialization = lineage.carried_bytes()

@@ -18,6 +18,7 @@ from backend.core.records import Op
 from backend.core.tablekeys import key_group_of
 from backend.state.context import require_key
 from backend.state.state_table import Append, AppendMany, FlushStep, StateTable, append_records
+from backend.state.versions import OlderTables
 
 __all__ = ["ListEntry", "ListTable"]
 
@@ -41,8 +42,16 @@ class ListTable(StateTable):
         return self.stamp(value)
 
     def _stored(self, ck: bytes) -> list[Any]:
-        blob = self.host.tables.get(self.db, require_key(ck), name=self.name)
-        return [] if blob is None else list(map(self.decode, rec.decode_list(blob)))
+        blob = self.host.tables.get(self.db, require_key(ck), name=self.table_name)
+        if blob is None:
+            older = self.older.list_at(ck) if self.older is not None else None
+            return [] if older is None else older
+        return list(map(self.decode, rec.decode_list(blob)))
+
+    def _new_entry(self, ck: bytes) -> ListEntry:
+        """The cache entry of a key's first change since the flush: appends to what LMDB holds,
+        or, if the list is in an older version's table, the whole list converted (migrated)."""
+        return ListEntry(self.older.list_at(ck) if self.older is not None else None)
 
     def get(self, ck: bytes) -> list[Any]:
         entry = self.cache.get(ck)
@@ -59,10 +68,10 @@ class ListTable(StateTable):
     def _entry(self, ck: bytes) -> ListEntry:
         entry = self.cache.get(require_key(ck))
         if entry is None:
-            entry = self.cache[ck] = ListEntry(None)
+            entry = self.cache[ck] = self._new_entry(ck)
             if len(self.cache) > self.host.flush_threshold:
                 self.host.flush()
-                entry = self.cache[ck] = ListEntry(None)
+                entry = self.cache[ck] = self._new_entry(ck)
         return entry
 
     def _replace(self, ck: bytes, elements: list[Any]) -> None:
@@ -86,7 +95,7 @@ class ListTable(StateTable):
 
     def load_ahead(self, cks: list[bytes]) -> None:
         """Read the lists of ``cks`` (sorted) ahead (``ChangelogKeyedStateBackend.batch``)."""
-        self.host.tables.load(self.name, cks)
+        self.host.tables.load(self.table_name, cks)
 
     def prepare_flush(self) -> FlushStep:
         # Per key, in key order: (ck, op, blob); ADD appends to what LMDB holds, SET replaces it.
@@ -102,11 +111,13 @@ class ListTable(StateTable):
             elements = [encode(e) for e in entry.base] + added
             ops.append((ck, Op.SET, rec.encode_list(elements)) if elements else (ck, Op.CLEAR, b""))
         records: list[Any] = []  # [key_group, record, ...]
+        held = self.older.holding(sorted(self.cache)) if self.older is not None else []
         if self.host.log_enabled:
             sid = self.sid
             for ck, op, blob in ops:
                 record = rec.record(Op.CLEAR, sid, ck) if op is Op.CLEAR else rec.record(op, sid, ck, blob)
                 records += (key_group_of(ck), record)
+            records += OlderTables.records(held)
 
         def write(txn: Any) -> None:
             db = self.db
@@ -117,6 +128,7 @@ class ListTable(StateTable):
                     txn.put(ck, blob, db=db)
                 else:
                     txn.delete(ck, db=db)
+            OlderTables.delete(txn, held)
 
         def committed(append: Append | None, append_many: AppendMany | None) -> int:
             append_records(records, append, append_many)

@@ -17,6 +17,7 @@ from backend.core.records import Op
 from backend.core.tablekeys import key_group_of
 from backend.state.context import StateHost, require_key
 from backend.state.state_table import MISS, TOMBSTONE, Append, AppendMany, FlushStep, StateTable, append_records
+from backend.state.versions import OlderTables
 
 __all__ = ["MapEntry", "MapTable"]
 
@@ -34,8 +35,14 @@ class MapEntry:
 class MapTable(StateTable):
     """Cache: ckey -> MapEntry."""
 
-    def __init__(self, host: StateHost, descriptor: MapStateDescriptor[Any, Any]) -> None:
-        super().__init__(host, descriptor)
+    def __init__(
+        self,
+        host: StateHost,
+        descriptor: MapStateDescriptor[Any, Any],
+        version: int = 0,
+        older: list[dict[str, Any]] | None = None,
+    ) -> None:
+        super().__init__(host, descriptor, version, older)
         assert descriptor.user_key_serializer is not None
         self.user_ser = descriptor.user_key_serializer
 
@@ -45,6 +52,12 @@ class MapTable(StateTable):
             if len(self.cache) >= self.host.flush_threshold:
                 self.host.flush()
             entry = self.cache[ck] = MapEntry()
+            if self.older is not None:  # a map in an older version's table moves whole (``versions``)
+                migrated = self.older.map_at(ck)
+                if self.ttl_ms:  # expired entries are not carried over (the flush removes them)
+                    now = self.host.now_ms()
+                    migrated = [(ukey, e) for ukey, e in migrated if e[1] > now]
+                entry.changes.update(migrated)
         return entry
 
     def get(self, ck: bytes, user_key: Any) -> Any:
@@ -58,10 +71,16 @@ class MapTable(StateTable):
                 return None if value is MISS else value
             if entry.cleared:
                 return None
-        stored = self.host.tables.get(self.db, ck + ukey, name=self.name, prefix=ck)
-        if stored is None:
+        stored = self.host.tables.get(self.db, ck + ukey, name=self.table_name, prefix=ck)
+        if stored is not None:
+            value = self.read(stored)
+        elif self.older is None or entry is not None:  # a cached key's map is all in today's table
             return None
-        value = self.read(stored)
+        else:
+            older = self.older.find(ck + ukey)
+            if older is None:
+                return None
+            value = self.live(older)
         if value is MISS:
             self._entry(ck).changes[ukey] = TOMBSTONE
             return None
@@ -92,6 +111,13 @@ class MapTable(StateTable):
                     expired.append(ukey)
                 else:
                     merged[ukey] = value
+        if entry is None and not merged and not expired and self.older is not None:
+            for ukey, older in self.older.map_at(ck):  # the key's map is in an older version's table
+                value = self.live(older)
+                if value is MISS:
+                    expired.append(ukey)
+                else:
+                    merged[ukey] = value
         if entry is not None:
             for ukey, cached in entry.changes.items():
                 value = self.live(cached)
@@ -108,7 +134,7 @@ class MapTable(StateTable):
 
     def load_ahead(self, cks: list[bytes]) -> None:
         """Read every entry of the maps of ``cks`` (sorted) ahead (``ChangelogKeyedStateBackend.batch``)."""
-        self.host.tables.load_prefixes(self.name, cks)
+        self.host.tables.load_prefixes(self.table_name, cks)
 
     def prepare_flush(self) -> FlushStep:
         # Per key, in key order: whether it was cleared, then (user key, stored bytes or None).
@@ -122,6 +148,7 @@ class MapTable(StateTable):
             ]
             ops.append((ck, entry.cleared, changes))
         records: list[Any] = []  # [key_group, record, ...]
+        held = self.older.holding(sorted(self.cache), prefix=True) if self.older is not None else []
         if self.host.log_enabled:
             sid = self.sid
             for ck, cleared, changes in ops:
@@ -133,6 +160,7 @@ class MapTable(StateTable):
                         records += (kg, rec.record(Op.REMOVE, sid, ck, ukey))
                     else:
                         records += (kg, rec.record(Op.PUT, sid, ck, rec.put_rest(ukey, stored)))
+            records += OlderTables.records(held)
 
         def write(txn: Any) -> None:
             db = self.db
@@ -144,6 +172,7 @@ class MapTable(StateTable):
                         txn.delete(ck + ukey, db=db)
                     else:
                         txn.put(ck + ukey, stored, db=db)
+            OlderTables.delete(txn, held, prefix=True)
 
         def committed(append: Append | None, append_many: AppendMany | None) -> int:
             append_records(records, append, append_many)

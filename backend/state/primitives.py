@@ -14,7 +14,9 @@ heap backend: treat them as immutable and write them back to change state.
   element, raises ``NoneElementError`` (a ``ValueError`` naming the state) and changes nothing.
 
 ``ValueState.value()`` and ``update()`` without TTL are the hot path: they read and write the
-value table's per-key-group dicts directly (see ``value_table``) instead of calling the table.
+value table's per-key-group dicts directly (see ``value_table``) instead of calling the table. A
+key found nowhere then checks one attribute (``table.older``) before reading an older schema
+version's table (``versions``); a key found costs nothing more.
 """
 
 from __future__ import annotations
@@ -77,7 +79,10 @@ class ValueState(_Bound, Generic[V]):
                 cached = table.cleans[backend.current_kg].get(ck, MISS)
                 if cached is MISS:
                     stored = table.lookup.get(ck)
-                    return None if stored is None else table.ser.deserialize(stored)
+                    if stored is not None:
+                        return table.ser.deserialize(stored)  # type: ignore[no-any-return]
+                    older = table.older  # a miss: an older schema version's table may hold it
+                    return None if older is None else older.find(ck)
             return None if cached is TOMBSTONE else cached
         return self._table.get(self._backend.current_ckey)  # type: ignore[no-any-return]
 
@@ -207,15 +212,18 @@ class AggregatingState(_Bound, Generic[V]):
         self._table.clear(self._backend.current_ckey)
 
 
-def create_state(backend: StateHost, descriptor: StateDescriptor[Any]) -> tuple[StateTable, Any]:
-    """The table that stores ``descriptor``'s state and the wrapper a user holds for it."""
+def create_state(
+    backend: StateHost, descriptor: StateDescriptor[Any], version: int = 0, older: list[dict[str, Any]] | None = None
+) -> tuple[StateTable, Any]:
+    """The table that stores ``descriptor``'s state and the wrapper a user holds for it; ``version``
+    and ``older``: the schema version and the older ones read through (``backend.state.versions``)."""
     if isinstance(descriptor, MapStateDescriptor):
-        table: StateTable = MapTable(backend, descriptor)
+        table: StateTable = MapTable(backend, descriptor, version, older)
         return table, MapState(backend, table)
     if isinstance(descriptor, ListStateDescriptor):
-        table = ListTable(backend, descriptor)
+        table = ListTable(backend, descriptor, version, older)
         return table, ListState(backend, table)
-    table = ValueTable(backend, descriptor)
+    table = ValueTable(backend, descriptor, version, older)
     if isinstance(descriptor, ReducingStateDescriptor):
         return table, ReducingState(backend, table)
     if isinstance(descriptor, AggregatingStateDescriptor):

@@ -22,6 +22,7 @@ from backend.core import records as rec
 from backend.core.errors import SerializationError, StateRestoreError
 from backend.core.handles import CHUNK_HASH, KeyedStateHandle, chunk_digest, intersect, read_chunk
 from backend.core.records import Op
+from backend.state import versions
 from backend.state.lmdb_tables import LmdbTables
 from backend.state.timers import TIMERS_DB, TIMERS_SID
 from dstl.api import ChangelogStorage, DfsFiles
@@ -62,12 +63,11 @@ def check_compatible(handle: KeyedStateHandle, operator_id: str, max_parallelism
 
 
 def merge_metadata(known: dict[str, dict[str, Any]], states: dict[str, dict[str, Any]]) -> None:
-    """Add ``states`` (name -> metadata of a handle) to ``known``; handles must agree."""
+    """Add ``states`` (name -> metadata of a handle) to ``known``; handles must agree, but for the
+    schema versions a subtask has and another has not (``versions.merge``)."""
     for name, meta in states.items():
         seen = known.get(name)
-        if seen is not None and seen != meta:
-            raise StateRestoreError(f"snapshots disagree about state {name!r}: {seen} vs {meta}")
-        known[name] = meta
+        known[name] = meta if seen is None else versions.merge(name, seen, meta)
 
 
 def load_materialized(
@@ -82,7 +82,7 @@ def load_materialized(
 ) -> int:
     """Bulk-load the owned parts of the handles' materialized chunks, in key order (sorted appends).
 
-    ``states``: the restored state names; each loaded chunk entry (narrowed to the owned key
+    ``states``: the restored tables (``versions.tables_of``); each loaded chunk entry (narrowed to the owned key
     groups) is appended to ``loaded_chunks``, with the hash of the bytes it was checked on if the
     handle (of version 1) recorded none, so later snapshots carry version-2 entries. Returns the
     number of entries loaded.
@@ -182,7 +182,8 @@ def replay_log(
 ) -> int:
     """Apply the records of ``log`` in the ``owned`` key groups to the tables; returns key changes.
 
-    ``states``: name -> metadata of every restored state (the kind decides how a CLEAR applies).
+    ``states``: table name -> metadata of every restored table (``versions.tables_of``: a state's
+    schema versions each have theirs); the kind decides how a CLEAR applies.
     """
     kinds = {rec.state_id(name): (name, meta["kind"]) for name, meta in states.items()}
     kinds[TIMERS_SID] = (TIMERS_DB, "timers")

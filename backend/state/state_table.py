@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 from backend.core import records as rec
 from backend.core.descriptors import StateDescriptor
 from backend.state.context import StateHost
+from backend.state.versions import OlderTables, table_name
 
 __all__ = ["MISS", "TOMBSTONE", "Append", "AppendMany", "FlushStep", "LogStep", "StateTable", "append_records"]
 
@@ -76,15 +77,27 @@ MISS: Any = object()
 class StateTable:
     """One registered state: its LMDB database, serializers, TTL and write-back cache."""
 
-    def __init__(self, host: StateHost, descriptor: StateDescriptor[Any]) -> None:
+    def __init__(
+        self,
+        host: StateHost,
+        descriptor: StateDescriptor[Any],
+        version: int = 0,
+        older: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """``version``: the state's schema version, whose table this is; ``older``: the older
+        versions' metadata, newest first, read through on a miss (``backend.state.versions``)."""
         self.host = host
         self.descriptor = descriptor
         self.name = descriptor.name
-        self.sid = rec.state_id(descriptor.name)
-        self.db = host.tables.database(descriptor.name)
+        self.table_name = table_name(descriptor.name, version)
+        self.sid = rec.state_id(self.table_name)
+        self.db = host.tables.database(self.table_name)
         self.ser = descriptor.serializer
         self.ttl_ms = descriptor.ttl.ttl_ms if descriptor.ttl else 0
         self.cache: dict[bytes, Any] = {}
+        chain = OlderTables(host, descriptor, older) if older else None
+        #: the older versions' tables, None when there are none to read (the reads' one check)
+        self.older: OlderTables | None = chain if chain is not None and chain.versions else None
 
     # -- TTL: cache entries and stored bytes ------------------------------------------------
 

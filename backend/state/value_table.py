@@ -46,6 +46,7 @@ from backend.state.state_table import (
     StateTable,
     append_records,
 )
+from backend.state.versions import OlderTables
 
 __all__ = ["ValueTable"]
 
@@ -71,8 +72,14 @@ class _NoKey(dict[bytes, Any]):
 class ValueTable(StateTable):
     """Cache entries: a value (``(value, expiry_ms)`` with TTL) or TOMBSTONE, per key group."""
 
-    def __init__(self, host: StateHost, descriptor: StateDescriptor[Any]) -> None:
-        super().__init__(host, descriptor)
+    def __init__(
+        self,
+        host: StateHost,
+        descriptor: StateDescriptor[Any],
+        version: int = 0,
+        older: list[dict[str, Any]] | None = None,
+    ) -> None:
+        super().__init__(host, descriptor, version, older)
         self.caches: list[dict[bytes, Any]] = [{} for _ in range(host.max_parallelism)] + [_NoKey()]
         self.cleans: list[dict[bytes, Any]] = [{} for _ in range(host.max_parallelism)]
         self.logged = host.log_enabled
@@ -90,7 +97,7 @@ class ValueTable(StateTable):
         self.clean_stored: list[dict[bytes, bytes | None]] | None = (
             [{} for _ in range(host.max_parallelism)] if self.logged and not self._bulk else None
         )
-        self.lookup = host.tables.getter(descriptor.name)
+        self.lookup = host.tables.getter(self.table_name)
 
     def _cache_of(self, ck: bytes) -> dict[bytes, Any]:
         return self.caches[(require_key(ck)[0] << 8) | ck[1]]  # tablekeys.key_group_of, inlined
@@ -103,9 +110,15 @@ class ValueTable(StateTable):
             cached = self.cleans[kg].get(ck, MISS)
         if cached is MISS:
             stored = self.lookup.get(ck)
-            if stored is None:
+            if stored is not None:
+                value = self.read(stored)
+            elif self.older is None:
                 return None
-            value = self.read(stored)
+            else:  # not in today's table: in an older version's, converted (``versions``)
+                entry = self.older.find(ck)
+                if entry is None:
+                    return None
+                value = self.live(entry)
         elif cached is TOMBSTONE:
             return None
         elif not self.ttl_ms:  # the entry is the value: no call on the reducing/aggregating add path
@@ -135,7 +148,7 @@ class ValueTable(StateTable):
     def load_ahead(self, cks: list[bytes]) -> None:
         """Read the values of ``cks`` (sorted) ahead (``ChangelogKeyedStateBackend.batch``); the
         hot path reads them through ``lookup`` as before."""
-        self.host.tables.load(self.name, cks)
+        self.host.tables.load(self.table_name, cks)
 
     def _serialize_entries(self, entries: list[Any]) -> list[bytes | None]:
         """The stored bytes of cache entries (None for TOMBSTONE), in one call where the
@@ -166,7 +179,10 @@ class ValueTable(StateTable):
         serialized = []
         if self.logged:
             serialized = [(kg, list(cache), self._serialize_changes(list(cache.values()))) for kg, cache in changed]
-        return changed, serialized, self._log_records(serialized)
+        pairs = self._log_records(serialized)
+        if self.logged and self.older is not None:  # a changed key's older entry goes with the change
+            pairs += self.older.records(self.older.holding([ck for _, cache in changed for ck in cache]))
+        return changed, serialized, pairs
 
     def prepare_log(self) -> LogStep:
         """Checkpoint: log the changes (one record per key group), then they count as clean.
@@ -251,7 +267,13 @@ class ValueTable(StateTable):
                     stored_of.clear()
             return count
 
-        return FlushStep(lambda txn: self._write(txn, pending), committed)
+        held = self.older.holding([ck for cks, _ in pending for ck in cks]) if self.older is not None else []
+
+        def write(txn: Any) -> None:
+            self._write(txn, pending)
+            OlderTables.delete(txn, held)
+
+        return FlushStep(write, committed)
 
     def _write(self, txn: Any, batches: list[tuple[list[bytes], list[bytes | None]]]) -> None:
         """Sorted batch writes; ``putmulti`` reads pairs straight from ``zip`` (which reuses one

@@ -26,7 +26,8 @@ decode keeps each serializer's byte format its own; a value in today's schema is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from itertools import pairwise
 from typing import Any
 
 from backend.core.errors import SchemaEvolutionError, SerializationError, StateRestoreError
@@ -57,23 +58,48 @@ _WIDENINGS: dict[tuple[str, str], Conversion] = {
 }
 
 
-def evolve(old_id: str, new: Serializer[Any], state: str = "state") -> Callable[[bytes], Any] | None:
+def evolve(
+    old_id: str, new: Serializer[Any], state: str = "state", through: Sequence[str] = ()
+) -> Callable[[bytes], Any] | None:
     """How to read bytes written by the serializer ``old_id`` as ``new`` reads its own: None when the
     ids are equal (nothing to convert), else a decoder. Raises ``SchemaEvolutionError`` naming
-    ``state``, the field and both types when the change is not one of the module's rules."""
-    if old_id == new.id:
+    ``state``, the field and both types when the change is not one of the module's rules.
+
+    ``through``: the ids of the schemas the state had between ``old_id`` and ``new``, oldest
+    first; a value then converts step by step, as it would have had it been read and written
+    again under each of them (a field removed on the way and added back later reads as None)."""
+    ids = [old_id]
+    for step in (*through, new.id):
+        if step != ids[-1]:
+            ids.append(step)
+    if len(ids) == 1:
         return None
-    try:
-        old = serializer_for_id(old_id)
-    except SerializationError as exc:
-        raise SchemaEvolutionError(state, "", old_id, new.id, f"the stored schema cannot be rebuilt ({exc})") from None
-    convert = _conversion(old, new, state, "")
-    decode = old.deserialize
+    schemas: list[Serializer[Any]] = []
+    for schema_id in ids[:-1]:
+        try:
+            schemas.append(serializer_for_id(schema_id))
+        except SerializationError as exc:
+            raise SchemaEvolutionError(
+                state, "", schema_id, new.id, f"the stored schema cannot be rebuilt ({exc})"
+            ) from None
+    schemas.append(new)
+    steps = [_conversion(old, newer, state, "") for old, newer in pairwise(schemas)]
+    decode = schemas[0].deserialize
+    if len(steps) == 1:
+        (convert,) = steps
 
-    def read(data: bytes) -> Any:
-        return convert(decode(data))
+        def read(data: bytes) -> Any:
+            return convert(decode(data))
 
-    return read
+        return read
+
+    def read_through(data: bytes) -> Any:
+        value = decode(data)
+        for step in steps:
+            value = step(value)
+        return value
+
+    return read_through
 
 
 def _conversion(old: Serializer[Any], new: Serializer[Any], state: str, path: str) -> Conversion:
@@ -149,8 +175,10 @@ def check_registration(
 ) -> None:
     """Refuse, before any value is read, a state registered otherwise than it was stored: a changed
     kind or map key schema (neither can evolve, as in Spark), a value schema change the rules
-    above cannot resolve (``SchemaEvolutionError`` naming the field), or any other difference.
-    ``restored`` and ``registered`` are descriptors' metadata; ``serializer`` the registered one."""
+    above cannot resolve (``SchemaEvolutionError`` naming the field), a changed TTL, or any other
+    difference. A value schema change the rules resolve passes: the caller reads the stored values
+    through ``evolve``. ``restored`` and ``registered`` are descriptors' metadata; ``serializer``
+    the registered one."""
     if restored == registered:
         return
     if restored.get("kind") != registered.get("kind"):
@@ -166,11 +194,17 @@ def check_registration(
         raise SchemaEvolutionError(
             name, "(map key)", str(old_key), str(new_key), "a map state's key schema cannot change"
         )
+    old_ttl, new_ttl = restored.get("ttl_ms"), registered.get("ttl_ms")
+    if old_ttl != new_ttl:
+        raise StateRestoreError(
+            f"state {name!r} was checkpointed with ttl_ms={old_ttl} but is registered with ttl_ms={new_ttl}: "
+            "a change of TTL is not supported; restart with the TTL it was checkpointed with"
+        )
+    rest = {k: v for k, v in restored.items() if k != "serializer"}
+    if rest != {k: v for k, v in registered.items() if k != "serializer"}:
+        raise StateRestoreError(
+            f"state {name!r} was checkpointed as {dict(restored)} but is registered as {dict(registered)}"
+        )
     old_id = restored.get("serializer")
     if old_id != serializer.id:
         evolve(str(old_id), serializer, name)  # raises when the change cannot be resolved
-    raise StateRestoreError(
-        f"state {name!r} was checkpointed as {dict(restored)} but is registered as {dict(registered)}: "
-        "reading stored values through a changed schema or TTL is not supported yet; restart with the "
-        "schema it was checkpointed with"
-    )

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from backend.core.descriptors import ValueStateDescriptor
-from backend.core.errors import SchemaEvolutionError, StateRestoreError
+from backend.core.errors import SchemaEvolutionError
 from backend.core.serializers import Float64Serializer, Int64Serializer, OptionalSerializer, RowSerializer
 from tests.backend.state.support import Env
 
@@ -51,12 +51,20 @@ def test_an_unresolvable_change_is_refused_naming_the_field_and_the_old_code_res
     assert again.get_state(OLD).value() == (1.5, 2)
 
 
-def test_a_change_the_rules_resolve_is_still_refused_until_stored_values_are_converted(env: Env) -> None:
+def test_a_change_the_rules_resolve_reads_the_old_values_through_it_and_the_old_code_still_restores(
+    env: Env,
+) -> None:
     b = env.backend()
     b.set_current_key("k")
     b.get_state(OLD).update((1.5, 2))
     (handle,) = env.checkpoint(b)
     changed = env.backend()
     changed.restore([handle])
-    with pytest.raises(StateRestoreError, match="not supported yet"):
-        changed.get_state(acc(("n", Int64Serializer()), ("total", Float64Serializer()), ("added", Int64Serializer())))
+    changed.set_current_key("k")
+    new = acc(("n", Int64Serializer()), ("total", Float64Serializer()), ("added", Int64Serializer()))
+    assert changed.get_state(new).value() == (2, 1.5, None)
+
+    again = env.backend()  # the checkpoint was not touched: the code that wrote it restarts from it
+    again.restore([handle])
+    again.set_current_key("k")
+    assert again.get_state(OLD).value() == (1.5, 2)
