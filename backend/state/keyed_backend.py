@@ -142,18 +142,26 @@ class ChangelogKeyedStateBackend(KeyContext):
         """The state wrapper for ``descriptor`` (registered once; the same wrapper afterwards)."""
         existing = self._states.get(descriptor.name)
         meta = descriptor.metadata()
+        base = self._restored_meta.get(descriptor.name)
         if existing is not None:
-            if type(existing.descriptor) is not type(descriptor) or existing.descriptor.metadata() != meta:
+            if type(existing.descriptor) is type(descriptor) and existing.descriptor.metadata() == meta:
+                return self._wrappers[descriptor.name]
+            if type(existing.descriptor) is not type(descriptor):
                 raise StateRestoreError(
                     f"state {descriptor.name!r} is already registered as {type(existing.descriptor).__name__} "
                     f"{existing.descriptor.metadata()}, not {type(descriptor).__name__} {meta}"
                 )
-            return self._wrappers[descriptor.name]
+            # Registered again under a changed schema: a query restarted with changed code on a
+            # backend kept across its runs (a Spark worker keeps it). The same rules as for a
+            # restore, over the live tables: everything goes to LMDB first, so that the version
+            # registered so far is complete in its table and becomes the older one.
+            self.flush()
+            base = self._meta[descriptor.name]
         if descriptor.name == TIMERS_DB:
             raise ConfigurationError(f"state name {TIMERS_DB!r} is reserved (descriptor.name)")
         # the same schema keeps its version; a change the evolution rules resolve makes a new one
         # over the restored tables (``versions``), one they refuse raises here, before any read
-        full = versions.register(descriptor.name, self._restored_meta.get(descriptor.name), meta, descriptor.serializer)
+        full = versions.register(descriptor.name, base, meta, descriptor.serializer)
         self._check_collisions(descriptor.name, full)
         table, wrapper = create_state(self, descriptor, versions.version_of(full), versions.older_of(full))
         self._states[descriptor.name] = table

@@ -16,7 +16,14 @@ from backend.core.descriptors import (
     StateTtl,
     ValueStateDescriptor,
 )
-from backend.core.serializers import BytesSerializer, Int64Serializer, StrSerializer
+from backend.core.serializers import (
+    BytesSerializer,
+    Float64Serializer,
+    Int64Serializer,
+    OptionalSerializer,
+    RowSerializer,
+    StrSerializer,
+)
 from dstl import ConfigurationError, KeyGroupRange
 from tests.backend.state.support import FULL, LIST, MAP, VALUE, B, Env, stored
 
@@ -169,3 +176,32 @@ def test_keyed_access_without_a_current_key_is_refused(env: Env, access: Callabl
     b = env.reopen(b)  # the backend still checkpoints and restores
     b.set_current_key("k")
     assert b.get_state(VALUE).value() == 2
+
+
+def test_a_registration_under_a_changed_schema_evolves_the_live_state(env: Env) -> None:
+    """A backend kept across a query's runs (a Spark worker keeps it) sees the restarted code
+    register its state again under the changed schema: the same rules as a restore apply."""
+    old = ValueStateDescriptor("acc", RowSerializer([("total", OptionalSerializer(Int64Serializer()))]))
+    new = ValueStateDescriptor(
+        "acc",
+        RowSerializer(
+            [("n", OptionalSerializer(Int64Serializer())), ("total", OptionalSerializer(Float64Serializer()))]
+        ),
+    )
+    b = env.backend()
+    b.set_current_key("k")
+    b.get_state(old).update((4,))  # cached, not yet in LMDB
+    b.set_current_key("j")
+    b.get_state(old).update((1,))
+    evolved = b.get_state(new)
+    b.set_current_key("k")
+    assert evolved.value() == (None, 4.0)
+    evolved.update((1, 5.0))
+    (handle,) = env.checkpoint(b)
+    again = env.backend()
+    again.restore([handle])
+    state = again.get_state(new)
+    again.set_current_key("k")
+    assert state.value() == (1, 5.0)
+    again.set_current_key("j")
+    assert state.value() == (None, 1.0)
