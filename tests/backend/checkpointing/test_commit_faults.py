@@ -113,6 +113,39 @@ def test_a_metadata_write_landing_after_its_abort_does_not_come_back(
     assert "chk-2/_metadata" in str(failed.value)
 
 
+def test_an_unfenced_metadata_write_that_lands_after_its_delete_was_reported_outcome_unknown(
+    tmp_path: Path, plan: FaultPlan
+) -> None:
+    """Found by the random-fault test: the client gave up on every attempt of the _metadata PUT,
+    the fence PUT failed, the DELETE succeeded, and the failure said "not committed". The PUT then
+    landed after the DELETE (a DELETE does not stop a write the store still completes), the process
+    died before its fence retry, and the restart resumed that checkpoint: a failure whose fence was
+    not written must say "outcome unknown", the one failure a restart may come back from."""
+    root = faulty_base_path(tmp_path / "dfs", plan)
+    work = Workload()
+    crashed = make_job(root, tmp_path / "local")
+    try:
+        work.run(crashed, 200)
+        crashed.checkpoint()
+        work.run(crashed, 100)
+        after_2 = snapshot_of(work)
+        plan.add(Fault(op="put", path="job/chk-2/_metadata", action="late"))
+        plan.add(Fault(op="put", path="job/chk-2/_aborted", action="fail"))
+        with pytest.raises(CheckpointError, match="chk-2/_metadata") as failed:
+            crashed.checkpoint()
+        assert "failed too" not in str(failed.value)  # the DELETE of chk-2/_metadata succeeded
+        plan.clear()  # the process dies before its fence retry; its PUT lands afterwards
+        assert plan.land_late() >= 1
+
+        job = make_job(root, tmp_path / "local2")
+        assert job.restored_from is not None and job.restored_from.checkpoint_id == 2
+        assert read_state(job) == after_2  # a consistent checkpoint, reported failed: ...
+        assert "outcome unknown" in str(failed.value)  # ... as the failure said it could be
+        job.close()
+    finally:
+        crashed.close()
+
+
 def test_a_failed_delete_after_the_commit_point_does_not_fail_the_checkpoint(tmp_path: Path, plan: FaultPlan) -> None:
     """Defect 5: a superseded chunk's DELETE fails inside notify_checkpoint_complete."""
     root = faulty_base_path(tmp_path / "dfs", plan)
