@@ -203,6 +203,8 @@ class LocalJob:
         self.subtasks: dict[str, list[Subtask]] = {}
         self.restored_from: SnapshotMetadata | None = None
         self.metrics_server: MetricsServer | None = None
+        #: an error of the poll after a commit, raised by the next trigger or poll
+        self._held_error: Exception | None = None
         try:
             latest = self.coordinator.recover()
             if latest is not None:
@@ -302,8 +304,29 @@ class LocalJob:
         raise AssertionError(f"no subtask of {uid} owns key group {kg}")
 
     def poll_materialization(self) -> None:
+        """Apply finished materializations and start those due; raises ``MaterializationError``
+        once too many failed in a row, also one held from the poll after a checkpoint's commit."""
+        self._raise_held()
         for subtask in self.all_subtasks():
             subtask.materializer.poll()
+
+    def _poll_after_commit(self, checkpoint_id: int) -> None:
+        """The poll after a commit. The checkpoint is complete whatever it meets, so an error (a
+        ``MaterializationError``: the job must fail, as Flink fails it) is not raised here, where it
+        would report the checkpoint failed, but held for the next ``trigger_checkpoint`` or
+        ``poll_materialization``; every subtask is polled still."""
+        for subtask in self.all_subtasks():
+            try:
+                subtask.materializer.poll()
+            except Exception as exc:
+                _log.warning("after checkpoint %d, polling %s[%d]: %s", checkpoint_id, subtask.uid, subtask.index, exc)
+                if self._held_error is None:
+                    self._held_error = exc
+
+    def _raise_held(self) -> None:
+        held, self._held_error = self._held_error, None
+        if held is not None:
+            raise held
 
     # -- checkpoints and savepoints -------------------------------------------------------
 
@@ -317,6 +340,9 @@ class LocalJob:
                     raise CheckpointError(f"the full materialization of {subtask.uid}[{subtask.index}] failed")
 
     def trigger_checkpoint(self) -> PendingSnapshot:
+        """Snapshot every subtask for a new checkpoint; first raises an error the poll after the
+        last commit held (``_poll_after_commit``)."""
+        self._raise_held()
         self._materialize_unowned()
         checkpoint_id = self.coordinator.trigger()
         futures = [(s, s.backend.snapshot(checkpoint_id)) for s in self.all_subtasks()]
@@ -338,10 +364,11 @@ class LocalJob:
         except BaseException:
             self.abort_checkpoint(pending)
             raise
-        # Committed: a failed clean-up in one subtask (a superseded chunk's DELETE) must neither
-        # report the checkpoint as failed nor keep the others from hearing of it.
+        # Committed: a failed clean-up in one subtask (a superseded chunk's DELETE) or a failed
+        # materialization must neither report the checkpoint as failed nor keep the others from
+        # hearing of it.
         self._notify_all(cid, "complete")
-        self.poll_materialization()
+        self._poll_after_commit(cid)
         return meta
 
     def abort_checkpoint(self, pending: PendingSnapshot) -> None:

@@ -14,9 +14,12 @@ Flink users fell into closed):
   fence stays until a checkpoint with a higher id of this run has committed (a late ``_metadata``
   is then never the newest candidate), across restarts included; a recovery removes a fence below
   the checkpoint it resumes from (left by a deletion that failed). A fence that could not be
-  written is retried before the next commit and on shutdown; if it never gets written and the
-  late ``_metadata`` lands, recovery finds a newest checkpoint naming released files and refuses
-  the restart, naming them, rather than resuming older state in silence.
+  written is retried before the next commit and on shutdown; until it is, the failure says
+  "outcome unknown" (the ``_metadata`` DELETE does not settle it: a put the store completes later
+  lands after it). If the fence never gets written and the late ``_metadata`` lands, recovery
+  resumes from it when every file it names exists (a consistent checkpoint, reported failed with
+  "outcome unknown"), and otherwise refuses the restart, naming the released files, rather than
+  resuming older state in silence.
 - **An id is never used twice, across runs too** (``backend.checkpointing.ids``): automatic ids
   come from a block reserved on the DFS, so a late write of a crashed run lands only on an id no
   later run uses.
@@ -239,7 +242,8 @@ class CheckpointCoordinator:
     def _commit(self, checkpoint_id: int, data: bytes) -> None:
         """Write ``chk-<n>/_metadata``; return only when the put succeeded. A failed put may still
         land, so the id is fenced and the object removed (both best effort) before
-        ``CheckpointError`` says what is known of the outcome."""
+        ``CheckpointError`` says what is known of the outcome: "not committed" once fenced, else
+        "outcome unknown" (the removal does not decide it: the put may land after it)."""
         path = metadata_path(checkpoint_id)
         try:
             self.files.put(path, data)
@@ -252,14 +256,14 @@ class CheckpointCoordinator:
                 removed = ""
             except Exception as delete_exc:
                 removed = f"; deleting {path} failed too ({delete_exc})"
+            # Only the fence settles the outcome: a DELETE that succeeded does not stop a write the
+            # store completes later (a PUT its client gave up on), which then lands unfenced.
             if fenced:
                 outcome = f"not committed: fenced by {aborted_path(checkpoint_id)}, a late write of it is ignored"
-            elif not removed:
-                outcome = "not committed; its fence could not be written yet (retried before the next commit)"
             else:
                 outcome = (
-                    "outcome unknown, counted as failed: older checkpoints are kept; its fence is retried "
-                    "before the next commit"
+                    "outcome unknown, counted as failed: its fence could not be written yet (retried before the "
+                    "next commit), and the write may still land; older checkpoints are kept"
                 )
             raise CheckpointError(
                 f"checkpoint {checkpoint_id}: writing {path} failed ({exc}){removed}; {outcome}"

@@ -17,7 +17,10 @@ import pytest
 from backend.checkpointing.metadata import aborted_path, metadata_path
 from backend.core.errors import CheckpointError
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
+from materializer.errors import MaterializationError
+from materializer.options import MaterializationOptions
 from tests.backend.checkpointing.workloads import (
+    NEVER,
     Workload,
     files_on_dfs,
     make_job,
@@ -111,6 +114,72 @@ def test_a_metadata_write_landing_after_its_abort_does_not_come_back(
     job.close()
     assert isinstance(failed.value, CheckpointError), failed.value
     assert "chk-2/_metadata" in str(failed.value)
+
+
+def test_an_unfenced_metadata_write_that_lands_after_its_delete_was_reported_outcome_unknown(
+    tmp_path: Path, plan: FaultPlan
+) -> None:
+    """Found by the random-fault test: the client gave up on every attempt of the _metadata PUT,
+    the fence PUT failed, the DELETE succeeded, and the failure said "not committed". The PUT then
+    landed after the DELETE (a DELETE does not stop a write the store still completes), the process
+    died before its fence retry, and the restart resumed that checkpoint: a failure whose fence was
+    not written must say "outcome unknown", the one failure a restart may come back from."""
+    root = faulty_base_path(tmp_path / "dfs", plan)
+    work = Workload()
+    crashed = make_job(root, tmp_path / "local")
+    try:
+        work.run(crashed, 200)
+        crashed.checkpoint()
+        work.run(crashed, 100)
+        after_2 = snapshot_of(work)
+        plan.add(Fault(op="put", path="job/chk-2/_metadata", action="late"))
+        plan.add(Fault(op="put", path="job/chk-2/_aborted", action="fail"))
+        with pytest.raises(CheckpointError, match="chk-2/_metadata") as failed:
+            crashed.checkpoint()
+        assert "failed too" not in str(failed.value)  # the DELETE of chk-2/_metadata succeeded
+        plan.clear()  # the process dies before its fence retry; its PUT lands afterwards
+        assert plan.land_late() >= 1
+
+        job = make_job(root, tmp_path / "local2")
+        assert job.restored_from is not None and job.restored_from.checkpoint_id == 2
+        assert read_state(job) == after_2  # a consistent checkpoint, reported failed: ...
+        assert "outcome unknown" in str(failed.value)  # ... as the failure said it could be
+        job.close()
+    finally:
+        crashed.close()
+
+
+def test_a_materialization_failing_for_good_after_the_commit_does_not_fail_the_checkpoint(
+    tmp_path: Path, plan: FaultPlan
+) -> None:
+    """Found by the random-fault test: ``complete_checkpoint`` polls the materializers after the
+    commit, and a materialization failing once too often (``MaterializationError``) was raised from
+    ``checkpoint()``; the checkpoint was committed, so the restart resumed one reported failed. The
+    error is raised by the next ``checkpoint()`` instead."""
+    root = faulty_base_path(tmp_path / "dfs", plan)
+    work = Workload()
+    options = MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None, max_failures_allowed=0)
+    job = make_job(root, tmp_path / "local", materialization=options)
+    work.run(job, 200)
+    plan.add(Fault(op="put", path="job/shared/*", action="fail"))
+    for subtask in job.all_subtasks():
+        assert subtask.materializer.trigger()
+    for subtask in job.all_subtasks():  # failed, not applied yet: the checkpoint's poll applies them
+        running = subtask.materializer.in_flight
+        assert running is not None and running.exception() is not None
+    meta = job.checkpoint()
+    expected = snapshot_of(work)
+    assert [m.checkpoint_id for m in job.coordinator.completed] == [meta.checkpoint_id]
+    with pytest.raises(MaterializationError, match="materialization of operator op failed 1 times"):
+        job.checkpoint()  # the job fails at its next step, as Flink fails it
+    assert [m.checkpoint_id for m in job.coordinator.completed] == [meta.checkpoint_id]
+    plan.clear()
+    job.close()
+
+    job = make_job(root, tmp_path / "local")
+    assert job.restored_from is not None and job.restored_from.checkpoint_id == meta.checkpoint_id
+    assert read_state(job) == expected
+    job.close()
 
 
 def test_a_failed_delete_after_the_commit_point_does_not_fail_the_checkpoint(tmp_path: Path, plan: FaultPlan) -> None:
