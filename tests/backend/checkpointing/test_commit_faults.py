@@ -119,11 +119,12 @@ def test_a_metadata_write_landing_after_its_abort_does_not_come_back(
 def test_an_unfenced_metadata_write_that_lands_after_its_delete_was_reported_outcome_unknown(
     tmp_path: Path, plan: FaultPlan
 ) -> None:
-    """Found by the random-fault test: the client gave up on every attempt of the _metadata PUT,
-    the fence PUT failed, the DELETE succeeded, and the failure said "not committed". The PUT then
-    landed after the DELETE (a DELETE does not stop a write the store still completes), the process
-    died before its fence retry, and the restart resumed that checkpoint: a failure whose fence was
-    not written must say "outcome unknown", the one failure a restart may come back from."""
+    """A path to the random-fault test's "restored a checkpoint never reported complete": the
+    client gave up on every attempt of the _metadata PUT, the fence PUT failed, the DELETE
+    succeeded, and the failure said "not committed". The PUT then landed after the DELETE (a DELETE
+    does not stop a write the store still completes), the process died before its fence retry, and
+    the restart resumed that checkpoint: a failure whose fence was not written must say "outcome
+    unknown", the one failure a restart may come back from."""
     root = faulty_base_path(tmp_path / "dfs", plan)
     work = Workload()
     crashed = make_job(root, tmp_path / "local")
@@ -152,10 +153,11 @@ def test_an_unfenced_metadata_write_that_lands_after_its_delete_was_reported_out
 def test_a_materialization_failing_for_good_after_the_commit_does_not_fail_the_checkpoint(
     tmp_path: Path, plan: FaultPlan
 ) -> None:
-    """Found by the random-fault test: ``complete_checkpoint`` polls the materializers after the
-    commit, and a materialization failing once too often (``MaterializationError``) was raised from
-    ``checkpoint()``; the checkpoint was committed, so the restart resumed one reported failed. The
-    error is raised by the next ``checkpoint()`` instead."""
+    """A path to the random-fault test's "restored a checkpoint never reported complete":
+    ``complete_checkpoint`` polls the materializers after the commit, and a materialization failing
+    once too often (``MaterializationError``) was raised from ``checkpoint()``; the checkpoint was
+    committed, so the restart resumed one reported failed. The error is raised by the next
+    ``checkpoint()`` instead."""
     root = faulty_base_path(tmp_path / "dfs", plan)
     work = Workload()
     options = MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None, max_failures_allowed=0)
