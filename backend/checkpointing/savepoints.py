@@ -47,6 +47,7 @@ from backend.core.handles import (
     chunk_digest,
 )
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
+from backend.state.restore import merge_metadata
 from dstl.api import DfsFiles
 from dstl.paths import local_path
 from dstl.types import KeyGroupRange
@@ -113,7 +114,7 @@ def write_canonical_savepoint(
             try:
                 rng = backend.key_group_range
                 sections = read_sections(txn, databases, rng)
-                states.update(backend.state_metadata())
+                merge_metadata(states, backend.state_metadata())  # subtasks may differ in schema versions
             finally:
                 txn.abort()
             if sections:

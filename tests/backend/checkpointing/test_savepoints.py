@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from backend.checkpointing.savepoints import RestoreMode
+from backend.core.descriptors import ValueStateDescriptor
 from backend.core.errors import CheckpointError
+from backend.core.serializers import Float64Serializer, Int64Serializer, OptionalSerializer, RowSerializer
 from backend.job import JobOptions, LocalJob, OperatorSpec
 from materializer.options import MaterializationOptions
 from tests.backend.checkpointing.workloads import Workload, assert_exact, files_on_dfs, materialize, read_state
@@ -157,3 +159,38 @@ def test_bad_savepoint_targets_and_sources(tmp_path: Path) -> None:
     (tmp_path / "sp" / "_metadata").write_bytes(b"{}")
     with pytest.raises(CheckpointError, match="not a snapshot metadata file"):
         job_at(tmp_path, "new2", restore_from=str(tmp_path / "sp"))
+
+
+def test_a_canonical_savepoint_keeps_every_schema_version_when_subtasks_registered_differently(
+    tmp_path: Path,
+) -> None:
+    """After a restart under a changed schema, a subtask whose code never ran yet has not
+    registered the change: its metadata knows one version, another subtask's two. The savepoint
+    holds both (the union), so every key reads back under the new schema."""
+    old = ValueStateDescriptor("acc", RowSerializer([("total", OptionalSerializer(Int64Serializer()))]))
+    new = ValueStateDescriptor(
+        "acc",
+        RowSerializer(
+            [("total", OptionalSerializer(Float64Serializer())), ("n", OptionalSerializer(Int64Serializer()))]
+        ),
+    )
+    keys = [f"k{i}" for i in range(40)]
+    job = job_at(tmp_path, "source")
+    for i, key in enumerate(keys):
+        job.backend_for("op", key).get_state(old).update((i,))
+    job.checkpoint()
+    job.close()
+    job = job_at(tmp_path, "source")
+    changed = job.subtasks["op"][0].backend
+    state = changed.get_state(new)  # only the first subtask registers the new schema, and writes in it
+    expected = [(float(i), None) for i in range(40)]
+    for i, key in enumerate(keys):
+        if changed.key_group_of(key) in changed.key_group_range:
+            changed.set_current_key(key)
+            state.update((i + 0.5, 1))
+            expected[i] = (i + 0.5, 1)
+    job.savepoint(str(tmp_path / "sp"), "canonical")
+    job.cancel()
+    job = job_at(tmp_path, "restored", 3, restore_from=str(tmp_path / "sp"))
+    assert [job.backend_for("op", key).get_state(new).value() for key in keys] == expected
+    job.close()
