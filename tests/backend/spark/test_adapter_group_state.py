@@ -7,6 +7,7 @@ Each test pins one piece of Spark's semantics (pyspark 4.3) without a SparkSessi
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ pytest.importorskip("pyspark")
 from backend.spark.apply_in_pandas import run_apply_in_pandas_with_state  # noqa: E402
 from backend.spark.group_state import GroupState, GroupStateTimeout  # noqa: E402
 from backend.state.keyed_backend import ChangelogKeyedStateBackend  # noqa: E402
+from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage  # noqa: E402
 from tests.backend.spark.adapter_processors import apply, count_with_timeout, frame  # noqa: E402
 
 # -- applyInPandasWithState --------------------------------------------------------------------------
@@ -89,3 +91,43 @@ def test_group_state_semantics_and_errors() -> None:
         e.setTimeoutTimestamp(499)
     e.setTimeoutTimestamp(500)
     assert e._timeout_timestamp == 500 and e.getCurrentProcessingTimeMs() == 1_000
+
+
+def _running_total(key: Any, frames: Iterator[Any], state: GroupState) -> Iterator[Any]:
+    """Per key, the running total of ``v`` in a state of one field (``total long``) or, after the
+    schema changed, of two (``total double, n long``: ``n`` counts the batches since the change)."""
+    old = state.get if state.exists else None
+    total = (old[0] if old else 0) + sum(int(f["v"].sum()) for f in frames)
+    if len(state_fields) == 1:
+        state.update((total,))
+    else:
+        state.update((float(total), ((old[1] if len(old or ()) > 1 else None) or 0) + 1))
+    yield pd.DataFrame({"id": [key[0]], "v": [float(total)]})
+
+
+state_fields: list[str] = []
+
+
+def test_a_restart_under_a_changed_state_schema_reads_the_old_values_converted(tmp_path: Path) -> None:
+    """Beyond Spark (which refuses any change of an applyInPandasWithState state schema): the
+    evolution rules of transformWithState apply here too."""
+
+    def batch(b: ChangelogKeyedStateBackend, schema: str, v: int, now: int) -> list[tuple[Any, ...]]:
+        state_fields[:] = schema.split(",")
+        out = run_apply_in_pandas_with_state(
+            _running_total, b, [pd.DataFrame({"id": ["a"], "v": [v]})], key_columns=["id"], state_schema=schema,
+            timeout_conf="NoTimeout", batch_timestamp_ms=now, data_columns=["id", "v"],
+        )  # fmt: skip
+        return [tuple(r) for df in out for r in df.itertuples(index=False)]
+
+    with StateChangelogStorage(ChangelogConfig.local(tmp_path / "dfs")) as storage:
+        first = ChangelogKeyedStateBackend("op", KeyGroupRange(0, 127), tmp_path / "first", storage=storage)
+        assert batch(first, "total long", 2, 1_000) == [("a", 2.0)]
+        handle = first.snapshot(1).result(30)
+        first.notify_checkpoint_complete(1)
+        first.close()
+        restored = ChangelogKeyedStateBackend("op", KeyGroupRange(0, 127), tmp_path / "restored", storage=storage)
+        restored.restore([handle])
+        assert batch(restored, "total double, n long", 3, 2_000) == [("a", 5.0)]
+        assert batch(restored, "total double, n long", 1, 3_000) == [("a", 6.0)]
+        restored.close()
