@@ -33,9 +33,12 @@ LIMIT = 16 * MiB
 #: small, so that the first upload (and the client's creation) starts long before the bound
 THRESHOLD = 256 * 1024
 PAYLOAD = 1000
-#: what an operator may append before its append blocks: the bound, plus what it appends in the
-#: interval between two looks of the loop thread (a few milliseconds), with room for a loaded machine
-ALLOWED = 2 * LIMIT
+#: what an operator may append before its append blocks: the bound, plus what it appends before
+#: the loop thread next looks. The operator copies 1,000-byte changes at memory speed (GB/s) and
+#: the loop thread gets the GIL only at the interpreter's switch interval (5 ms), so one late look
+#: is worth tens of MiB: the margin is three bounds. The defect this guards against (the loop
+#: blocked by the S3 client's creation) let hundreds of MiB through.
+ALLOWED = 4 * LIMIT
 
 
 @dataclass
