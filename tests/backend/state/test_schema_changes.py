@@ -9,6 +9,7 @@ import pytest
 
 from backend.core.descriptors import ValueStateDescriptor
 from backend.core.errors import SchemaEvolutionError
+from backend.core.handles import KeyedStateHandle
 from backend.core.serializers import Float64Serializer, Int64Serializer, OptionalSerializer, RowSerializer
 from tests.backend.state.support import Env
 
@@ -18,6 +19,23 @@ def acc(*fields: tuple[str, Any]) -> ValueStateDescriptor[Any]:
 
 
 OLD = acc(("total", Float64Serializer()), ("n", Int64Serializer()))
+
+
+def checkpointed_under_old(env: Env) -> KeyedStateHandle:
+    """A checkpoint of one key's value under ``OLD``."""
+    b = env.backend()
+    b.set_current_key("k")
+    b.get_state(OLD).update((1.5, 2))
+    (handle,) = env.checkpoint(b)
+    return handle
+
+
+def old_code_restores(env: Env, handle: KeyedStateHandle) -> bool:
+    """Whether the code that wrote ``handle`` restarts from it and reads its value."""
+    again = env.backend()
+    again.restore([handle])
+    again.set_current_key("k")
+    return bool(again.get_state(OLD).value() == (1.5, 2))
 
 
 @pytest.mark.parametrize(
@@ -31,10 +49,7 @@ OLD = acc(("total", Float64Serializer()), ("n", Int64Serializer()))
 def test_an_unresolvable_change_is_refused_naming_the_field_and_the_old_code_restores(
     env: Env, registered: ValueStateDescriptor[Any], field: str, why: str
 ) -> None:
-    b = env.backend()
-    b.set_current_key("k")
-    b.get_state(OLD).update((1.5, 2))
-    (handle,) = env.checkpoint(b)
+    handle = checkpointed_under_old(env)
 
     changed = env.backend()
     changed.restore([handle])
@@ -45,26 +60,17 @@ def test_an_unresolvable_change_is_refused_naming_the_field_and_the_old_code_res
     assert f"field {field!r}" in str(error) and error.old in str(error) and error.new in str(error)
     assert "float64/1" in error.old  # the field's stored type, not the whole schema
 
-    again = env.backend()
-    again.restore([handle])
-    again.set_current_key("k")
-    assert again.get_state(OLD).value() == (1.5, 2)
+    assert old_code_restores(env, handle)
 
 
 def test_a_change_the_rules_resolve_reads_the_old_values_through_it_and_the_old_code_still_restores(
     env: Env,
 ) -> None:
-    b = env.backend()
-    b.set_current_key("k")
-    b.get_state(OLD).update((1.5, 2))
-    (handle,) = env.checkpoint(b)
+    handle = checkpointed_under_old(env)
     changed = env.backend()
     changed.restore([handle])
     changed.set_current_key("k")
     new = acc(("n", Int64Serializer()), ("total", Float64Serializer()), ("added", Int64Serializer()))
     assert changed.get_state(new).value() == (2, 1.5, None)
 
-    again = env.backend()  # the checkpoint was not touched: the code that wrote it restarts from it
-    again.restore([handle])
-    again.set_current_key("k")
-    assert again.get_state(OLD).value() == (1.5, 2)
+    assert old_code_restores(env, handle)  # the checkpoint was not touched
