@@ -88,9 +88,12 @@ class OperatorConfig:
     route: str | None = None
 
     def bound(self, job_dir: str) -> OperatorConfig:
-        """This operator with its state in ``job_dir`` (a routed one, bound to its query)."""
+        """This operator with its state in ``job_dir`` (a routed one, bound to its query). A routed
+        operator's uid is its directory's name: its query's start chose it by the operator's place
+        (``backend.spark.operator_ids``), and its tasks learn only the directory."""
         job_dir = job_dir.rstrip("/")
-        return replace(self, job_dir=job_dir, changelog=replace(self.changelog, base_path=job_dir), route=None)
+        uid = job_dir.rsplit("/", 1)[-1] if self.route is not None else self.uid
+        return replace(self, job_dir=job_dir, uid=uid, changelog=replace(self.changelog, base_path=job_dir), route=None)
 
     def for_task(self, local_property: Callable[[str], str | None]) -> OperatorConfig:
         """The config a task runs with: a routed operator's state directory is the query's local

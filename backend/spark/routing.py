@@ -9,8 +9,11 @@ plus our options, keyword-only, and call ``backend.spark.api``'s functions.
 checkpoint resumes it, one started under another checkpoint starts empty. A routed operator does the
 same: its state directory is ``<checkpointLocation>/dstl/<uid>``, or, with a ``checkpoint_root``,
 ``<checkpoint_root>/<name of the checkpointLocation>/<uid>`` (the last path component of the
-location and a digest of it). The uid is the processor's class or the function (``routed_uid``),
-unique among the routed operators of one query (a query with two of one uid is refused at start).
+location and a digest of it). As in Spark, an operator is known by its place among the query's
+routed operators (``backend.spark.operator_ids``): a restart with the processor class renamed
+resumes its state. The uid naming a new place's directory is the processor's class or the function
+(``routed_uid``), or ``operator`` for a lambda or a partial, with the place as a suffix where two
+meet; an ``operator_uid`` the user gives names the operator wherever it is.
 
 **When it is bound.** A routed method returns its DataFrame before anything says which query will
 run it, so the operator is built unbound (``OperatorConfig.route``) and bound when its query
@@ -42,12 +45,12 @@ import inspect
 import tempfile
 import threading
 import uuid
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from backend.spark.config import ROUTE_PROPERTY, OperatorConfig, route_file
+from backend.spark.operator_ids import resolve_uids
 from backend.spark.plan import routed_task_name
 from dstl import ConfigurationError
 from dstl.atomic import write_atomically
@@ -69,10 +72,14 @@ class _Routed:
     cfg: OperatorConfig
     bind: Callable[[OperatorConfig], None]
     root: str | None
+    #: the uid is ``routed_uid``'s (or the placeholder for a nameless function), not the user's
+    derived: bool
     job_dir: str | None = None
     query: Any = None
 
 
+#: the directory name of a routed lambda or partial's place
+_NAMELESS = "operator"
 _OPERATORS: dict[str, _Routed] = {}
 _LOCK = threading.Lock()
 _HOOKED: list[bool] = []
@@ -81,7 +88,8 @@ _HOOKED: list[bool] = []
 def routed_uid(target: Any) -> str:
     """The operator uid ``use_for_session`` derives for a processor (its class) or a function:
     the qualified name, which tells apart the functions and classes of one module. A lambda, a
-    ``functools.partial`` or a callable object has no name of its own: it needs ``operator_uid``."""
+    ``functools.partial`` or a callable object has no name of its own: ``ConfigurationError``
+    (``SessionRouting`` names it ``operator``)."""
     from pyspark.sql.streaming.stateful_processor import StatefulProcessor
 
     named = type(target) if isinstance(target, StatefulProcessor) else target
@@ -102,15 +110,22 @@ class SessionRouting:
 
     root: str | None
     target: Any
+    derived: bool = False
 
     def uid(self) -> str:
-        return routed_uid(self.target)
+        """The uid of an operator the user gave none (``operator_ids``: its place decides which
+        state it resumes; this names a new place's directory)."""
+        self.derived = True
+        try:
+            return routed_uid(self.target)
+        except ConfigurationError:
+            return _NAMELESS
 
     def defer(self, cfg: OperatorConfig, bind: Callable[[OperatorConfig], None]) -> None:
         if cfg.route is None:
             raise ConfigurationError(f"operator {cfg.uid!r} is bound already")
         with _LOCK:
-            _OPERATORS[cfg.route] = _Routed(cfg, bind, self.root)
+            _OPERATORS[cfg.route] = _Routed(cfg, bind, self.root, self.derived)
 
 
 def route_session(
@@ -237,15 +252,8 @@ def _start_bound(writer: Any, query_name: str | None, given: dict[str, Any], sta
     recorded = writer.__dict__[_RECORDED]
     spark = writer._df.sparkSession
     location = _checkpoint_location(writer, spark, recorded, query_name or recorded.get("queryname"))
-    twice = sorted(uid for uid, n in Counter(r.cfg.uid for r in routed).items() if n > 1)
-    if twice:
-        raise ConfigurationError(
-            f"this query has more than one routed stateful operator with uid {twice}: pass operator_uid=... to "
-            "tell them apart (their state directories would be one)"
-        )
     properties: dict[str, str] = {}
-    for op in routed:
-        job_dir = _state_dir(op.root, location, op.cfg.uid)
+    for op, job_dir in zip(routed, _state_dirs(routed, location), strict=True):
         if op.query is not None and op.job_dir != job_dir and bool(op.query.isActive):
             raise ConfigurationError(
                 f"the routed operator {op.cfg.uid!r} runs in query {op.query.id} (state {op.job_dir}): a DataFrame "
@@ -313,13 +321,29 @@ def _checkpoint_location(writer: Any, spark: Any, recorded: dict[str, Any], quer
     return tempfile.mkdtemp(prefix="dstl-temporary-")
 
 
-def _state_dir(root: str | None, location: str, uid: str) -> str:
+def _state_dirs(routed: list[_Routed], location: str) -> list[str]:
+    """The state directory of each of a query's routed operators (plan order), by their places
+    (``operator_ids``). Operators of one query share a root: ``use_for_session`` is per driver."""
+    by_directory: dict[str, list[int]] = {}
+    for i, op in enumerate(routed):
+        by_directory.setdefault(_operators_dir(op.root, location), []).append(i)
+    dirs = [""] * len(routed)
+    for directory, places in by_directory.items():
+        ops = [routed[i] for i in places]
+        uids = resolve_uids(ops[0].cfg.changelog, directory, [(op.cfg.uid, op.derived) for op in ops])
+        for i, uid in zip(places, uids, strict=True):
+            dirs[i] = f"{directory}/{uid}"
+    return dirs
+
+
+def _operators_dir(root: str | None, location: str) -> str:
+    """The directory of a query's routed operators' state directories."""
     location = location.rstrip("/")
     if root is None:
-        return f"{location}/dstl/{uid}"
+        return f"{location}/dstl"
     tail = as_name(location.rsplit("/", 1)[-1]) or "query"
     digest = hashlib.sha256(location.encode()).hexdigest()[:12]
-    return f"{root.rstrip('/')}/{tail}-{digest}/{uid}"
+    return f"{root.rstrip('/')}/{tail}-{digest}"
 
 
 def _write_route_file(cfg: OperatorConfig, job_dir: str) -> None:

@@ -1,8 +1,8 @@
 """``use_for_session``: a routed operator's state follows the query that runs it, as Spark's own
 operators' state follows the query's checkpointLocation: two queries of one program, even of one
 function, keep their own state; a query restarted under its checkpoint resumes it, one started under
-another checkpoint starts empty. Each operator of a query gets its own uid (its function's or
-class's qualified name)."""
+another checkpoint starts empty. As in Spark, an operator is known by its place in its query: a
+restart with the function renamed or replaced (a lambda even) resumes its state."""
 
 from __future__ import annotations
 
@@ -69,18 +69,47 @@ def test_two_routed_functions_keep_their_own_state(spark: Any, routed: Path) -> 
     assert run_routed(spark, routed, "sum", sum_values, [one, one]) == Counter({("a", 12): 1, ("a", 24): 1})
     # under the root: a directory per query (named after its checkpoint location), one per operator in it
     layout = {
-        (query.name.rsplit("-", 1)[0], op.name) for query in (routed / "states").iterdir() for op in query.iterdir()
+        (query.name.rsplit("-", 1)[0], op.name)
+        for query in (routed / "states").iterdir()
+        for op in query.iterdir()
+        if op.is_dir()
     }
     assert layout == {("spark-count", "count_rows"), ("spark-sum", "sum_values")}
 
 
-def test_a_function_without_a_name_of_its_own_needs_an_operator_uid(spark: Any, routed: Path) -> None:
+def counting_again(key: Any, frames: Iterator[Any], state: Any) -> Iterator[Any]:
+    """``count_rows`` under another name: the next release of the same operator."""
+    yield from count_rows(key, frames, state)
+
+
+def test_a_restart_with_the_function_renamed_or_nameless_resumes_the_state_at_its_place(
+    spark: Any, routed: Path
+) -> None:
+    one = '{"user": "a", "v": 5}\n'
+    assert run_routed(spark, routed, "count", count_rows, [one]) == Counter({("a", 1): 1})
+    assert run_routed(spark, routed, "count", counting_again, [one]) == Counter({("a", 2): 1})
+    assert run_routed(spark, routed, "count", lambda k, f, s: count_rows(k, f, s), [one]) == Counter({("a", 3): 1})
+    assert run_routed(spark, routed, "count", functools.partial(count_rows), [one]) == Counter({("a", 4): 1})
+    (query,) = (routed / "states").iterdir()
+    assert sorted(p.name for p in query.iterdir()) == ["count_rows", "operators.json"]
+    # a new query of a lambda: its state directory is named after its place
+    assert run_routed(spark, routed, "fresh", lambda k, f, s: count_rows(k, f, s), [one]) == Counter({("a", 1): 1})
+    (fresh,) = (routed / "states").glob("spark-fresh-*")
+    assert sorted(p.name for p in fresh.iterdir()) == ["operator", "operators.json"]
+
+
+def test_a_corrupt_list_of_operators_is_refused_naming_it(spark: Any, routed: Path) -> None:
     from dstl import ConfigurationError
 
-    df = spark.readStream.schema("user string, v long").json(str(routed))
-    for nameless in (lambda k, f, s: iter(()), functools.partial(count_rows)):
-        with pytest.raises(ConfigurationError, match="operator_uid"):
-            df.groupBy("user").applyInPandasWithState(nameless, "user string, n long", "n long", "Update", "NoTimeout")
+    one = '{"user": "a", "v": 5}\n'
+    run_routed(spark, routed, "count", count_rows, [one])
+    (listing,) = (routed / "states").glob("*/operators.json")
+    listing.write_text('["count_rows", "../elsewhere"]')
+    with pytest.raises(ConfigurationError, match=r"operators\.json.*must be a non-empty name"):
+        run_routed(spark, routed, "count", count_rows, [one])
+    listing.write_text("{not json")
+    with pytest.raises(ConfigurationError, match=r"operators\.json is corrupt"):
+        run_routed(spark, routed, "count", count_rows, [one])
 
 
 def test_the_state_follows_the_querys_checkpoint_location(spark: Any, tmp_path: Path) -> None:
