@@ -20,10 +20,13 @@ that wrote them. The restored tables stay, read-only, beneath the new one:
   lives in exactly one version's table. A list is migrated whole on its first mutation (read
   converted into the cache, so the flush writes it to the new table), a map likewise with all the
   entries of the key; a value needs no migration (it is replaced);
-- snapshots, materializations and restores see the older tables as any other table (their
-  database and state id are named by the metadata, ``tables_of``); registering the state again
-  with the same schema keeps its version, a further change makes version ``n + 1`` whose older
-  tables are every earlier version (one chain, not folded into one table);
+- snapshots and restores see the older tables as any other table (their database and state id
+  are named by the metadata, ``tables_of``); registering the state again with the same schema
+  keeps its version, a further change makes version ``n + 1`` whose older tables are every
+  earlier version (one chain, each read through the schemas after it);
+- the next materialization is a full one and folds them (``backend.state.folding``): their
+  entries are copied into today's table, converted, its chunks hold today's schema only, and once
+  it completes the older tables are emptied and the metadata forgets them;
 - a state name cannot end in ``~<digits>`` where that names another state's version table: a
   registration whose tables would share a name or state id with another state's is refused
   (``ChangelogKeyedStateBackend.get_state``).

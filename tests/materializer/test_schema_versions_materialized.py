@@ -238,3 +238,33 @@ def test_changes_while_the_folding_materialization_uploads(env: Env) -> None:
     assert sections == {"v~1", "l~1", "m~1"} and not sids & {rec.state_id(name) for name in OLDER_TABLES}
     subtasks = env.backends.restored(last, 2)
     assert_reads(subtasks, model)
+
+
+def test_subtasks_that_folded_and_that_did_not_restore_together(env: Env) -> None:
+    """One subtask folded while its keys changed (its older versions listed as dropped), the other
+    did not materialize (its older versions live): a restore of both at another parallelism reads
+    the old values of the one and the folded values of the other."""
+    _, first, model = restored_from_old_checkpoint(env)
+    folded, kept = env.backends.restored(first, 2)
+    for b in (folded, kept):
+        for kind in KINDS:
+            b.get_state(NEW_STATES[kind])
+    gate = GatedUpload(env.storage)
+    m = PeriodicMaterializer(folded, OPTIONS, upload=gate)
+    gate.gate.clear()
+    assert m.trigger()
+    assert gate.blocked.wait(WAIT_S)
+    owned = [k for k in KEYS if owner([folded, kept], k) is folded]
+    change_new(folded, model, owned[:10], tag=5)
+    folded.flush()  # logs the migrated keys' CLEARs of older entries after the cut
+    gate.gate.set()
+    m.wait(WAIT_S)
+    m.close()
+    assert all(old.get("dropped") for old in folded.state_metadata()["v"]["older"])
+    assert not any(old.get("dropped") for old in kept.state_metadata()["v"]["older"])
+    handles = [checkpoint(b, 2) for b in (folded, kept)]
+    for parallelism in (1, 3):
+        subtasks = env.backends.restored_all(handles, parallelism)
+        assert_reads(subtasks, model)
+        for b in subtasks:
+            env.backends.close(b)
