@@ -440,11 +440,13 @@ class ChangelogKeyedStateBackend(KeyContext):
 
     def complete_materialization(self, point: MaterializationPoint, chunks: Sequence[dict[str, Any]]) -> None:
         """The chunks of ``point`` are durable: later snapshots reference them and the log after
-        ``point.sqn`` only; carried-over logs of a restore are no longer needed."""
+        ``point.sqn`` only; carried-over logs of a restore are no longer needed; the older schema
+        versions it folded are forgotten (``folding``)."""
         with self._lock:
             self._end_cut(point)
             self.lineage.materialized_at(point.sqn, list(chunks), full=point.rewrite_all)
-            for name, meta in folding.finish_all(self.tables, point.folds, self.state_metadata(), self._states).items():
+            folds = () if self.lineage.closed else point.folds  # closed: its tables are gone
+            for name, meta in folding.finish_all(self.tables, folds, self.state_metadata(), self._states).items():
                 for known in (self._meta, self._restored_meta):
                     if name in known:
                         known[name] = meta
