@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backend.core.errors import BackendClosedError
+from backend.state.folding import Fold
 from dstl.types import KeyGroupRange
 
 __all__ = ["MaterializationPoint"]
@@ -35,7 +36,9 @@ class MaterializationPoint:
 
     ``dirty``: key groups changed since the previous materialization began; ``previous``: the
     chunk entries of that materialization (re-referenced where their key groups are clean);
-    ``rewrite_all``: the state came (partly) from restored logs, so no previous chunk is complete.
+    ``rewrite_all``: the state came (partly) from restored logs, so no previous chunk is complete,
+    or ``folds`` fold older schema versions (``backend.state.folding``: their tables are left out
+    of ``databases``, their entries were copied into today's tables, converted).
     ``log_id``/``log_sqn``: the log and SQN the cut covers, as a lineage that carries that log
     names them: the backend's own log at ``sqn``, or, if its own log has nothing yet, the last
     carried log up to its end.
@@ -51,6 +54,7 @@ class MaterializationPoint:
     rewrite_all: bool = False
     log_id: str = ""
     log_sqn: int = 0
+    folds: tuple[Fold, ...] = ()
     released: bool = False
     _guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

@@ -32,8 +32,8 @@ from backend.core.keygroups import DEFAULT_MAX_PARALLELISM
 from backend.core.records import Op
 from backend.core.serializers import Serializer
 from backend.core.tablekeys import key_group_of, split_table_key
+from backend.state import folding, versions
 from backend.state import restore as restoring
-from backend.state import versions
 from backend.state.context import KeyContext
 from backend.state.cut import MaterializationPoint
 from backend.state.lmdb_tables import DEFAULT_MAP_SIZE, LmdbTables
@@ -405,9 +405,11 @@ class ChangelogKeyedStateBackend(KeyContext):
             if self.writer is None:
                 raise RuntimeError("materialization needs the changelog (log_enabled=True)")
             self.flush()
+            folds = folding.begin_all(self.tables, self.state_metadata(), self._states)
             sqn = self.writer.last_appended_sqn()
             lineage = self.lineage
-            rewrite_all = bool(lineage.carried) or lineage.needs_full_materialization
+            rewrite_all = bool(lineage.carried) or lineage.needs_full_materialization or bool(folds)
+            folded = {table for fold in folds for table in fold.tables}
             if sqn == lineage.materialized_sqn and not rewrite_all:
                 return None
             if sqn > lineage.materialized_sqn or not lineage.carried:
@@ -417,7 +419,7 @@ class ChangelogKeyedStateBackend(KeyContext):
             point = MaterializationPoint(
                 sqn=sqn,
                 txn=self.tables.env.begin(),
-                databases=dict(self.tables.databases()),
+                databases={n: db for n, db in self.tables.databases().items() if n not in folded},
                 dirty=frozenset(self.dirty_key_groups),
                 previous=tuple(lineage.materialized),
                 key_group_range=self.key_group_range,
@@ -425,6 +427,7 @@ class ChangelogKeyedStateBackend(KeyContext):
                 rewrite_all=rewrite_all,
                 log_id=log_id,
                 log_sqn=log_sqn,
+                folds=folds,
             )
             self._cuts.add(point)
             self.dirty_key_groups = set()
@@ -437,10 +440,16 @@ class ChangelogKeyedStateBackend(KeyContext):
 
     def complete_materialization(self, point: MaterializationPoint, chunks: Sequence[dict[str, Any]]) -> None:
         """The chunks of ``point`` are durable: later snapshots reference them and the log after
-        ``point.sqn`` only; carried-over logs of a restore are no longer needed."""
+        ``point.sqn`` only; carried-over logs of a restore are no longer needed; the older schema
+        versions it folded are forgotten (``folding``)."""
         with self._lock:
             self._end_cut(point)
             self.lineage.materialized_at(point.sqn, list(chunks), full=point.rewrite_all)
+            folds = () if self.lineage.closed else point.folds  # closed: its tables are gone
+            for name, meta in folding.finish_all(self.tables, folds, self.state_metadata(), self._states).items():
+                for known in (self._meta, self._restored_meta):
+                    if name in known:
+                        known[name] = meta
 
     def abort_materialization(self, point: MaterializationPoint) -> None:
         """The materialization failed: its key groups stay dirty for the next attempt."""

@@ -117,7 +117,8 @@ class ListTable(StateTable):
             for ck, op, blob in ops:
                 record = rec.record(Op.CLEAR, sid, ck) if op is Op.CLEAR else rec.record(op, sid, ck, blob)
                 records += (key_group_of(ck), record)
-            records += OlderTables.records(held)
+            if held and self.older is not None:
+                records += self.older.records(held)
 
         def write(txn: Any) -> None:
             db = self.db

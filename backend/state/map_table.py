@@ -160,7 +160,8 @@ class MapTable(StateTable):
                         records += (kg, rec.record(Op.REMOVE, sid, ck, ukey))
                     else:
                         records += (kg, rec.record(Op.PUT, sid, ck, rec.put_rest(ukey, stored)))
-            records += OlderTables.records(held)
+            if held and self.older is not None:
+                records += self.older.records(held)
 
         def write(txn: Any) -> None:
             db = self.db

@@ -20,10 +20,13 @@ that wrote them. The restored tables stay, read-only, beneath the new one:
   lives in exactly one version's table. A list is migrated whole on its first mutation (read
   converted into the cache, so the flush writes it to the new table), a map likewise with all the
   entries of the key; a value needs no migration (it is replaced);
-- snapshots, materializations and restores see the older tables as any other table (their
-  database and state id are named by the metadata, ``tables_of``); registering the state again
-  with the same schema keeps its version, a further change makes version ``n + 1`` whose older
-  tables are every earlier version (one chain, not folded into one table);
+- snapshots and restores see the older tables as any other table (their database and state id
+  are named by the metadata, ``tables_of``); registering the state again with the same schema
+  keeps its version, a further change makes version ``n + 1`` whose older tables are every
+  earlier version (one chain, each read through the schemas after it);
+- the next materialization is a full one and folds them (``backend.state.folding``): their
+  entries are copied into today's table, converted, its chunks hold today's schema only, and once
+  it completes the older tables are emptied and the metadata forgets them;
 - a state name cannot end in ``~<digits>`` where that names another state's version table: a
   registration whose tables would share a name or state id with another state's is refused
   (``ChangelogKeyedStateBackend.get_state``).
@@ -50,7 +53,9 @@ from backend.state.lmdb_tables import LmdbTables
 
 __all__ = [
     "SEPARATOR",
+    "Decode",
     "OlderTables",
+    "decoders",
     "merge",
     "older_of",
     "register",
@@ -64,6 +69,8 @@ __all__ = [
 #: between a state's name and its version in the name of a version's table
 SEPARATOR = "~"
 _VERSION = "version"
+#: the stored bytes of a value (without a TTL prefix) -> the value
+Decode = Callable[[bytes], Any]
 _OLDER = "older"
 
 
@@ -132,19 +139,42 @@ def register(
 def merge(name: str, seen: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, Any]:
     """One metadata for state ``name`` from two handles' (``restore.merge_metadata``): the union of
     their versions, the newest current. Subtasks may differ (one registered a change, another did
-    not run it; one folded its older tables), never in the schema of one version."""
+    not run it; one folded its older tables, ``folding``), never in the schema of one version. An
+    older version is dropped (never read) only where no handle has it live: where one has, its
+    table holds that subtask's old values."""
     if seen == meta:
         return dict(meta)
     schemas: dict[int, dict[str, Any]] = {}
+    live: set[int] = set()
     for states in (seen, meta):
         for version, schema in [(version_of(states), schema_of(states))] + [
             (version_of(m), schema_of(m)) for m in older_of(states)
         ]:
+            current = version == version_of(states)
+            if current or not schema.pop("dropped", False):  # a current version is never dropped here
+                live.add(version)
             if schemas.setdefault(version, schema) != schema:
                 raise StateRestoreError(f"snapshots disagree about state {name!r}: {dict(seen)} vs {dict(meta)}")
     top = max(schemas)
-    older = [{**schemas[v], _VERSION: v} for v in sorted(schemas, reverse=True) if v != top]
+    older = [
+        {**schemas[v], _VERSION: v} if v in live else {**schemas[v], "dropped": True, _VERSION: v}
+        for v in sorted(schemas, reverse=True)
+        if v != top
+    ]
     return versioned(schemas[top], top, older)
+
+
+def decoders(name: str, older: list[dict[str, Any]], serializer: Serializer[Any]) -> list[tuple[str, Decode]]:
+    """The live (not dropped) older versions of state ``name`` (``older``, newest first) as
+    (table name, decode): the bytes a version stored (without a TTL prefix) read as ``serializer``,
+    today's, reads its own, converted through every schema in between (``evolve``)."""
+    live = [m for m in older if not m.get("dropped")]
+    found: list[tuple[str, Decode]] = []
+    for i, meta in enumerate(live):
+        through = [str(m["serializer"]) for m in reversed(live[:i])]  # the newer ones, oldest first
+        decode = evolve(str(meta["serializer"]), serializer, name, through)
+        found.append((table_name(name, version_of(meta)), decode or serializer.deserialize))
+    return found
 
 
 class _Older(NamedTuple):
@@ -152,7 +182,7 @@ class _Older(NamedTuple):
     sid: int
     db: Any
     #: stored bytes (without a TTL prefix) of this version -> today's value
-    decode: Callable[[bytes], Any]
+    decode: Decode
 
 
 class OlderTables:
@@ -164,17 +194,13 @@ class OlderTables:
     def __init__(self, host: StateHost, descriptor: StateDescriptor[Any], older: list[dict[str, Any]]) -> None:
         self.host = host
         self.ttl = bool(descriptor.ttl)
-        live = [m for m in older if not m.get("dropped")]
-        self.versions: list[_Older] = []
-        for i, meta in enumerate(live):
-            through = [str(m["serializer"]) for m in reversed(live[:i])]  # the newer ones, oldest first
-            decode = evolve(str(meta["serializer"]), descriptor.serializer, descriptor.name, through)
-            name = table_name(descriptor.name, version_of(meta))
-            self.versions.append(
-                _Older(
-                    name, rec.state_id(name), host.tables.database(name), decode or descriptor.serializer.deserialize
-                )
-            )
+        self.versions = [
+            _Older(name, rec.state_id(name), host.tables.database(name), decode)
+            for name, decode in decoders(descriptor.name, older, descriptor.serializer)
+        ]
+        #: CLEAR records of older entries made so far (``records``): a fold that began before the
+        #: last of them cannot forget the older versions' state ids yet (``backend.state.folding``)
+        self.logged = 0
 
     def _entry(self, version: _Older, stored: bytes) -> Any:
         if self.ttl:
@@ -236,11 +262,11 @@ class OlderTables:
             else:
                 txn.delete(ck, db=version.db)
 
-    @staticmethod
-    def records(held: list[tuple[_Older, bytes]]) -> list[Any]:
+    def records(self, held: list[tuple[_Older, bytes]]) -> list[Any]:
         """``[key_group, record, ...]``: a CLEAR under the older version's state id per entry
         ``held`` removes (a replay of a map's CLEAR removes every entry of the key)."""
         pairs: list[Any] = []
         for version, ck in held:
             pairs += (key_group_of(ck), rec.record(Op.CLEAR, version.sid, ck))
+        self.logged += len(held)
         return pairs

@@ -30,6 +30,7 @@ from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
 
 from backend.checkpointing.metadata import METADATA_NAME, checkpoint_dir
 from backend.checkpointing.savepoints import dispose_savepoint, write_canonical_savepoint, write_native_savepoint
+from backend.state.restore import merge_metadata
 from backend.tools.errors import CliError
 from backend.tools.inspect_state import (
     check_savepoint_target,
@@ -213,8 +214,8 @@ def cmd_read(args: argparse.Namespace) -> int:
         uid = uid or operators[0]
         handles = snapshot.handles(uid)
         metadata: dict[str, dict[str, Any]] = {}
-        for handle in handles:
-            metadata.update(handle.states)
+        for handle in handles:  # the union of the subtasks' schema versions, as a restore of all
+            merge_metadata(metadata, handle.states)
         names = sorted(n for n, m in metadata.items() if not m.get("dropped"))
         state = _pick("state", args.state, [*names, TIMERS_STATE])
         want = readers(uid, metadata, [state] if state is not None else [*names, TIMERS_STATE], _warn)

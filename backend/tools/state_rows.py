@@ -7,11 +7,17 @@ user_key, value, ttl_expiry_ms``. Keys are decoded with the canonical key encodi
 a serializer this build does not know, malformed bytes) is dumped as ``{"$raw": hex}``; nothing
 is ever unpickled. Timers are rows of the state ``_timers`` (user key: the time domain, value:
 the timestamp). Expired TTL entries are shown as stored, with their expiry.
+
+A state whose schema changed has a table per schema version (``backend.state.versions``) until a
+full materialization folds them: its rows come from all of them, in table-key order, a key's from
+the newest table holding it (as the state API reads it), and an older version's values are
+converted to the current schema (``versions.decoders``), so every row shows the current schema.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import importlib
 import json
 import math
@@ -19,9 +25,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
 from backend.core import records as rec
-from backend.core.errors import SerializationError
+from backend.core.errors import SerializationError, StateRestoreError
 from backend.core.serializers import KeySerializer, Serializer, serializer_for_id
 from backend.core.tablekeys import key_group_of, key_of, parse_timer_user_key, split_table_key
+from backend.state import versions
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from backend.state.timers import EVENT_TIME, TIMERS_DB
 from backend.tools.errors import CliError
@@ -55,10 +62,12 @@ def raw(data: bytes) -> dict[str, str]:
 
 
 class _Decoder:
-    """Decodes one serializer's bytes, or dumps them as hex when it must not or cannot."""
+    """Decodes one serializer's bytes, or dumps them as hex when it must not or cannot.
+    ``convert``: how to read them instead (an older schema version's bytes in today's schema)."""
 
-    def __init__(self, serializer_id: Any, what: str, warn: Warn) -> None:
+    def __init__(self, serializer_id: Any, what: str, warn: Warn, convert: versions.Decode | None = None) -> None:
         self.serializer: Serializer[Any] | None = None
+        self.convert = convert
         self._what = what
         self._warn = warn
         self._warned = False
@@ -75,7 +84,7 @@ class _Decoder:
         if self.serializer is None:
             return raw(data)
         try:
-            return jsonable(self.serializer.deserialize(bytes(data)))
+            return jsonable((self.convert or self.serializer.deserialize)(bytes(data)))
         except SerializationError as exc:
             if not self._warned:
                 self._warn(f"{self._what}: undecodable bytes dumped as hex ({exc})")
@@ -97,6 +106,27 @@ class StateReader:
             else None
         )
         self._warn = warn
+        #: the tables of its schema versions, newest first, each with the decoder of its values
+        self.tables = [(versions.table_name(name, versions.version_of(meta)), self.value), *self._older(meta)]
+
+    def _older(self, meta: dict[str, Any]) -> list[tuple[str, _Decoder]]:
+        """The live older versions' tables, their values read in today's schema (or dumped as hex
+        when today's serializer is not known here or the change cannot be read)."""
+        live = [m for m in versions.older_of(meta) if not m.get("dropped")]
+        if not live:
+            return []
+        what = f"older schema versions of state {self.name!r} of {self.uid!r}"
+        today = self.value.serializer
+        try:
+            if today is None:
+                raise SerializationError(str(meta.get("serializer")), "not known to this build")
+            found = versions.decoders(self.name, live, today)
+        except (SerializationError, StateRestoreError) as exc:
+            self._warn(f"{what}: not converted ({exc}); values dumped as hex")
+            return [
+                (versions.table_name(self.name, versions.version_of(m)), _Decoder(None, what, _quiet)) for m in live
+            ]
+        return [(table, _Decoder(meta.get("serializer"), what, self._warn, decode)) for table, decode in found]
 
     def _split_ttl(self, stored: bytes) -> tuple[int | None, bytes]:
         if not self.ttl:
@@ -104,7 +134,10 @@ class StateReader:
         expiry, data = rec.split_expiry(stored)
         return expiry, data
 
-    def row(self, table_key: bytes, stored: bytes) -> dict[str, Any]:
+    def row(self, table_key: bytes, stored: bytes, value: _Decoder | None = None) -> dict[str, Any]:
+        """The row of an entry of a table of the state (``value``: that table's decoder, the
+        current version's by default)."""
+        decode = value or self.value
         ck, user_key = split_table_key(table_key)
         row: dict[str, Any] = {
             "operator": self.uid, "state": self.name, "kind": self.kind, "key_group": key_group_of(ck),
@@ -115,12 +148,12 @@ class StateReader:
                 elements = []
                 for element in rec.decode_list(stored):
                     expiry, data = self._split_ttl(element)
-                    value = self.value(data)
-                    elements.append({"value": value, "ttl_expiry_ms": expiry} if self.ttl else value)
+                    decoded = decode(data)
+                    elements.append({"value": decoded, "ttl_expiry_ms": expiry} if self.ttl else decoded)
                 row["value"] = elements
                 return row
             row["ttl_expiry_ms"], data = self._split_ttl(stored)
-            row["value"] = self.value(data)
+            row["value"] = decode(data)
             if self.user_key is not None:
                 row["user_key"] = self.user_key(user_key)
         except SerializationError as exc:  # framing of a list or a TTL prefix
@@ -159,17 +192,36 @@ def state_rows(backend: ChangelogKeyedStateBackend, want: dict[str, StateReader 
     group, then key bytes)."""
     txn, databases = backend.consistent_view()
     try:
-        for name, reader in want.items():
-            db = databases.get(TIMERS_DB if name == TIMERS_STATE else name)
-            if db is None:
-                continue
-            for table_key, stored in txn.cursor(db=db):
-                if reader is None:
+        for reader in want.values():
+            if reader is None:
+                db = databases.get(TIMERS_DB)
+                for table_key, _ in txn.cursor(db=db) if db is not None else ():
                     yield timer_row(backend.operator_id, bytes(table_key))
-                else:
-                    yield reader.row(bytes(table_key), bytes(stored))
+                continue
+            tables = [(databases[t], decode) for t, decode in reader.tables if t in databases]
+            for table_key, stored, decode in _newest(txn, tables):
+                yield reader.row(table_key, stored, decode)
     finally:
         txn.abort()
+
+
+def _newest(txn: Any, tables: list[tuple[Any, _Decoder]]) -> Iterator[tuple[bytes, bytes, _Decoder]]:
+    """The entries of ``tables`` (a state's schema versions, newest first) in table-key order, each
+    key once, from the newest table holding it."""
+
+    def entries(rank: int, db: Any) -> Iterator[tuple[bytes, int, bytes]]:
+        for key, stored in txn.cursor(db=db):
+            yield bytes(key), rank, bytes(stored)
+
+    last = None
+    for key, rank, stored in heapq.merge(*(entries(rank, db) for rank, (db, _) in enumerate(tables))):
+        if key != last:
+            last = key
+            yield key, stored, tables[rank][1]
+
+
+def _quiet(_: str) -> None:
+    """A warning already given once for the whole state."""
 
 
 #: parquet columns; key, user_key and value hold the JSON text of the decoded value

@@ -67,10 +67,14 @@ class Backends:
 
     def restored(self, handle: KeyedStateHandle, parallelism: int) -> list[B]:
         """Fresh subtasks of ``parallelism``, each restored from ``handle`` (read back from JSON)."""
-        handle = KeyedStateHandle.loads(handle.dumps())
+        return self.restored_all([handle], parallelism)
+
+    def restored_all(self, handles: Sequence[KeyedStateHandle], parallelism: int) -> list[B]:
+        """Fresh subtasks of ``parallelism``, restored from the handles of every subtask of a checkpoint."""
+        handles = [KeyedStateHandle.loads(h.dumps()) for h in handles]
         subtasks = [self.new(rng) for rng in key_group_ranges(MAX_P, parallelism)]
         for b in subtasks:
-            restore(b, [handle])
+            restore(b, handles)
         return subtasks
 
 

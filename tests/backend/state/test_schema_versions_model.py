@@ -1,11 +1,13 @@
-"""Random sequences of compatible schema changes, writes, clears, checkpoints and restarts (at
-any parallelism) against a plain-Python model (``backend.state.versions``).
+"""Random sequences of compatible schema changes, writes, clears, checkpoints, materializations
+and restarts (at any parallelism) against a plain-Python model (``backend.state.versions``).
 
 The model keeps every value as a dict of field -> value and converts it eagerly at each change
 of schema, as the rules say a value read through the change reads: a kept field converted (int
 widened to float), an added field None, a removed field gone (and None if it comes back later).
 The backend converts lazily, through every schema in between; after every restart the two must
-agree on every key of value, list and map state.
+agree on every key of value, list and map state. A materialization folds the older versions
+(``backend.state.folding``); it may be started and applied with other steps in between, which then
+run between its cut and its end.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from backend.core.serializers import (
 )
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, StateChangelogStorage
+from materializer.options import MaterializationOptions
+from materializer.periodic import PeriodicMaterializer, restore
 
 MAX_P = 128
 WAIT_S = 30.0
@@ -42,6 +46,8 @@ KEYS = ["a", "b", "c", 1, 2, 3]
 USER_KEYS = ["x", "y"]
 FIELDS = ["f", "g", "h", "i"]
 KINDS = ["value", "list", "map"]
+#: materializations start only when a step says so
+NEVER = MaterializationOptions(interval_ms=10**12, size_trigger_bytes=None)
 
 #: a schema: its fields in order, each "int" or "float" (every field nullable)
 Schema = tuple[tuple[str, str], ...]
@@ -110,10 +116,13 @@ class SchemaMachine(RuleBasedStateMachine):
         self.schema: Schema = (("f", "int"),)
         self.model = Model()
         self.backends: list[ChangelogKeyedStateBackend] = []
+        self.materializers: list[PeriodicMaterializer] = []
         self.completed: list[tuple[list[KeyedStateHandle], Model, Schema]] = []
 
     def teardown(self) -> None:
         try:
+            for m in self.materializers:
+                m.close()
             for b in self.backends:
                 b.close()
             self.storage.close()
@@ -121,13 +130,16 @@ class SchemaMachine(RuleBasedStateMachine):
             shutil.rmtree(self.tmp, ignore_errors=True)
 
     def _start(self, parallelism: int, handles: list[KeyedStateHandle]) -> None:
+        for m in self.materializers:
+            m.close()
         for b in self.backends:
             b.close()
-        self.backends = []
+        self.backends, self.materializers = [], []
         for rng in key_group_ranges(MAX_P, parallelism):
             b = ChangelogKeyedStateBackend("op", rng, self.tmp / f"local-{next(self.dirs)}", storage=self.storage)
             self.backends.append(b)
-            b.restore(handles)
+            restore(b, handles)
+            self.materializers.append(PeriodicMaterializer(b, NEVER))
 
     def at(self, key: Any, kind: str) -> Any:
         kg = assign_key_group(serialize_key(key), MAX_P)
@@ -188,6 +200,28 @@ class SchemaMachine(RuleBasedStateMachine):
             b.flush()
         for key in KEYS:
             self.check(key)
+
+    @rule()
+    def start_materialization(self) -> None:
+        """Every subtask starts one (its cut, and the copy of older versions): it is applied, and
+        the older versions forgotten, by ``apply_materialization``, other steps maybe between."""
+        for m in self.materializers:
+            m.trigger()
+
+    @rule()
+    def apply_materialization(self) -> None:
+        for m in self.materializers:
+            m.wait(WAIT_S)
+            assert m.in_flight is None
+        for key in KEYS:
+            self.check(key)
+
+    @rule()
+    def materialize(self) -> None:
+        """Start and apply one at once, then read from the tables (no cached read)."""
+        self.start_materialization()
+        self.apply_materialization()
+        self.flush()
 
     @rule()
     def checkpoint(self) -> None:
