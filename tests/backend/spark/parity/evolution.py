@@ -104,7 +104,7 @@ def evolving(api: str, variables: tuple[Var, ...]) -> Any:
         else:
             state.updateValue(_make(key_type, v % 3, var.name), value)
 
-    class Evolving(StatefulProcessor):  # type: ignore[misc]
+    class Evolving(StatefulProcessor):  # type: ignore[misc, unused-ignore]
         def init(self, handle: Any) -> None:
             self.states = []
             for var in variables:
@@ -128,7 +128,7 @@ def evolving(api: str, variables: tuple[Var, ...]) -> Any:
         def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Iterator[Any]:
             user = str(key[0])
             if api == "pandas":
-                import pandas as pd
+                import pandas as pd  # type: ignore[import-untyped, unused-ignore]
 
                 seen = self.visit([int(v) for frame in rows for v in frame["v"]])
                 yield pd.DataFrame([(user, *s) for s in seen], columns=["user", "state", "at", "seen"])
