@@ -45,6 +45,7 @@ class Change:
     old_key: str = "k int"
     new_key: str = "k int"
     spark_error: str = ""  # "": Spark accepts the change
+    ttls: tuple[int | None, ...] = (None, HOUR_MS)  # without and with a TTL
     ours: tuple[str, ...] = ()  # field, old type, new type as the drop-in's error names them
 
 
@@ -77,20 +78,21 @@ REFUSED = {
     ),
     "added_not_null": Change(
         "total long", "total long, n long NOT NULL", ("value",), spark_error=_NULLABLE,
-        ours=("n", "(absent)", "bigint NOT NULL"),
+        ours=("n", "(absent)", "bigint NOT NULL"), ttls=(None,),
     ),
     "made_not_null": Change(
         "total long", "total long NOT NULL", ("value",), spark_error=_NULLABLE,
-        ours=("total", "bigint", "bigint NOT NULL"),
+        ours=("total", "bigint", "bigint NOT NULL"), ttls=(None,),
     ),
     "map_key_widened": Change(
         "total long", "total long", ("map",), new_key="k long", spark_error="STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE",
         ours=("(map key)", "struct<k:int>", "struct<k:bigint>"),
     ),
 }  # fmt: skip
+# With a TTL Spark accepts a field made or added NOT NULL (its TTL wrapper's fields are nullable; an
+# added one reads 0 in old values): the drop-in refuses both (docs/spark-parity.md)
 
 APIS = ("pandas", "row")
-TTLS = (None, HOUR_MS)
 #: the default suite's representative of each change kind (the rest: marker spark_parity)
 REPRESENTATIVES = {
     ("add_field", "value", None, "pandas"),
@@ -108,7 +110,7 @@ def _matrix(cases: dict[str, Change]) -> list[Any]:
     params = []
     for name, change in cases.items():
         for kind in change.kinds:
-            for ttl in TTLS:
+            for ttl in change.ttls:
                 for api in APIS:
                     marks = [] if (name, kind, ttl, api) in REPRESENTATIVES else [pytest.mark.spark_parity]
                     params.append(pytest.param(name, kind, ttl, api, marks=marks,
