@@ -2,7 +2,10 @@
 
 The descriptor's metadata (kind, serializer ids, TTL) is stored in every ``KeyedStateHandle``,
 so a restore can refuse a state registered again with another kind or serializer instead of
-silently misreading its bytes.
+silently misreading its bytes. ``declared`` is what the caller declared beyond the serializers
+(the Spark adapter: the Spark types of the schemas, which the serializer ids do not keep, such as
+int and long both stored as ``int64``), recorded with the metadata so that the caller can apply
+its own rules to a change; the backend's own rules ignore it.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class StateDescriptor(Generic[V]):
     name: str
     serializer: Serializer[V]
     ttl: StateTtl | None = None
+    declared: tuple[str, ...] = ()
     kind: str = field(default="value", init=False)
 
     def __post_init__(self) -> None:
@@ -50,11 +54,14 @@ class StateDescriptor(Generic[V]):
             raise ConfigurationError(f"state name must be 1..255 characters, got {self.name!r}")
 
     def metadata(self) -> dict[str, Any]:
-        return {
+        meta: dict[str, Any] = {
             "kind": self.kind,
             "serializer": self.serializer.id,
             "ttl_ms": self.ttl.ttl_ms if self.ttl else None,
         }
+        if self.declared:
+            meta["declared"] = list(self.declared)
+        return meta
 
 
 @dataclass(frozen=True)

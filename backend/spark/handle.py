@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, StateTtl, ValueStateDescriptor
+from backend.spark import state_schemas
 from backend.spark.codecs import StructCodec, struct_codec
 from backend.spark.errors import StateOperationError
 from backend.spark.keys import backend_key, set_key
@@ -340,17 +341,26 @@ class _StateHandle:
         known.append(variable)
         return variable
 
+    def _declared(self, name: str, *codecs: StructCodec) -> tuple[str, ...]:
+        """The declared Spark schemas of state ``name`` (value, then a map's user key), checked
+        against those its metadata recorded by Spark's rules (``state_schemas``)."""
+        declared = tuple(state_schemas.ddl(codec.dtype) for codec in codecs)
+        state_schemas.check(name, self._backend.state_metadata().get(name), declared)
+        return declared
+
     def getValueState(self, stateName: str, schema: Any, ttlDurationMs: int | None = None) -> _ValueState:
         self._check_create("create state", stateName)
         codec = struct_codec(schema, stateName, self.strict_types)
-        descriptor = ValueStateDescriptor(stateName, codec.serializer, self._ttl(stateName, ttlDurationMs))
+        ttl, declared = self._ttl(stateName, ttlDurationMs), self._declared(stateName, codec)
+        descriptor = ValueStateDescriptor(stateName, codec.serializer, ttl, declared)
         made = _pyspark_classes()["ValueState"](self, stateName, self._backend.get_state(descriptor), codec)
         return self._register(stateName, made)  # type: ignore[no-any-return]
 
     def getListState(self, stateName: str, schema: Any, ttlDurationMs: int | None = None) -> _ListState:
         self._check_create("create state", stateName)
         codec = struct_codec(schema, stateName, self.strict_types)
-        descriptor = ListStateDescriptor(stateName, codec.serializer, self._ttl(stateName, ttlDurationMs))
+        ttl, declared = self._ttl(stateName, ttlDurationMs), self._declared(stateName, codec)
+        descriptor = ListStateDescriptor(stateName, codec.serializer, ttl, declared)
         made = _pyspark_classes()["ListState"](self, stateName, self._backend.get_state(descriptor), codec)
         return self._register(stateName, made)  # type: ignore[no-any-return]
 
@@ -360,8 +370,10 @@ class _StateHandle:
         self._check_create("create state", stateName)
         key_codec = struct_codec(userKeySchema, stateName, self.strict_types, prefix="key")
         codec = struct_codec(valueSchema, stateName, self.strict_types)
-        ttl = self._ttl(stateName, ttlDurationMs)
-        descriptor = MapStateDescriptor(stateName, codec.serializer, ttl, user_key_serializer=key_codec.serializer)
+        ttl, declared = self._ttl(stateName, ttlDurationMs), self._declared(stateName, codec, key_codec)
+        descriptor = MapStateDescriptor(
+            stateName, codec.serializer, ttl, declared, user_key_serializer=key_codec.serializer
+        )
         state = self._backend.get_state(descriptor)
         made = _pyspark_classes()["MapState"](self, stateName, state, key_codec, codec)
         return self._register(stateName, made)  # type: ignore[no-any-return]

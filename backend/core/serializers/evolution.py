@@ -170,15 +170,37 @@ def _same(value: Any) -> Any:
     return value
 
 
+def _unnamed(serializer: Serializer[Any]) -> str:
+    """A serializer's id with its rows' field names left out: rows store their fields by position,
+    so two schemas that differ only in names store the same bytes."""
+    if isinstance(serializer, RowSerializer):
+        return f"row({','.join(_unnamed(s) for s in serializer.serializers)})"
+    if isinstance(serializer, TupleSerializer):
+        return f"tuple({','.join(_unnamed(s) for s in serializer.fields)})"
+    if isinstance(serializer, OptionalSerializer):
+        return f"optional({_unnamed(serializer.inner)})"
+    return serializer.id
+
+
+def _same_but_names(old_id: str, new_id: str) -> bool:
+    try:
+        return _unnamed(serializer_for_id(old_id)) == _unnamed(serializer_for_id(new_id))
+    except SerializationError:
+        return False
+
+
 def check_registration(
     name: str, restored: Mapping[str, Any], registered: Mapping[str, Any], serializer: Serializer[Any]
 ) -> None:
     """Refuse, before any value is read, a state registered otherwise than it was stored: a changed
-    kind or map key schema (neither can evolve, as in Spark), a value schema change the rules
-    above cannot resolve (``SchemaEvolutionError`` naming the field), a changed TTL, or any other
-    difference. A value schema change the rules resolve passes: the caller reads the stored values
-    through ``evolve``. ``restored`` and ``registered`` are descriptors' metadata; ``serializer``
-    the registered one."""
+    kind or map key schema (neither can evolve, as in Spark; a map key's field names may change,
+    as Spark compares key schemas ignoring names), a value schema change the rules above cannot
+    resolve (``SchemaEvolutionError`` naming the field), a TTL added or removed, or any other
+    difference. A value schema change the rules resolve passes: the caller reads the stored
+    values through ``evolve``; so does a changed TTL duration (Spark's too: a stored value keeps
+    the expiry it was written with, a write takes the new TTL). ``restored`` and ``registered``
+    are descriptors' metadata (their ``declared`` is the caller's to check); ``serializer`` the
+    registered one."""
     if restored == registered:
         return
     if restored.get("kind") != registered.get("kind"):
@@ -190,18 +212,23 @@ def check_registration(
             "a state cannot change its kind",
         )
     old_key, new_key = restored.get("user_key_serializer"), registered.get("user_key_serializer")
-    if old_key != new_key:
+    if old_key != new_key and not _same_but_names(str(old_key), str(new_key)):
         raise SchemaEvolutionError(
             name, "(map key)", str(old_key), str(new_key), "a map state's key schema cannot change"
         )
     old_ttl, new_ttl = restored.get("ttl_ms"), registered.get("ttl_ms")
-    if old_ttl != new_ttl:
-        raise StateRestoreError(
-            f"state {name!r} was checkpointed with ttl_ms={old_ttl} but is registered with ttl_ms={new_ttl}: "
-            "a change of TTL is not supported; restart with the TTL it was checkpointed with"
+    if bool(old_ttl) != bool(new_ttl):
+        raise SchemaEvolutionError(
+            name,
+            "",
+            f"TTL {old_ttl} ms" if old_ttl else "no TTL",
+            f"TTL {new_ttl} ms" if new_ttl else "no TTL",
+            "a TTL cannot be added to or removed from a stored state (the stored values keep their form); "
+            "restart with the TTL it was checkpointed with, or change only its duration",
         )
-    rest = {k: v for k, v in restored.items() if k != "serializer"}
-    if rest != {k: v for k, v in registered.items() if k != "serializer"}:
+    ignored = ("serializer", "user_key_serializer", "ttl_ms", "declared")
+    rest = {k: v for k, v in restored.items() if k not in ignored}
+    if rest != {k: v for k, v in registered.items() if k not in ignored}:
         raise StateRestoreError(
             f"state {name!r} was checkpointed as {dict(restored)} but is registered as {dict(registered)}"
         )
