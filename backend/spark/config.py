@@ -86,6 +86,10 @@ class OperatorConfig:
     max_bytes_per_batch: int = 2**31 - 1
     #: a routed operator not bound to a state directory yet (module docstring): its key
     route: str | None = None
+    #: the grouping columns' names and Spark types (``simpleString``): a key's key group is Spark's
+    #: hash of the typed columns, so the driver refuses a restart under other types
+    #: (``driver.DriverCoordinator.register``)
+    grouping_key: tuple[tuple[str, str], ...] = ()
 
     def bound(self, job_dir: str) -> OperatorConfig:
         """This operator with its state in ``job_dir`` (a routed one, bound to its query). A routed

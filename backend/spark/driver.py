@@ -24,6 +24,7 @@ from it (``backend.spark.tasks.state_after`` ignores the fenced checkpoint too).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections import Counter
@@ -36,6 +37,7 @@ from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
 from backend.spark.committed import latest_per_subtask, read_pending, read_pending_file
 from backend.spark.config import OperatorConfig
+from backend.spark.errors import GroupingKeyChangedError
 from dstl import ConfigurationError, StateChangelogStorage, StorageClosedError
 from dstl.uploaders import make_uploader
 
@@ -87,10 +89,36 @@ class DriverCoordinator:
         the same session at another parallelism builds its operator again (a state directory
         is bound to one query, ``committed.claim_directory``, so the last build is the running one)."""
         with self.lock:
+            self._check_grouping_key(cfg)
             known = self.operators.get(cfg.uid)
             if known is not None and known != cfg.parallelism:
                 _log.info("operator %s: parallelism %s -> %s", cfg.uid, known, cfg.parallelism)
             self.operators[cfg.uid] = cfg.parallelism
+
+    def _check_grouping_key(self, cfg: OperatorConfig) -> None:
+        """Refuse an operator whose grouping columns' types differ from those its state directory
+        recorded when the operator first ran (``_keys/<uid>.json``; ``GroupingKeyChangedError``),
+        before any batch runs; names may change, as in Spark. Recorded once, as Spark records its
+        key schema in the first batch; a directory of an earlier release records it now."""
+        if not cfg.grouping_key:
+            return
+        path = f"{KEYS_DIR}/{cfg.uid}.json"
+        new = [list(column) for column in cfg.grouping_key]
+        try:
+            data = self.storage.files.get(path)
+        except FileNotFoundError:
+            self.storage.files.put(path, json.dumps({"grouping_key": new}).encode())
+            return
+        try:
+            old = json.loads(data)["grouping_key"]
+            old_types = [str(t) for _, t in old]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{cfg.job_dir}/{path} is corrupt: {exc!r}") from None
+        new_types = [t for _, t in new]
+        if old_types != new_types:
+            raise GroupingKeyChangedError(
+                cfg.uid, ", ".join(n for n, _ in new), ", ".join(old_types), ", ".join(new_types)
+            )
 
     def latest(self) -> SnapshotMetadata | None:
         return self.coordinator.latest()
@@ -161,6 +189,8 @@ class DriverCoordinator:
         self.storage.close()
 
 
+#: where each operator's grouping columns are recorded (``DriverCoordinator._check_grouping_key``)
+KEYS_DIR = "_keys"
 _COORDINATORS: dict[str, DriverCoordinator] = {}
 _LISTENED: dict[int, Any] = {}
 _GLOBAL = threading.Lock()

@@ -12,14 +12,36 @@ from __future__ import annotations
 
 from typing import Any
 
-from backend.core.errors import ChangelogError, ConfigurationError, SerializationError
+from backend.core.errors import (
+    ChangelogError,
+    ConfigurationError,
+    SchemaEvolutionError,
+    SerializationError,
+    StateRestoreError,
+)
 
-__all__ = ["StateOperationError", "StateValueError", "UnsupportedSchemaError"]
+__all__ = ["GroupingKeyChangedError", "StateOperationError", "StateValueError", "UnsupportedSchemaError"]
 
 
 class StateOperationError(ChangelogError, RuntimeError):
     """A handle operation that the current phase or time mode does not allow (Spark: a JVM error
     surfacing as PySparkRuntimeError)."""
+
+
+class GroupingKeyChangedError(SchemaEvolutionError):
+    """A query restarted with a grouping column of another Spark type than its checkpoint's: a
+    key's key group is Spark's hash of the typed column (an int and a long hash apart), so the
+    old state would silently not be found. Spark refuses the change too
+    (``STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE``). Names the operator, the column and both types."""
+
+    def __init__(self, operator: str, columns: str, old: str, new: str) -> None:
+        StateRestoreError.__init__(
+            self,
+            f"operator {operator!r}: grouping columns {columns} were checkpointed as {old} and are now {new}: a "
+            "key's key group follows its Spark type, so the state of the old keys would not be found (Spark "
+            "refuses the change too); cast the column back to its old type, or start from a new checkpoint",
+        )
+        self.state, self.field, self.old, self.new = "", columns, old, new
 
 
 class UnsupportedSchemaError(ConfigurationError):

@@ -46,6 +46,7 @@ from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelis
 from backend.spark.batch import coalesced
 from backend.spark.config import OperatorConfig, Watermarks
 from backend.spark.driver import coordinator_for
+from backend.spark.schema import input_type, simple_string
 from backend.spark.tasks import run_subtasks
 from backend.spark.ticks import TICK, register_tick_source
 from dstl import ChangelogConfig, ConfigurationError
@@ -240,6 +241,7 @@ def build(
         strict_state_types=strict_state_types, max_records_per_batch=_max_records_per_batch(spark), tasks=tasks,
         max_bytes_per_batch=_max_bytes_per_batch(spark),
         changelog_service=changelog_service, route=route,
+        grouping_key=tuple((k, simple_string(input_type(df.schema[k].dataType))) for k in keys),
     )  # fmt: skip
     operator = make_operator(keys)
 

@@ -83,3 +83,43 @@ def test_a_narrowed_type_is_refused_and_the_old_code_restarts(spark: Any, tmp_pa
         run(spark, tmp_path, "total long", [{"user": "a", "v": 3}])
     # the refused batch runs again under the old code, then the new file
     assert run(spark, tmp_path, "total double", [{"user": "a", "v": 1}]) == [("a", 5.0, -1), ("a", 6.0, -1)]
+
+
+def test_a_grouping_column_of_another_type_is_refused_before_any_batch_and_the_old_type_restarts(
+    spark: Any, tmp_path: Path
+) -> None:
+    """Spark refuses it too (its key schema changed): a key's key group is Spark's hash of the
+    typed column, so an int key 1 and a long key 1 land in different key groups and the old state
+    would silently not be found."""
+    from backend.spark.api import transform_with_state_in_pandas
+    from backend.spark.errors import GroupingKeyChangedError
+
+    source = tmp_path / "in"
+    source.mkdir()
+
+    def run_keyed(key_type: str, rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+        publish(source / f"{len(list(source.iterdir())):04d}.json", "".join(json.dumps(r) + "\n" for r in rows))
+        df = spark.readStream.schema("user long, v long").json(str(source))
+        grouped = df.withColumn("user", df["user"].cast(key_type)).groupBy("user")
+        out = transform_with_state_in_pandas(
+            grouped, summing("total long"), f"user {key_type}, total double, n long", "Update", "None",
+            checkpoint_location=str(tmp_path / "state"), operator_uid="sums",
+        )  # fmt: skip
+        seen: list[tuple[Any, ...]] = []
+        query = (
+            out.writeStream.foreachBatch(lambda df, _: seen.extend(tuple(r) for r in df.collect()))
+            .option("checkpointLocation", str(tmp_path / "spark"))
+            .start()
+        )
+        try:
+            query.processAllAvailable()
+        finally:
+            query.stop()
+        return sorted(seen)
+
+    assert run_keyed("int", [{"user": 1, "v": 2}]) == [(1, 2.0, -1)]
+    with pytest.raises(
+        GroupingKeyChangedError, match=r"grouping columns user were checkpointed as int and are now bigint"
+    ):
+        run_keyed("long", [{"user": 1, "v": 3}])
+    assert run_keyed("int", []) == [(1, 5.0, -1)]
