@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from backend.core.descriptors import ValueStateDescriptor
 from backend.core.serializers import Int64Serializer, OptionalSerializer, TupleSerializer
 from backend.spark import group_state as group_states
+from backend.spark import state_schemas
 from backend.spark.batch import SPARK_MAX_RECORDS_PER_BATCH, BatchClock, Partition, key_order, outputs, read_ahead
 from backend.spark.codecs import struct_codec
 from backend.spark.group_state import NO_TIMESTAMP, GroupStateTimeout, check_timeout_conf, timeout_of
@@ -112,7 +113,8 @@ def run_apply_in_pandas_with_state(
     codec = struct_codec(state_schema, state_name, strict_types)
     # (timeout timestamp, value or None): Spark keeps a removed value's pending timeout too
     serializer = TupleSerializer([Int64Serializer(), OptionalSerializer(codec.serializer)])
-    state = backend.get_state(ValueStateDescriptor(state_name, serializer))
+    declared = state_schemas.declared(backend, state_name, "value", codec)
+    state = backend.get_state(ValueStateDescriptor(state_name, serializer, declared=declared))
     timers = {GroupStateTimeout.ProcessingTimeTimeout: (backend.register_processing_time_timer,
                                                         backend.delete_processing_time_timer),
               GroupStateTimeout.EventTimeTimeout: (backend.register_event_time_timer,

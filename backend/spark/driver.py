@@ -99,7 +99,8 @@ class DriverCoordinator:
         """Refuse an operator whose grouping columns' types differ from those its state directory
         recorded when the operator first ran (``_keys/<uid>.json``; ``GroupingKeyChangedError``),
         before any batch runs; names may change, as in Spark. Recorded once, as Spark records its
-        key schema in the first batch; a directory of an earlier release records it now."""
+        key schema in the first batch (recorded again while no batch left state: a first run that
+        failed before any); a directory of an earlier release records it now."""
         if not cfg.grouping_key:
             return
         path = f"{KEYS_DIR}/{cfg.uid}.json"
@@ -115,10 +116,16 @@ class DriverCoordinator:
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{cfg.job_dir}/{path} is corrupt: {exc!r}") from None
         new_types = [t for _, t in new]
-        if old_types != new_types:
+        if old_types != new_types and self._holds_state():
             raise GroupingKeyChangedError(
                 cfg.uid, ", ".join(n for n, _ in new), ", ".join(old_types), ", ".join(new_types)
             )
+        if old_types != new_types:  # nothing of the first run was kept: its types count no more
+            self.storage.files.put(path, json.dumps({"grouping_key": new}).encode())
+
+    def _holds_state(self) -> bool:
+        """Whether a batch of this directory left state: a completed checkpoint or pending handles."""
+        return self.coordinator.latest() is not None or bool(self.storage.files.list(PENDING_DIR))
 
     def latest(self) -> SnapshotMetadata | None:
         return self.coordinator.latest()

@@ -341,17 +341,13 @@ class _StateHandle:
         known.append(variable)
         return variable
 
-    def _declared(self, name: str, *codecs: StructCodec) -> tuple[str, ...]:
-        """The declared Spark schemas of state ``name`` (value, then a map's user key), checked
-        against those its metadata recorded by Spark's rules (``state_schemas``)."""
-        declared = tuple(state_schemas.ddl(codec.dtype) for codec in codecs)
-        state_schemas.check(name, self._backend.state_metadata().get(name), declared)
-        return declared
+    def _declared(self, name: str, kind: str, *codecs: StructCodec) -> tuple[str, ...]:
+        return state_schemas.declared(self._backend, name, kind, *codecs)
 
     def getValueState(self, stateName: str, schema: Any, ttlDurationMs: int | None = None) -> _ValueState:
         self._check_create("create state", stateName)
         codec = struct_codec(schema, stateName, self.strict_types)
-        ttl, declared = self._ttl(stateName, ttlDurationMs), self._declared(stateName, codec)
+        ttl, declared = self._ttl(stateName, ttlDurationMs), self._declared(stateName, "value", codec)
         descriptor = ValueStateDescriptor(stateName, codec.serializer, ttl, declared)
         made = _pyspark_classes()["ValueState"](self, stateName, self._backend.get_state(descriptor), codec)
         return self._register(stateName, made)  # type: ignore[no-any-return]
@@ -359,7 +355,7 @@ class _StateHandle:
     def getListState(self, stateName: str, schema: Any, ttlDurationMs: int | None = None) -> _ListState:
         self._check_create("create state", stateName)
         codec = struct_codec(schema, stateName, self.strict_types)
-        ttl, declared = self._ttl(stateName, ttlDurationMs), self._declared(stateName, codec)
+        ttl, declared = self._ttl(stateName, ttlDurationMs), self._declared(stateName, "list", codec)
         descriptor = ListStateDescriptor(stateName, codec.serializer, ttl, declared)
         made = _pyspark_classes()["ListState"](self, stateName, self._backend.get_state(descriptor), codec)
         return self._register(stateName, made)  # type: ignore[no-any-return]
@@ -370,7 +366,7 @@ class _StateHandle:
         self._check_create("create state", stateName)
         key_codec = struct_codec(userKeySchema, stateName, self.strict_types, prefix="key")
         codec = struct_codec(valueSchema, stateName, self.strict_types)
-        ttl, declared = self._ttl(stateName, ttlDurationMs), self._declared(stateName, codec, key_codec)
+        ttl, declared = self._ttl(stateName, ttlDurationMs), self._declared(stateName, "map", codec, key_codec)
         descriptor = MapStateDescriptor(
             stateName, codec.serializer, ttl, declared, user_key_serializer=key_codec.serializer
         )

@@ -37,6 +37,14 @@ def assign_uids(recorded: list[str], wanted: list[tuple[str, bool]]) -> list[str
     fresh = [derived and i >= len(recorded) for i, (_, derived) in enumerate(wanted)]
     kept = [uid for uid, new in zip(uids, fresh, strict=True) if not new]
     twice = sorted(uid for uid, n in Counter(kept).items() if n > 1)
+    inherited = [i for i, (_, derived) in enumerate(wanted) if derived and i < len(recorded) and uids[i] in twice]
+    if twice and inherited:
+        place = inherited[0]
+        raise ConfigurationError(
+            f"the routed stateful operator at place {place} of this query resumes the state recorded there, "
+            f"{recorded[place]!r}, which another operator of the query names as its operator_uid: give this one "
+            "an operator_uid too, or another to the other"
+        )
     if twice:
         raise ConfigurationError(
             f"this query has more than one routed stateful operator with uid {twice}: pass operator_uid=... to "

@@ -32,7 +32,7 @@ from typing import Any
 from backend.core.errors import SchemaEvolutionError
 from backend.spark.schema import SparkField, SparkType, parse_schema, simple_string
 
-__all__ = ["check", "ddl"]
+__all__ = ["check", "ddl", "declared"]
 
 #: the Avro type Spark stores each Spark type as (``SchemaConverters.toAvroType``)
 _AVRO = {
@@ -69,11 +69,21 @@ def _type(dtype: SparkType) -> str:
     return simple_string(dtype)
 
 
-def check(state: str, recorded: Mapping[str, Any] | None, declared: tuple[str, ...]) -> None:
-    """Refuse registering ``state`` with the ``declared`` schemas (``ddl``: value, then a map's user
-    key) when Spark refuses the change from any version ``recorded`` (the state's metadata, with
-    its older versions) holds: ``SchemaEvolutionError`` naming the state, the field and both types."""
-    if recorded is None or recorded.get("dropped"):
+def declared(backend: Any, name: str, kind: str, *codecs: Any) -> tuple[str, ...]:
+    """The declared Spark schemas of state ``name`` (its codecs' types: value, then a map's user
+    key), checked against those ``backend``'s metadata recorded (``check``): what every entry
+    point records with a state it registers (transformWithState's handle, applyInPandasWithState)."""
+    schemas = tuple(ddl(codec.dtype) for codec in codecs)
+    check(name, backend.state_metadata().get(name), schemas, kind)
+    return schemas
+
+
+def check(state: str, recorded: Mapping[str, Any] | None, declared: tuple[str, ...], kind: str) -> None:
+    """Refuse registering ``state`` as a ``kind`` state with the ``declared`` schemas (``ddl``:
+    value, then a map's user key) when Spark refuses the change from any version ``recorded`` (the
+    state's metadata, with its older versions) holds: ``SchemaEvolutionError`` naming the state,
+    the field and both types. A changed kind is left to the backend's rules, which name it."""
+    if recorded is None or recorded.get("dropped") or recorded.get("kind") != kind:
         return
     versions = [recorded, *recorded.get("older", ())]
     new = [parse_schema(text) for text in declared]
@@ -100,13 +110,13 @@ def _readable(state: str, path: str, old: SparkType, new: SparkType) -> None:
         _struct(state, path, old, new)
     elif old.name == new.name == "array":
         assert old.element is not None and new.element is not None
-        _readable(state, f"{path}[]", old.element, new.element)
+        _same_json_form(state, f"{path}[]", old.element, new.element)
     elif old.name == new.name == "map":
         assert old.element is not None and new.element is not None
         assert old.value is not None and new.value is not None
         if old.element != new.element:
             raise _refuse(state, f"{path} key", old.element, new.element, "a map's key type cannot change")
-        _readable(state, f"{path} value", old.value, new.value)
+        _same_json_form(state, f"{path} value", old.value, new.value)
     elif old.name == new.name == "decimal":
         raise _refuse(state, path, old, new, "a decimal keeps its precision and scale (Spark refuses the change)")
     else:
@@ -115,6 +125,38 @@ def _readable(state: str, path: str, old: SparkType, new: SparkType) -> None:
             raise _refuse(state, path, old, new, "the type changed and is not a widening Spark reads")
         if new.name in _UNREADABLE:
             raise _refuse(state, path, old, new, f"Spark cannot read a stored value as {simple_string(new)}")
+
+
+#: integral widenings an array's element or a map's value may take: the JSON number it is stored as
+#: reads the same (``codecs._Json``)
+_JSON_WIDENINGS = {("byte", "short"), ("byte", "int"), ("byte", "long"), ("short", "int"), ("short", "long"),
+                   ("int", "long")}  # fmt: skip
+
+
+def _same_json_form(state: str, path: str, old: SparkType, new: SparkType) -> None:
+    """Raise unless an array's elements or a map's values stored as ``old`` read as ``new``: they
+    are stored as JSON (``codecs._Json``: a struct as its fields by position, binary as base64),
+    so the drop-in takes no change there but an integral widening. Spark reads more (its Avro
+    resolution reaches inside): a documented difference, refused rather than misread."""
+    if old == new or (old.name, new.name) in _JSON_WIDENINGS:
+        return
+    if _equal_ignoring_nullability(old, new):
+        return
+    _readable(state, path, old, new)  # what Spark refuses, with Spark's reason
+    why = "the drop-in stores an array's elements and a map's values as JSON (a struct by position) and cannot "
+    raise _refuse(state, path, old, new, why + "convert them: only an integral widening is taken there")
+
+
+def _equal_ignoring_nullability(old: SparkType, new: SparkType) -> bool:
+    """The same types, a field made nullable allowed (NOT NULL to nullable reads the same)."""
+    if (old.name, old.precision, old.scale, len(old.fields)) != (new.name, new.precision, new.scale, len(new.fields)):
+        return False
+    for a, b in zip(old.fields, new.fields, strict=True):
+        if a.name != b.name or (a.nullable and not b.nullable) or not _equal_ignoring_nullability(a.type, b.type):
+            return False
+    pairs = [(old.element, new.element), (old.value, new.value)]
+    return all((x is None and y is None) or (x is not None and y is not None and _equal_ignoring_nullability(x, y))
+               for x, y in pairs)  # fmt: skip
 
 
 def _struct(state: str, path: str, old: SparkType, new: SparkType) -> None:

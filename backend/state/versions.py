@@ -132,8 +132,16 @@ def register(
     current = schema_of(restored)
     if current == registered:
         return dict(restored)
+    if _declared_added(current, registered):
+        return versioned(registered, version, older)  # the same stored form: the caller's types recorded now
     check_registration(name, current, registered, serializer)
     return versioned(registered, version + 1, [{**current, _VERSION: version}, *older])
+
+
+def _declared_added(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """``new`` is ``old`` with the caller's declared types (``descriptors``) recorded where a
+    release before them recorded none: the same stored form, so the same version."""
+    return "declared" not in old and "declared" in new and {k: v for k, v in new.items() if k != "declared"} == old
 
 
 def merge(name: str, seen: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -153,7 +161,10 @@ def merge(name: str, seen: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[s
             current = version == version_of(states)
             if current or not schema.pop("dropped", False):  # a current version is never dropped here
                 live.add(version)
-            if schemas.setdefault(version, schema) != schema:
+            known = schemas.setdefault(version, schema)
+            if _declared_added(known, schema):  # one subtask registered it since an upgrade, one did not
+                schemas[version] = known = schema
+            if known != schema and not _declared_added(schema, known):
                 raise StateRestoreError(f"snapshots disagree about state {name!r}: {dict(seen)} vs {dict(meta)}")
     top = max(schemas)
     older = [

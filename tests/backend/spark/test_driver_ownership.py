@@ -115,3 +115,28 @@ def test_two_queries_started_at_once_on_one_checkpoint_location(spark: Any, tmp_
     (winner,) = set(queries) - {loser}
     assert f"belongs to another streaming query (id {queries[winner].id})" in errors[loser]
     assert seen[winner] == Counter({("x", 2): 1})
+
+
+def test_a_grouping_key_recorded_by_a_first_run_that_left_no_state_may_change(tmp_path: Path) -> None:
+    """Spark records its key schema in the first batch; a first run that failed before any batch
+    left state keeps nothing, so a restart with a corrected column type is not refused. Once a
+    batch left state (pending handles, a checkpoint), the recorded types hold."""
+    from backend.checkpointing.metadata import PENDING_DIR
+    from backend.spark.config import OperatorConfig
+    from backend.spark.errors import GroupingKeyChangedError
+
+    cfg = OperatorConfig(
+        job_dir=str(tmp_path / "state"), uid="op", parallelism=1, max_parallelism=128,
+        local_root=str(tmp_path / "local"), changelog=ChangelogConfig.local(tmp_path / "state"), tasks=1,
+        changelog_service=False, grouping_key=(("user", "int"),),
+    )  # fmt: skip
+    corrected = replace(cfg, grouping_key=(("user", "bigint"),))
+    coordinator = DriverCoordinator(cfg)
+    try:
+        coordinator.register(cfg)
+        coordinator.register(corrected)  # nothing kept yet: recorded again
+        coordinator.storage.files.put(f"{PENDING_DIR}/0/op/0-of-1.json", b"[]")  # a batch left state
+        with pytest.raises(GroupingKeyChangedError, match="checkpointed as bigint and are now int"):
+            coordinator.register(cfg)
+    finally:
+        coordinator.close()

@@ -30,5 +30,5 @@ def test_an_operator_added_at_the_end_takes_its_own_uid_and_meeting_ones_get_the
 def test_two_given_uids_that_meet_are_refused() -> None:
     with pytest.raises(ConfigurationError, match=r"more than one routed stateful operator with uid \['x'\]"):
         assign_uids([], [("x", False), ("x", False)])
-    with pytest.raises(ConfigurationError, match="operator_uid"):
+    with pytest.raises(ConfigurationError, match=r"place 1 of this query resumes the state recorded there, 'x'"):
         assign_uids(["a", "x"], [("x", False), ("b", True)])  # the second's place recorded 'x'

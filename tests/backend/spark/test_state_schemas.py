@@ -47,7 +47,7 @@ def declared(*schemas: str) -> tuple[str, ...]:
     ],
 )
 def test_changes_spark_accepts(old: str, new: str) -> None:
-    check("s", recorded(old), declared(new))
+    check("s", recorded(old), declared(new), "value")
 
 
 @pytest.mark.parametrize(
@@ -68,7 +68,7 @@ def test_changes_spark_refuses_name_the_field_and_both_types(
     old: str, new: str, field: str, was: str, now: str
 ) -> None:
     with pytest.raises(SchemaEvolutionError) as caught:
-        check("s", recorded(old), declared(new))
+        check("s", recorded(old), declared(new), "value")
     assert (caught.value.state, caught.value.field, caught.value.old, caught.value.new) == ("s", field, was, now)
 
 
@@ -76,20 +76,20 @@ def test_a_change_is_checked_against_every_recorded_version() -> None:
     # tag was a string, then removed: adding it back as a long is refused (Spark checks every schema)
     history = recorded("total long", older=(("total long, tag string",),))
     with pytest.raises(SchemaEvolutionError, match="field 'tag' was stored as string and is registered as bigint"):
-        check("s", history, declared("total long, tag long"))
-    check("s", history, declared("total long, tag string"))
+        check("s", history, declared("total long, tag long"), "value")
+    check("s", history, declared("total long, tag string"), "value")
 
 
 def test_a_map_key_keeps_its_types_and_may_rename_its_fields() -> None:
-    check("m", recorded("v long", "k int", kind="map"), declared("v long", "kk int"))
+    check("m", recorded("v long", "k int", kind="map"), declared("v long", "kk int"), "map")
     with pytest.raises(SchemaEvolutionError, match=r"field '\(map key\)' was stored as struct<k:int>"):
-        check("m", recorded("v long", "k int", kind="map"), declared("v long", "k long"))
+        check("m", recorded("v long", "k int", kind="map"), declared("v long", "k long"), "map")
 
 
 def test_a_state_recorded_without_declared_types_or_dropped_is_left_to_the_backend() -> None:
-    check("s", {"kind": "value", "serializer": "x"}, declared("total int"))
-    check("s", {**recorded("total long"), "dropped": True}, declared("total int"))
-    check("s", None, declared("total int"))
+    check("s", {"kind": "value", "serializer": "x"}, declared("total int"), "value")
+    check("s", {**recorded("total long"), "dropped": True}, declared("total int"), "value")
+    check("s", None, declared("total int"), "value")
 
 
 def test_ddl_reads_back_as_the_same_type() -> None:
@@ -118,3 +118,50 @@ def test_a_map_key_field_renamed_is_accepted_by_the_backend() -> None:
     check_registration("m", meta("k long"), meta("kk long"), serializer_for_schema("v long"))
     with pytest.raises(SchemaEvolutionError, match="key schema cannot change"):
         check_registration("m", meta("k long"), meta("k string"), serializer_for_schema("v long"))
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("xs array<struct<a: bigint, b: string>>", "xs array<struct<b: string, a: bigint>>"),
+        ("m map<string, struct<a: bigint, b: bigint>>", "m map<string, struct<b: bigint>>"),
+        ("xs array<binary>", "xs array<string>"),
+        ("xs array<string>", "xs array<binary>"),
+        ("xs array<int>", "xs array<double>"),
+        ("xs array<struct<a: bigint>>", "xs array<struct<a: bigint, b: string>>"),
+    ],
+)
+def test_a_change_inside_an_array_or_map_that_json_cannot_carry_is_refused_not_misread(old: str, new: str) -> None:
+    """Spark reads these (its Avro resolution reaches inside); the drop-in stores an array's
+    elements and a map's values as JSON, a struct by position: it would read the old values wrong
+    (a field by another's position, base64 text as a string), so it refuses, naming why."""
+    with pytest.raises(SchemaEvolutionError, match="stores an array's elements and a map's values as JSON"):
+        check("s", recorded(old), declared(new), "value")
+
+
+def test_a_changed_kind_is_left_to_the_backend_which_names_it() -> None:
+    check("s", recorded("total long"), declared("total int"), "list")  # not judged as a field narrowing
+
+
+def test_apply_in_pandas_with_state_follows_the_same_rules_on_its_declared_types(backend: Any) -> None:
+    """Beyond Spark (which refuses any change of its state schema): a timestamp and a date share
+    their stored form (int64), so only the declared types keep a timestamp from being read as days."""
+    import pandas as pd
+
+    from backend.spark.apply_in_pandas import run_apply_in_pandas_with_state
+
+    def run(schema: str) -> None:
+        def keep(key: Any, frames: Any, state: Any) -> Any:
+            list(frames)
+            value = pd.Timestamp("2026-01-01") if schema.startswith("t timestamp") else 1
+            state.update((value, 2) if ", n" in schema else (value,))
+            yield pd.DataFrame({"id": [key[0]]})
+
+        list(run_apply_in_pandas_with_state(keep, backend, [pd.DataFrame({"id": [7]})], key_columns=["id"],
+                                            state_schema=schema, batch_timestamp_ms=0))  # fmt: skip
+
+    run("t timestamp")
+    with pytest.raises(SchemaEvolutionError) as caught:
+        run("t date")
+    assert (caught.value.field, caught.value.old, caught.value.new) == ("t", "timestamp", "date")
+    run("t timestamp, n long")  # a field added: accepted

@@ -247,3 +247,20 @@ def test_a_state_deleted_after_a_change_is_gone_in_every_version_and_its_name_is
     assert again.get_state(other).value() == 5
     again.set_current_key("k1")
     assert again.get_state(other).value() is None
+
+
+def test_declared_types_recorded_on_a_state_of_an_earlier_release_keep_its_version() -> None:
+    """A checkpoint written before states recorded the caller's declared types (the Spark adapter's)
+    has the same stored form: registering it with them now is no schema change (no read-through
+    table, no forced full materialization), and subtasks that did and did not register it since
+    agree; the declared types themselves still change versions."""
+    from backend.state import versions
+
+    before = {"kind": "value", "serializer": 'row/1("t":optional/1(int64/1))', "ttl_ms": None}
+    now = {**before, "declared": ["`t` bigint"]}
+    assert versions.register("s", before, now, None) == now  # type: ignore[arg-type]
+    assert versions.merge("s", before, now) == now
+    assert versions.merge("s", now, before) == now
+    renamed = {**before, "serializer": 'row/1("u":optional/1(int64/1))', "declared": ["`u` bigint"]}
+    assert versions.version_of(versions.merge("s", {**renamed, "version": 1, "older": [{**before, "version": 0}]},
+                                              now)) == 1  # fmt: skip
