@@ -15,13 +15,13 @@ from typing import Any
 
 from backend.core.handles import CHUNK_HASH, chunk_digest
 from dstl.types import KeyGroupRange
-from materializer.chunks import ChunkInfo, chunk_info, chunk_sections
+from materializer.chunks import ChunkIndex, chunk_info, chunk_sections
 from materializer.errors import CorruptChunkError
 
 __all__ = ["bound_chunk_sections", "check_binding"]
 
 
-def check_binding(path: str, data: bytes, info: ChunkInfo, entry: Mapping[str, Any]) -> None:
+def check_binding(path: str, data: bytes, info: ChunkIndex, entry: Mapping[str, Any]) -> None:
     """Raise ``CorruptChunkError`` unless the chunk is the one the handle ``entry`` names.
 
     Size and hash first (the hash only if the entry records one: handles of version 1 do not),
