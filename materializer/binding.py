@@ -47,5 +47,6 @@ def bound_chunk_sections(
     path: str, data: bytes, entry: Mapping[str, Any], key_groups: KeyGroupRange
 ) -> dict[str, list[tuple[bytes, bytes]]]:
     """``chunk_sections`` of a chunk checked against the handle ``entry`` naming it (a restore's loader)."""
-    check_binding(path, data, chunk_info(path, data), entry)
-    return chunk_sections(path, data, key_groups)
+    info = chunk_info(path, data)
+    check_binding(path, data, info, entry)
+    return chunk_sections(path, data, key_groups, info)

@@ -524,7 +524,7 @@ INDEX_CASES: list[tuple[str, Callable[[Parts], None], str, bool]] = [
     ("a block without entries", _empty_block, "do not add up to the section's", True),
     ("more blocks than listed", _footer(0, "blocks", 99), "malformed footer", True),
     ("blocks of an empty section", _footer(1, "blocks", 1), "malformed footer", True),
-    ("blocks in another order", _swap_blocks, "first key differs from the index's", False),
+    ("blocks in another order", _swap_blocks, "keys not strictly increasing", False),
     ("a first key not the block's", _later_first_key, "first key differs from the index's", False),
     ("a block reaching the next", _earlier_first_key, "keys reach the next block's first key", False),
 ]
