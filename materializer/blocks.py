@@ -41,6 +41,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, islice
+from operator import itemgetter
 
 import zstandard
 
@@ -51,9 +52,11 @@ from dstl.types import KeyGroupRange
 from materializer.errors import CorruptChunkError
 
 #: the largest raw size (bytes of columns) of a block holding more than one entry
-BLOCK_SIZE = 16 << 10
+BLOCK_SIZE = 32 << 10
 
 _U32 = struct.Struct("<I")
+_first = itemgetter(0)
+_second = itemgetter(1)
 MAX_U32 = (1 << 32) - 1
 #: index columns per block besides the first key: length, raw length, entries, crc32, first key length
 _INDEX_COLUMNS = 5
@@ -204,15 +207,24 @@ def _first_unsorted(keys: Sequence[bytes]) -> int:
 
 
 def _cuts(key_lens: array[int], value_lens: array[int], block_size: int) -> list[int]:
-    """Where blocks start: greedily as many entries as fit in ``block_size`` raw bytes, at least one."""
-    ends = list(accumulate(map(operator.add, key_lens, value_lens), initial=0))  # payload before entry i
-    count, cuts, start = len(key_lens), [], 0
+    """Where blocks start: each holds at least one entry, and at most ``block_size`` raw bytes if it
+    holds more. Sized by the average entry of the block before (a few C-level sums of the length
+    columns per block, not a Python step per entry), so a block is filled to near the size."""
+    count, cuts, start, guess = len(key_lens), [], 0, 64
     while start < count:
         cuts.append(start)
-        # entries [start, j) take 4 + 8 * (j - start) + ends[j] - ends[start] raw bytes
-        budget = block_size - 4 + ends[start] + 8 * start
-        j = bisect_right(range(count + 1), budget, lo=start + 1, key=lambda j: ends[j] + 8 * j) - 1
-        start = max(j, start + 1)
+        end = start + 1
+        for _ in range(4):  # a proportional guess, then corrections; sizes vary little between neighbours
+            stop = min(start + max(guess, 1), count)
+            size = 4 + 8 * (stop - start) + sum(key_lens[start:stop]) + sum(value_lens[start:stop])
+            if size <= block_size:
+                end = max(end, stop)
+                if stop == count or size * 20 >= block_size * 19:  # filled to 95%: close enough
+                    break
+            guess = (stop - start) * block_size // size  # the entries that fit at this average size
+            if guess == stop - start:
+                break
+        start = end
     return cuts
 
 
@@ -225,8 +237,8 @@ def encode_section(
 ) -> EncodedSection:
     """Check a state's entries (sorted, unique, inside ``key_groups``) and cut them into blocks."""
     count = len(entries)
-    keys = [k for k, _ in entries]
-    values = [v for _, v in entries]
+    keys = list(map(_first, entries))
+    values = list(map(_second, entries))
     try:
         key_lens = array("I", map(len, keys))
         value_lens = array("I", map(len, values))
@@ -253,7 +265,8 @@ def encode_section(
     section.min_key_group, section.max_key_group = lo, hi
     cuts = _cuts(key_lens, value_lens, block_size)
     for a, b in zip(cuts, [*cuts[1:], count], strict=True):
-        raw = b"".join((_U32.pack(b - a), le_bytes(key_lens[a:b]), le_bytes(value_lens[a:b]), *keys[a:b], *values[a:b]))
+        columns = (_U32.pack(b - a), le_bytes(key_lens[a:b]), le_bytes(value_lens[a:b]))
+        raw = b"".join((*columns, b"".join(keys[a:b]), b"".join(values[a:b])))
         if len(raw) > MAX_U32:
             raise ValueError(f"section {name!r}: entry {a} takes {len(raw)} bytes, more than a block can hold")
         section.frames.append(compressor.compress(raw))
@@ -280,15 +293,21 @@ def encode_index(sections: Sequence[EncodedSection]) -> bytes:
 
 
 def decompress(
-    path: str, what: str, payload: bytes | memoryview, raw_length: int, decompressor: zstandard.ZstdDecompressor
+    path: str,
+    what: str,
+    payload: bytes | memoryview,
+    raw_length: int,
+    decompressor: zstandard.ZstdDecompressor,
+    source: str = "footer",
 ) -> bytes:
-    """One whole zstd frame stating ``raw_length`` bytes (checked before decompressing), decompressed."""
+    """One whole zstd frame stating ``raw_length`` bytes (checked before decompressing), decompressed;
+    ``source`` is what recorded the length, for the messages."""
     try:
         stated = zstandard.frame_content_size(payload)
     except zstandard.ZstdError as exc:
         raise CorruptChunkError(path, f"{what} is not a zstd frame: {exc}") from None
     if stated != raw_length:  # python-zstandard would allocate what the frame states
-        raise CorruptChunkError(path, f"{what} frame states {stated} bytes, the footer {raw_length}")
+        raise CorruptChunkError(path, f"{what} frame states {stated} bytes, the {source} {raw_length}")
     try:
         raw = decompressor.decompress(payload, max_output_size=raw_length, allow_extra_data=False)
     except zstandard.ZstdError as exc:
@@ -296,7 +315,7 @@ def decompress(
     except MemoryError:  # one buffer of the stated size could not be had: the size is damage
         raise CorruptChunkError(path, f"{what} states {raw_length} bytes, too many") from None
     if len(raw) != raw_length:
-        raise CorruptChunkError(path, f"{what} has {len(raw)} bytes, the footer says {raw_length}")
+        raise CorruptChunkError(path, f"{what} has {len(raw)} bytes, the {source} says {raw_length}")
     return raw
 
 
@@ -340,8 +359,9 @@ def _columns(
     path: str, payload: bytes | memoryview, block: BlockInfo, decompressor: zstandard.ZstdDecompressor
 ) -> _Columns:
     """Decompress a block whose checksum was checked, and check its columns."""
-    raw = decompress(path, block.what, payload, block.raw_length, decompressor)
-    count, source = block.count, "footer" if block.first_key is None else "index"
+    source = "footer" if block.first_key is None else "index"
+    raw = decompress(path, block.what, payload, block.raw_length, decompressor, source)
+    count = block.count
     if len(raw) < 4 + 8 * count:
         raise CorruptChunkError(path, f"{block.what}: {len(raw)} bytes cannot hold {count} entries")
     (stored,) = _U32.unpack_from(raw)
@@ -396,11 +416,19 @@ def decode_block(
     decompressor: zstandard.ZstdDecompressor | None = None,
     *,
     checked: bool = False,
+    prefix: bytes | None = None,
 ) -> tuple[list[bytes], list[bytes]]:
-    """The keys and values of a block, every check done (the checksum too unless ``checked``)."""
+    """The keys and values of a block, every check done (the checksum too unless ``checked``).
+
+    With a ``prefix``, only the entries whose key starts with it (``entries_between``): a point
+    read of one key slices out its entries, not the whole block's.
+    """
     if not checked:
         checked_payload(path, payload, block)
-    cols = _columns(path, payload, block, decompressor or zstandard.ZstdDecompressor())
+    decompressor = decompressor or zstandard.ZstdDecompressor()
+    if prefix is not None:
+        return entries_between(path, payload, block, prefix, prefix_end(prefix), decompressor)
+    cols = _columns(path, payload, block, decompressor)
     keys = _split(cols.raw, cols.keys_start, cols.key_lens)
     if keys:
         _check_order(path, block, keys)
@@ -439,6 +467,41 @@ def decode_blocks(
     return keys, _split(b"".join(value_parts), 0, value_lens)
 
 
+def entries_between(
+    path: str,
+    payload: bytes | memoryview,
+    block: BlockInfo,
+    low: bytes,
+    high: bytes | None,
+    decompressor: zstandard.ZstdDecompressor,
+) -> tuple[list[bytes], list[bytes]]:
+    """The keys and values of a block (checksum checked) with ``low <= key < high`` (None: no bound).
+
+    Only those entries, plus one neighbour on each side to check the order across the cut, are
+    sliced out (a binary search over the keys); the block's first and last keys are checked
+    against the index (or a version-1 footer) as a whole decode checks them.
+    """
+    cols = _columns(path, payload, block, decompressor)
+    raw, count = cols.raw, block.count
+    if not count:
+        return [], []
+    key_ends = list(accumulate(cols.key_lens, initial=cols.keys_start))
+    _check_ends(path, block, raw[key_ends[0] : key_ends[1]], raw[key_ends[-2] : key_ends[-1]])
+
+    def key_at(i: int) -> bytes:
+        return raw[key_ends[i] : key_ends[i + 1]]
+
+    lo = bisect_left(range(count), low, key=key_at)
+    hi = count if high is None else bisect_left(range(count), high, lo, key=key_at)
+    if lo >= hi:
+        return [], []
+    a, b = max(lo - 1, 0), min(hi + 1, count)  # one neighbour each side: the order across the cut
+    keys = _split(raw, key_ends[a], cols.key_lens[a:b])
+    _check_order(path, block, keys)
+    value_start = cols.values_start + sum(cols.value_lens[:lo])
+    return keys[lo - a : hi - a], _split(raw, value_start, cols.value_lens[lo:hi])
+
+
 def block_entries(
     path: str,
     payload: bytes | memoryview,
@@ -446,28 +509,7 @@ def block_entries(
     want: KeyGroupRange,
     decompressor: zstandard.ZstdDecompressor,
 ) -> Iterator[tuple[bytes, bytes]]:
-    """The entries of a block (checksum checked) whose key group is in ``want``, in key order.
-
-    Only the wanted entries, plus one neighbour on each side to check the order across the cut,
-    are sliced out (a binary search over the keys' key-group prefixes).
-    """
-    cols = _columns(path, payload, block, decompressor)
-    raw, count = cols.raw, block.count
-    if not count:
-        return
-    key_ends = list(accumulate(cols.key_lens, initial=cols.keys_start))
-    _check_ends(path, block, raw[key_ends[0] : key_ends[1]], raw[key_ends[-2] : key_ends[-1]])
-
-    def prefix(i: int) -> bytes:
-        return raw[key_ends[i] : key_ends[i] + KEY_GROUP_PREFIX_BYTES]
-
-    lo = bisect_left(range(count), key_group_prefix(want.start), key=prefix)
-    hi = bisect_left(range(count), key_group_prefix(want.end + 1), key=prefix)  # want.end + 1 fits in the prefix
-    if lo >= hi:
-        return
-    a, b = max(lo - 1, 0), min(hi + 1, count)  # one neighbour each side: the order across the cut
-    keys = _split(raw, key_ends[a], cols.key_lens[a:b])
-    _check_order(path, block, keys)
-    value_start = cols.values_start + sum(cols.value_lens[:lo])
-    values = _split(raw, value_start, cols.value_lens[lo:hi])
-    yield from zip(keys[lo - a : hi - a], values, strict=True)
+    """The entries of a block (checksum checked) whose key group is in ``want``, in key order."""
+    high = key_group_prefix(want.end + 1)  # want.end + 1 fits in the prefix
+    keys, values = entries_between(path, payload, block, key_group_prefix(want.start), high, decompressor)
+    return zip(keys, values, strict=True)

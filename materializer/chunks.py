@@ -11,7 +11,8 @@ key's entries can be read without the rest of the chunk::
     section  := block*                                  a state's entries in key order, cut in blocks
     block    := zstd(columns)
     columns  := count:u32 key_len:u32[count] value_len:u32[count] keys values
-    index    := zstd(block index columns, see materializer.blocks)        every block of every section
+    index    := zstd(n:u32 length:u32[n] raw_length:u32[n] entries:u32[n] crc32:u32[n]
+                     first_key_len:u32[n] first_keys)       the n blocks of every section, in order
     footer   := JSON {"version", "key_groups": [start, end], "sqn",
                       "sections": [{"name", "offset", "length", "count", "raw_length", "blocks",
                                     "key_groups": [min, max]}],
@@ -59,7 +60,8 @@ constants, the crc32 of each block's (version 1: section's) compressed bytes, of
 the footer are stored, the trailer repeats the version, and the footer's sections, the index and
 the footer tile the file exactly. The index is checked against the footer (block counts, lengths,
 entries and raw lengths add up to the section's; first keys strictly increasing and inside the
-section's key groups) and decoded blocks against the index (``materializer.blocks``). Any failure
+section's key groups: ``materializer.footers``) and decoded blocks against the index
+(``materializer.blocks``). Any failure
 raises ``CorruptChunkError`` naming the file. Nothing is unpickled; the only structured metadata
 is JSON, validated field by field, and the index's ``u32`` columns. A point read checks what it
 reads (trailer, footer, index, its blocks), not the header, which a whole read checks.
@@ -163,9 +165,12 @@ class ChunkIndex:
         """The section of state ``name`` (None: the chunk holds no entry of that state)."""
         return next((s for s in self.sections if s.name == name), None)
 
-    def decode_block(self, data: bytes | memoryview, block: BlockInfo) -> list[tuple[bytes, bytes]]:
-        """The entries of ``block``, given its bytes (``block.length`` of them), checked (crc, bounds)."""
-        keys, values = decode_block(self.path, data, block)
+    def decode_block(
+        self, data: bytes | memoryview, block: BlockInfo, prefix: bytes | None = None
+    ) -> list[tuple[bytes, bytes]]:
+        """The entries of ``block``, given its bytes (``block.length`` of them), checked (crc, bounds);
+        with a ``prefix``, only those whose key starts with it (cheaper than all of them)."""
+        keys, values = decode_block(self.path, data, block, prefix=prefix)
         return list(zip(keys, values, strict=True))
 
     def decode_section(self, data: bytes | memoryview, name: str) -> list[tuple[bytes, bytes]]:

@@ -96,10 +96,14 @@ def point_read(data: bytes, index: ChunkIndex, table: str, prefix: bytes) -> Ent
         return []
     offset, length = span(blocks)
     fetched = memoryview(data)[offset : offset + length]
-    entries = []
+    entries, matching = [], []
     for block in blocks:
-        entries += index.decode_block(fetched[block.offset - offset : block.offset - offset + block.length], block)
-    return [(k, v) for k, v in entries if k.startswith(prefix)]
+        data = fetched[block.offset - offset : block.offset - offset + block.length]
+        entries += index.decode_block(data, block)
+        matching += index.decode_block(data, block, prefix)  # slices out only the key's entries
+    wanted = [(k, v) for k, v in entries if k.startswith(prefix)]
+    assert matching == wanted
+    return wanted
 
 
 def flip(data: bytes, index: int, mask: int = 0x01) -> bytes:
@@ -407,9 +411,10 @@ def test_a_flipped_byte_in_a_block_is_refused_by_its_point_read(sample: bytes) -
         data = sample[block.offset : block.offset + block.length]
         assert index.decode_block(data, block)
         for i in range(0, block.length, 7):
-            with pytest.raises(CorruptChunkError) as exc_info:
-                index.decode_block(flip(data, i), block)
-            assert f"section 'map' block {block.number} checksum mismatch" in assert_corrupt(exc_info)
+            for prefix in (None, key(4, b"\x00\x05alice")):
+                with pytest.raises(CorruptChunkError) as exc_info:
+                    index.decode_block(flip(data, i), block, prefix)
+                assert f"section 'map' block {block.number} checksum mismatch" in assert_corrupt(exc_info)
         with pytest.raises(CorruptChunkError) as exc_info:
             index.decode_block(data[:-1], block)
         assert "bytes given" in assert_corrupt(exc_info)
@@ -498,6 +503,11 @@ def _empty_block(parts: Parts) -> None:
     rows[0][1] = 0
 
 
+def _larger_raw_length(parts: Parts) -> None:
+    parts.rows[0][0][0] += 1  # the index and footer agree, the frame does not
+    parts.footer["sections"][0]["raw_length"] += 1
+
+
 def _later_first_key(parts: Parts) -> None:
     parts.rows[0][1][2] += b"\x00"  # still below block 2's first key
 
@@ -525,6 +535,7 @@ INDEX_CASES: list[tuple[str, Callable[[Parts], None], str, bool]] = [
     ("more blocks than listed", _footer(0, "blocks", 99), "malformed footer", True),
     ("blocks of an empty section", _footer(1, "blocks", 1), "malformed footer", True),
     ("blocks in another order", _swap_blocks, "keys not strictly increasing", False),
+    ("a frame of another size", _larger_raw_length, "section 'a' block 0 frame states", False),
     ("a first key not the block's", _later_first_key, "first key differs from the index's", False),
     ("a block reaching the next", _earlier_first_key, "keys reach the next block's first key", False),
 ]
@@ -565,7 +576,7 @@ def test_a_last_block_must_end_in_the_sections_last_key_group(small: bytes) -> N
     ("raw_index", "problem"),
     [
         (b"", "index raw_length must be"),
-        (struct.pack("<I", 7) + b"\x00" * 200, "does not hold the"),
+        (struct.pack("<I", 99) + b"\x00" * 1000, "does not hold the"),
         (None, "first key lengths do not add up"),
     ],
 )
