@@ -6,7 +6,7 @@ chunk. A version-2 section (one state's entries in a chunk) is therefore a run o
 
     block    := zstd(columns)              one frame, stating its content size
     columns  := count:u32 key_len:u32[count] value_len:u32[count] keys values
-    index    := zstd(count:u32 length:u32[n] raw_length:u32[n] entries:u32[n] crc32:u32[n]
+    index    := zstd(n:u32 length:u32[n] raw_length:u32[n] entries:u32[n] crc32:u32[n]
                      first_key_len:u32[n] first_keys)           one frame for the chunk's n blocks
 
 A block holds whole entries, consecutive in key order, of at most ``BLOCK_SIZE`` raw bytes of
@@ -23,8 +23,11 @@ A decoded block is checked like a version-1 section: the frame states the raw le
 records before anything is decompressed (python-zstandard would allocate what a frame states),
 lengths add up, keys are strictly increasing, its first key is the index's, its last key is below
 the next block's first key (or, in the section's last block, in the section's last key group).
-Version-1 sections read through the same code as one block each, bounded by the key groups only.
-Any failure raises ``CorruptChunkError`` naming the file.
+A point read of one key (``decode_block`` with a prefix) slices out only that key's entries, as a
+sub-range read of a chunk does: the crc of the whole block, its first and last keys, and the order
+of the keys it slices out with one neighbour on each side are checked. Version-1 sections read
+through the same code as one block each, bounded by the key groups only. Any failure raises
+``CorruptChunkError`` naming the file.
 
 ``BLOCK_SIZE`` trades a point read's cost against compression: see docs/benchmarks.md ("chunk
 blocks") for the measurements behind it.
