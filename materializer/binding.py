@@ -15,13 +15,13 @@ from typing import Any
 
 from backend.core.handles import CHUNK_HASH, chunk_digest
 from dstl.types import KeyGroupRange
-from materializer.chunks import ChunkInfo, chunk_info, chunk_sections
+from materializer.chunks import ChunkIndex, chunk_info, chunk_sections
 from materializer.errors import CorruptChunkError
 
 __all__ = ["bound_chunk_sections", "check_binding"]
 
 
-def check_binding(path: str, data: bytes, info: ChunkInfo, entry: Mapping[str, Any]) -> None:
+def check_binding(path: str, data: bytes, info: ChunkIndex, entry: Mapping[str, Any]) -> None:
     """Raise ``CorruptChunkError`` unless the chunk is the one the handle ``entry`` names.
 
     Size and hash first (the hash only if the entry records one: handles of version 1 do not),
@@ -47,5 +47,6 @@ def bound_chunk_sections(
     path: str, data: bytes, entry: Mapping[str, Any], key_groups: KeyGroupRange
 ) -> dict[str, list[tuple[bytes, bytes]]]:
     """``chunk_sections`` of a chunk checked against the handle ``entry`` naming it (a restore's loader)."""
-    check_binding(path, data, chunk_info(path, data), entry)
-    return chunk_sections(path, data, key_groups)
+    info = chunk_info(path, data)
+    check_binding(path, data, info, entry)
+    return chunk_sections(path, data, key_groups, info)

@@ -135,14 +135,19 @@ def test_a_segment_whose_frame_states_a_huge_size_names_the_file() -> None:
     assert PATH in str(info.value)
 
 
-def test_a_chunk_footer_with_huge_numbers_names_the_file() -> None:
+@pytest.mark.parametrize("field", [("sections", 0, "raw_length"), ("sections", 0, "count"), ("index", "raw_length")])
+def test_a_chunk_footer_with_huge_numbers_names_the_file(field: tuple[str | int, ...]) -> None:
     data = encode_chunk(KeyGroupRange(0, 0), 1, {"s": [(b"\x00\x00k", b"v")]})
-    footer_len = CHUNK_TRAILER.unpack_from(data, len(data) - CHUNK_TRAILER.size)[0]
+    index_len, footer_len, _, version, magic = CHUNK_TRAILER.unpack_from(data, len(data) - CHUNK_TRAILER.size)
     start = len(data) - CHUNK_TRAILER.size - footer_len
     footer = json.loads(data[start : len(data) - CHUNK_TRAILER.size])
-    footer["sections"][0]["raw_length"] = 2**80
+    target = footer
+    for part in field[:-1]:
+        target = target[part]
+    target[field[-1]] = 2**80
     body = json.dumps(footer).encode()
-    damaged = data[:start] + body + CHUNK_TRAILER.pack(len(body), zlib.crc32(body), 1, b"TAMD")
+    damaged = data[:start] + body + CHUNK_TRAILER.pack(index_len, len(body), zlib.crc32(body), version, magic)
     with pytest.raises(CorruptChunkError) as info:
         chunk_info(PATH, damaged)
     assert PATH in str(info.value)
+    assert "must be an int" in str(info.value)

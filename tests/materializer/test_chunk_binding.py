@@ -24,8 +24,10 @@ from backend.core.errors import StateRestoreError
 from backend.core.handles import KeyedStateHandle
 from backend.core.keygroups import assign_key_group
 from backend.core.serializers import Int64Serializer, serialize_key
+from backend.core.tablekeys import key_group_prefix
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from dstl import ChangelogConfig, CorruptDataError, KeyGroupRange
+from materializer.chunks import decode_chunk, read_chunk_index
 from materializer.options import MaterializationOptions
 from materializer.periodic import PeriodicMaterializer, restore
 from tests.support.backend_world import BackendWorld
@@ -205,6 +207,35 @@ def test_a_materialization_packs_its_chunks_into_one_file_and_a_restore_reads_ea
     ]
     assert handle.to_json()["version"] == 3
     assert read(world.restored(handle), list(keys.values())) == values
+
+
+def test_a_materialized_chunk_has_blocks_and_a_key_is_read_from_its_pack_by_ranges(world: World) -> None:
+    """What the lazy restore does: a chunk's tail with one ranged read of its pack, then a key's blocks."""
+    keys = keys_by_group()
+    values = {key: 100 + kg for kg, key in keys.items()}
+    _, handle = materialized_handle(world, values, pack_bytes=1 << 20)
+    pack = (world.dfs / str(handle.materialized[0]["path"])).read_bytes()
+    for entry in handle.materialized:
+        start, size = entry["offset"], entry["size"]
+        reads: list[tuple[int, int]] = []
+
+        def read(offset: int, length: int, start: int = start, reads: list[tuple[int, int]] = reads) -> bytes:
+            reads.append((start + offset, length))
+            return pack[start + offset : start + offset + length]
+
+        index = read_chunk_index(str(entry["path"]), size, read)
+        assert len(reads) == 1 and index.version == 2
+        assert (index.key_groups.to_json(), index.sqn, index.entries) == (
+            entry["key_groups"],
+            entry["sqn"],
+            entry["entries"],
+        )
+        whole = decode_chunk(str(entry["path"]), pack[start : start + size]).sections
+        for section in index.sections:
+            found = []
+            for block in section.blocks_for(key_group_prefix(entry["key_groups"][0])):
+                found += index.decode_block(read(block.offset, block.length), block)
+            assert found == whole[section.name] and found
 
 
 def test_a_pack_entry_pointing_at_another_chunk_of_its_pack_is_refused(world: World) -> None:
