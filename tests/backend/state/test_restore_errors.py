@@ -138,7 +138,11 @@ def test_handle_text_that_is_no_handle_raises_state_restore_error(text: str) -> 
     ("registered", "error", "why"),
     [
         (ValueStateDescriptor(VALUE.name, StrSerializer()), SchemaEvolutionError, "not a widening"),
-        (ValueStateDescriptor(VALUE.name, Int64Serializer(), ttl=StateTtl(10)), StateRestoreError, "not supported"),
+        (
+            ValueStateDescriptor(VALUE.name, Int64Serializer(), ttl=StateTtl(10)),
+            SchemaEvolutionError,
+            "TTL cannot be added",
+        ),
         (ListStateDescriptor(VALUE.name, Int64Serializer()), SchemaEvolutionError, "cannot change its kind"),
         (
             MapStateDescriptor(MAP.name, Int64Serializer(), user_key_serializer=JsonSerializer()),
