@@ -9,9 +9,9 @@ stored.
 The backend is the coordinator of smaller parts, each in its module: the current key
 (``context.KeyContext``, which the backend is), the LMDB tables (``lmdb_tables``), one table and
 one user-facing wrapper per state (``primitives``), a state's schema versions (``versions``), the
-timers (``timers``), the restore of handles of any old parallelism (``restore``), and what the
-snapshots reference on the DFS and when the log is truncated (``truncation``), and the cut a
-materialization reads (``cut``). Times are milliseconds throughout.
+timers (``timers``), the restore of handles of any old parallelism (``restore``; ``lazy``: each key
+loaded when first needed), what the snapshots reference on the DFS and when the log is truncated
+(``truncation``), and the cut a materialization reads (``cut``). Times are milliseconds throughout.
 """
 
 from __future__ import annotations

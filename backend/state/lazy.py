@@ -339,6 +339,8 @@ def restore_lazily(
     try:
         lazy.open_indexes(parts, lambda p: f"the index of key groups {p.rng.to_json()}")
         count = lazy.load_timers()
+        if progress is not None:
+            progress(count)
         seq = 0
         for log, rng in logs:
             seq = lazy.stash_log(reader, log, rng, seq)

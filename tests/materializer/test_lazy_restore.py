@@ -6,6 +6,8 @@ the hydration or forces it. The failure paths are in ``test_lazy_restore_failure
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -303,3 +305,42 @@ def test_progress_counts_timers_and_kept_records(env: Env) -> None:
     count = restore(b, [handle], progress=seen.append, mode="lazy")
     assert count > 0 and seen and seen[-1] == count
     assert WAIT_S > 0
+
+
+@pytest.mark.parametrize("name", ["checkpoint", "native_savepoint"])
+def test_the_snapshots_of_an_earlier_release_restore_lazily(name: str, tmp_path: Path) -> None:
+    """Version-1 chunks (one block per section) and handles without hashes, read key by key."""
+    from backend.tools.inspect_state import open_snapshot
+    from tests.test_fixtures_restore import ATTRS, COUNT, EVENTS, EXPECTED, FIXTURE, KEYS, MAX_PARALLELISM, UID
+
+    copy = shutil.copytree(FIXTURE, tmp_path / "fixture")
+    state = EXPECTED["state"]
+    with open_snapshot(str(copy / EXPECTED["snapshots"][name])) as snapshot:
+        for parallelism in (1, 3):
+            subtasks = [
+                ChangelogKeyedStateBackend(
+                    UID,
+                    rng,
+                    tmp_path / f"local-{parallelism}-{rng.start}",
+                    storage=None,
+                    max_parallelism=MAX_PARALLELISM,
+                    log_enabled=False,
+                )
+                for rng in key_group_ranges(MAX_PARALLELISM, parallelism)
+            ]
+            try:
+                for b in subtasks:
+                    restore(b, snapshot.handles(UID), source=snapshot.storage, mode="lazy")
+                assert not any(b.fully_local for b in subtasks)
+                for key in KEYS:
+                    b = next(s for s in subtasks if s.key_group_of(key) in s.key_group_range)
+                    b.set_current_key(key)
+                    assert b.get_state(COUNT).value() == state["count"].get(key), key
+                    assert b.get_state(EVENTS).get() == state["events"].get(key, []), key
+                    assert dict(b.get_state(ATTRS).items()) == state["attrs"].get(key, {}), key
+                for b in subtasks:
+                    b.hydrate()
+                    assert b.fully_local
+            finally:
+                for b in subtasks:
+                    b.close()
