@@ -18,7 +18,7 @@ from dstl.types import KeyGroupRange
 from materializer.chunks import ChunkIndex, chunk_info, chunk_sections
 from materializer.errors import CorruptChunkError
 
-__all__ = ["bound_chunk_sections", "check_binding"]
+__all__ = ["bound_chunk_sections", "check_binding", "check_index_binding"]
 
 
 def check_binding(path: str, data: bytes, info: ChunkIndex, entry: Mapping[str, Any]) -> None:
@@ -33,14 +33,30 @@ def check_binding(path: str, data: bytes, info: ChunkIndex, entry: Mapping[str, 
     digest = entry.get(CHUNK_HASH)
     if digest is not None and digest != chunk_digest(data):
         problems.append(f"{CHUNK_HASH} {chunk_digest(data)} (the handle records {digest!r})")
+    _refuse(path, problems + index_problems(info, entry))
+
+
+def check_index_binding(path: str, info: ChunkIndex, entry: Mapping[str, Any]) -> None:
+    """Raise ``CorruptChunkError`` unless the index read from a chunk's tail (a point read, which
+    has not the whole chunk to hash) says what the handle ``entry`` records: key groups, SQN, entries."""
+    _refuse(path, index_problems(info, entry))
+
+
+def _refuse(path: str, problems: list[str]) -> None:
+    if problems:
+        raise CorruptChunkError(path, "not the chunk the handle names: it has " + ", ".join(problems))
+
+
+def index_problems(info: ChunkIndex, entry: Mapping[str, Any]) -> list[str]:
+    """How the chunk's footer differs from the handle ``entry``: key groups, SQN, entries."""
+    problems = []
     if entry.get("key_groups") != info.key_groups.to_json():
         problems.append(f"key groups {info.key_groups.to_json()} (the handle records {entry.get('key_groups')!r})")
     if entry.get("sqn") != info.sqn:
         problems.append(f"sqn {info.sqn} (the handle records {entry.get('sqn')!r})")
     if entry.get("entries") != info.entries:
         problems.append(f"{info.entries} entries (the handle records {entry.get('entries')!r})")
-    if problems:
-        raise CorruptChunkError(path, "not the chunk the handle names: it has " + ", ".join(problems))
+    return problems
 
 
 def bound_chunk_sections(

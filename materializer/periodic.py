@@ -58,7 +58,7 @@ from prometheus_client import CollectorRegistry
 
 from backend.core.handles import CHUNK_HASH, KeyedStateHandle, chunk_digest
 from backend.core.tablekeys import key_group_prefix
-from backend.state.keyed_backend import ChangelogKeyedStateBackend, MaterializationPoint
+from backend.state.keyed_backend import ChangelogKeyedStateBackend, MaterializationPoint, RestoreMode
 from dstl.api import ChangelogStorage
 from dstl.errors import ConfigurationError
 from dstl.types import KeyGroupRange
@@ -68,6 +68,7 @@ from materializer.errors import MaterializationError
 from materializer.metrics import MaterializationMetrics
 from materializer.options import MaterializationOptions
 from materializer.packs import PackBuilder, SharedPack
+from materializer.point_reads import POINT_READS
 
 _log = logging.getLogger(__name__)
 
@@ -144,6 +145,8 @@ class PeriodicMaterializer:
             if not self._running.done():
                 return False
             self._finish()
+        if not self.backend.fully_local:  # after a lazy restore: due once the hydration ended
+            return False
         log_bytes = self.backend.log_bytes_since_materialization
         size_due = self.options.size_trigger_bytes is not None and log_bytes >= self.options.size_trigger_bytes
         if self._clock_ms() < self._due and not size_due:
@@ -151,7 +154,8 @@ class PeriodicMaterializer:
         return self.trigger(pack)
 
     def trigger(self, pack: SharedPack | None = None) -> bool:
-        """Start a materialization now (unless one runs or nothing changed). With ``pack``, its
+        """Start a materialization now (unless one runs or nothing changed); after a lazy restore,
+        everything is loaded first (``hydrate``), while ``poll`` waits for the hydration. With ``pack``, its
         last chunks go into that file, shared with the other materializations the caller starts
         before it seals the pack; only for backends that never delete chunks themselves."""
         if pack is not None and self.backend.storage is not None and self.backend.storage.owns_files:
@@ -159,7 +163,7 @@ class PeriodicMaterializer:
         if self._running is not None:
             return False
         self._due = self._clock_ms() + self.options.interval_ms
-        point = self.backend.begin_materialization()
+        point = self.backend.begin_materialization(hydrate=True)
         if point is None:
             self.metrics.on_skipped()
             return False
@@ -314,8 +318,12 @@ def restore(
     handles: Iterable[KeyedStateHandle],
     progress: Callable[[int], None] | None = None,
     source: ChangelogStorage | None = None,
+    mode: RestoreMode = "eager",
 ) -> int:
     """``backend.restore`` that can read materialized chunks (the backend does not import us).
     ``source``: the storage holding the handles' files, if not the backend's (it reads their
-    logs back, hence a ``ChangelogStorage`` and not a ``DfsFiles``)."""
-    return backend.restore(handles, progress=progress, load_chunk=bound_chunk_sections, source=source)
+    logs back, hence a ``ChangelogStorage`` and not a ``DfsFiles``). ``mode="lazy"``: keys are
+    loaded when first needed (``backend.state.lazy``), the chunks read by ``point_reads``."""
+    return backend.restore(
+        handles, progress=progress, load_chunk=bound_chunk_sections, source=source, mode=mode, chunks=POINT_READS
+    )

@@ -153,16 +153,18 @@ class KeyContext:
         saved = self.current_ckey, self.current_kg, self.current_key
         ckeys: list[bytes] = []
         known: dict[Any, tuple[bytes, int]] = {}
+        # the class's methods, not the hooks a lazy restore sets on the instance (``backend.state.lazy``):
+        # naming a key here loads nothing
         try:
             if key_groups is None:
                 for key in keys:
-                    self.set_current_key(key)
+                    KeyContext.set_current_key(self, key)
                     ckeys.append(self.current_ckey)
                     if type(key) is int or type(key) is str:
                         known[key] = (self.current_ckey, self.current_kg)
             else:
                 for key, key_group in zip(keys, key_groups, strict=True):
-                    self.set_current_key_in_group(key, key_group)
+                    KeyContext.set_current_key_in_group(self, key, key_group)
                     ckeys.append(self.current_ckey)
         finally:
             self.current_ckey, self.current_kg, self.current_key = saved

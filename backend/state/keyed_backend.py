@@ -9,9 +9,9 @@ stored.
 The backend is the coordinator of smaller parts, each in its module: the current key
 (``context.KeyContext``, which the backend is), the LMDB tables (``lmdb_tables``), one table and
 one user-facing wrapper per state (``primitives``), a state's schema versions (``versions``), the
-timers (``timers``), the restore of handles of any old parallelism (``restore``), and what the
-snapshots reference on the DFS and when the log is truncated (``truncation``), and the cut a
-materialization reads (``cut``). Times are milliseconds throughout.
+timers (``timers``), the restore of handles of any old parallelism (``restore``; ``lazy``: each key
+loaded when first needed), what the snapshots reference on the DFS and when the log is truncated
+(``truncation``), and the cut a materialization reads (``cut``). Times are milliseconds throughout.
 """
 
 from __future__ import annotations
@@ -22,20 +22,19 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
-from backend.core import records as rec
 from backend.core.descriptors import StateDescriptor
 from backend.core.errors import StateRestoreError
 from backend.core.handles import KeyedStateHandle, LogEntry, intersect
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM
-from backend.core.records import Op
 from backend.core.serializers import Serializer
-from backend.core.tablekeys import key_group_of, split_table_key
+from backend.core.tablekeys import key_group_of
 from backend.state import folding, versions
 from backend.state import restore as restoring
 from backend.state.context import KeyContext
 from backend.state.cut import MaterializationPoint
+from backend.state.lazy import PENDING_DB, ChunkSource, LazyRestore, restore_lazily
 from backend.state.lmdb_tables import DEFAULT_MAP_SIZE, LmdbTables
 from backend.state.primitives import create_state
 from backend.state.restore import ChunkLoader
@@ -50,6 +49,8 @@ from dstl.types import ChangelogHandle, KeyGroupRange, Note, SequenceNumber
 __all__ = ["DEFAULT_CACHE_LIMIT", "ChangelogKeyedStateBackend", "ChunkLoader", "MaterializationPoint"]
 
 DEFAULT_CACHE_LIMIT = 200_000
+#: how ``restore`` loads the state: all of it before it returns, or each key when first needed
+RestoreMode = Literal["eager", "lazy"]
 
 
 def _wall_clock_ms() -> int:
@@ -113,6 +114,8 @@ class ChangelogKeyedStateBackend(KeyContext):
         #: cuts of materializations not yet completed or aborted: ``close`` releases them
         self._cuts: set[MaterializationPoint] = set()
         self._in_batch = False
+        #: what a lazy restore has not loaded yet (None: everything is local)
+        self._lazy: LazyRestore | None = None
 
     @property
     def materialized_sqn(self) -> SequenceNumber:
@@ -162,49 +165,22 @@ class ChangelogKeyedStateBackend(KeyContext):
         # the same schema keeps its version; a change the evolution rules resolve makes a new one
         # over the restored tables (``versions``), one they refuse raises here, before any read
         full = versions.register(descriptor.name, base, meta, descriptor.serializer)
-        self._check_collisions(descriptor.name, full)
+        versions.check_collisions(descriptor.name, full, self.state_metadata())
         table, wrapper = create_state(self, descriptor, versions.version_of(full), versions.older_of(full))
         self._states[descriptor.name] = table
         self._wrappers[descriptor.name] = wrapper
         self._meta[descriptor.name] = full
         return wrapper
 
-    def _check_collisions(self, name: str, meta: dict[str, Any]) -> None:
-        """Refuse a state whose tables (one per schema version) would share a name or state id
-        with another known state's tables."""
-        others = self.state_metadata()
-        others.pop(name, None)
-        taken = {rec.state_id(table): table for table in versions.tables_of(others)}
-        for table in versions.tables_of({name: meta}):
-            other = taken.get(rec.state_id(table))
-            if other is not None:
-                raise ConfigurationError(
-                    f"state {name!r} (its table {table!r}) and the table {other!r} of another state collide "
-                    "(same state id); rename one"
-                )
-
     def delete_state(self, name: str) -> None:
         """Forget a state and its data in every key (Spark's deleteIfExists)."""
         table = self._states.get(name)
         if table is None and name not in self._restored_meta:
             return
+        self.hydrate()
         self.flush()
         meta = self.state_metadata()[name]
-        tables = [
-            (self.tables.database(table), [key for key, _ in self.tables.scan_prefix(self.tables.database(table), b"")])
-            for table in versions.tables_of({name: meta})  # every schema version's table
-        ]
-        with self.tables.write(f"the deletion of state {name!r}") as txn:
-            for db, keys in tables:
-                for key in keys:
-                    txn.delete(key, db=db)
-        if self._append is not None:  # logged once the deletion committed
-            for table_name, (_, keys) in zip(versions.tables_of({name: meta}), tables, strict=True):
-                sid = rec.state_id(table_name)
-                for key in keys:
-                    # REMOVE of the exact table key replays the same whatever the state's kind.
-                    ck, user_key = split_table_key(key)
-                    self._append(key_group_of(ck), rec.record(Op.REMOVE, sid, ck, user_key))
+        versions.delete_tables(self.tables, name, meta, self._append)
         self._states.pop(name, None)
         self._wrappers.pop(name, None)
         self._meta.pop(name, None)
@@ -230,12 +206,18 @@ class ChangelogKeyedStateBackend(KeyContext):
         Nothing else changes: writes go to the write-back caches as outside a batch (logged and
         written to LMDB, sorted, at the next checkpoint or spill), a key outside ``keys`` is read
         from LMDB, and a flush inside the batch (a spill) drops what was read ahead (the work
-        goes on reading LMDB). States registered inside the batch are not read ahead."""
+        goes on reading LMDB). States registered inside the batch are not read ahead. After a lazy
+        restore, the batch's keys that are not local yet are loaded first, their reads concurrent."""
         if self._in_batch:
             raise RuntimeError(f"backend {self.operator_id}: a batch is running already (batches do not nest)")
         self._in_batch = True
         try:
             cks = sorted(set(self.ckeys_of(keys, key_groups)))
+            lazy = self._lazy
+            if lazy is not None:
+                missing = [ck for ck in cks if not lazy.is_local(ck, key_group_of(ck))]
+                if missing:
+                    lazy.load(missing)
             if cks:
                 for table in self._states.values():
                     table.load_ahead(cks)
@@ -397,10 +379,18 @@ class ChangelogKeyedStateBackend(KeyContext):
 
     # -- materialization (driven by materializer.PeriodicMaterializer) ---------------------
 
-    def begin_materialization(self) -> MaterializationPoint | None:
+    def begin_materialization(self, hydrate: bool = False) -> MaterializationPoint | None:
         """The synchronous part, on the operator's thread: flush everything to LMDB and the log,
         then take the log's SQN and an LMDB read transaction with no write in between. Returns
-        None when nothing changed since the last materialization."""
+        None when nothing changed since the last materialization.
+
+        After a lazy restore it needs every key local: while some are not, it returns None unless
+        ``hydrate`` (``PeriodicMaterializer.trigger``) or a full materialization is needed before
+        the next snapshot (``needs_full_materialization``), and then hydrates everything first."""
+        if self._lazy is not None:
+            if not (hydrate or self.lineage.needs_full_materialization):
+                return None
+            self.hydrate()
         with self._lock:
             if self.writer is None:
                 raise RuntimeError("materialization needs the changelog (log_enabled=True)")
@@ -484,7 +474,9 @@ class ChangelogKeyedStateBackend(KeyContext):
             return True
 
     def consistent_view(self) -> tuple[Any, dict[str, Any]]:
-        """Flush, then an LMDB read transaction and the tables it sees (abort the txn when done)."""
+        """Flush, then an LMDB read transaction and the tables it sees (abort the txn when done).
+        After a lazy restore, everything is hydrated first."""
+        self.hydrate()
         with self._lock:
             self.flush()
             return self.tables.env.begin(), dict(self.tables.databases())
@@ -497,6 +489,8 @@ class ChangelogKeyedStateBackend(KeyContext):
         progress: Callable[[int], None] | None = None,
         load_chunk: ChunkLoader | None = None,
         source: ChangelogStorage | None = None,
+        mode: RestoreMode = "eager",
+        chunks: ChunkSource | None = None,
     ) -> int:
         """Load the owned key groups of ``handles`` (any old parallelism); returns key changes applied.
 
@@ -504,7 +498,13 @@ class ChangelogKeyedStateBackend(KeyContext):
         ``StateRestoreError``; corrupt log files raise ``CorruptChangelogError`` naming the file.
         ``source``: the storage whose base path the handles' files are relative to (a savepoint's
         directory), if not this backend's own storage; call ``disown_restored`` afterwards.
+        ``mode="lazy"`` (``backend.state.lazy``; ``chunks`` reads the chunks' blocks): only the
+        chunks' indexes and timers and the log are read now, each key is loaded when first made
+        current or named by a ``batch``, and ``hydrate_step`` loads the rest; the count returned is
+        of the timers loaded and the log records kept.
         """
+        if mode not in ("eager", "lazy"):
+            raise ConfigurationError(f"restore mode must be 'eager' or 'lazy', got {mode!r}")
         if self._states or self.timers.has_timers() or self.tables.entry_count():
             raise StateRestoreError("restore() must be called on a fresh backend, before any state is used")
         handles = list(handles)
@@ -516,25 +516,16 @@ class ChangelogKeyedStateBackend(KeyContext):
             raise StateRestoreError("restoring changelog handles needs a changelog storage")
         lineage = self.lineage
         tables = versions.tables_of(self._restored_meta)  # every schema version's table
-        applied = restoring.load_materialized(
-            self.tables,
-            handles,
-            self.key_group_range,
-            tables,
-            lineage.materialized,
-            load_chunk,
-            progress,
-            reader,
-        )
-        for handle in handles:
-            scope = intersect(handle.key_group_range, self.key_group_range)
-            if not len(scope):
-                continue
-            for entry in handle.changelog:
-                rng = intersect(entry.key_groups, scope)
-                log = entry.log
-                if not len(rng) or not rng.intersects(log.key_group_range.start, log.key_group_range.end):
-                    continue
+        if mode == "lazy":
+            self._lazy, applied = restore_lazily(
+                self, self.tables, self._lock, handles, tables, reader, chunks,
+                lineage.materialized, lineage.carried, progress, lambda: setattr(self, "_lazy", None),
+            )  # fmt: skip
+        else:
+            applied = restoring.load_materialized(
+                self.tables, handles, self.key_group_range, tables, lineage.materialized, load_chunk, progress, reader
+            )
+            for log, rng in restoring.owned_logs(handles, self.key_group_range):
                 assert reader is not None
                 applied += restoring.replay_log(self.tables, reader, log, rng, tables, progress, applied)
                 lineage.carried.append(LogEntry(log, rng))
@@ -542,12 +533,34 @@ class ChangelogKeyedStateBackend(KeyContext):
         self.log_bytes_since_materialization = lineage.carried_bytes()
         return applied
 
+    @property
+    def fully_local(self) -> bool:
+        """Whether every key is local (always, but while a lazy restore has keys left to load)."""
+        return self._lazy is None
+
+    def hydrate_step(self, max_key_groups: int = 1) -> int:
+        """Load at least ``max_key_groups`` whole key groups a lazy restore has not loaded yet (or those
+        left); returns how many. Call it between units of work, on the thread using the backend (the
+        reads ahead run in the background). Once none is left it is as after an eager restore."""
+        lazy = self._lazy
+        return 0 if lazy is None else lazy.hydrate_step(max_key_groups)
+
+    def hydrate(self) -> None:
+        """Load everything a lazy restore has not loaded yet (a no-op when ``fully_local``)."""
+        while self._lazy is not None:
+            self._lazy.hydrate_step(len(self.key_group_range))
+
     def adopt_local(self, handle: KeyedStateHandle) -> None:
         """Continue from local tables that already hold exactly ``handle``'s state (left by a
         backend of another process on this host): take its metadata and DFS references without
         reading the DFS. The caller vouches for the tables (``backend.spark`` keeps a marker)."""
         if self._states:
             raise StateRestoreError("adopt_local() must be called before any state is used")
+        if self.tables.holds_database(PENDING_DB):
+            raise StateRestoreError(
+                f"the local tables in {self.tables.path} are partly loaded (a lazy restore that had not ended): "
+                "restore from the DFS instead"
+            )
         restoring.check_compatible(handle, self.operator_id, self.max_parallelism)
         scope = intersect(handle.key_group_range, self.key_group_range)
         if scope != self.key_group_range:
@@ -577,6 +590,8 @@ class ChangelogKeyedStateBackend(KeyContext):
             self.lineage.close()
             for point in list(self._cuts):  # after any read in progress; later reads raise
                 self._end_cut(point)
+        if self._lazy is not None:
+            self._lazy.close()
         if self.writer is not None:
             self.writer.close()
         self.tables.close()

@@ -161,6 +161,20 @@ class LmdbTables:
             db = self._dbs[name] = self.env.open_db(name.encode(), txn=txn)
         return db
 
+    def unlisted_database(self, name: str) -> Any:
+        """Open (or create) a database that ``names`` and ``databases`` do not list: bookkeeping,
+        not state (the lazy restore's pending changes), which no materialization or view reads."""
+        self._end_reads()
+        try:
+            return self.env.open_db(name.encode())
+        finally:
+            self._begin_reads()
+
+    def holds_database(self, name: str) -> bool:
+        """Whether the environment holds a database ``name`` (opened by this backend or not)."""
+        with self.env.begin() as txn:
+            return txn.get(name.encode()) is not None
+
     def names(self) -> list[str]:
         return list(self._dbs)
 

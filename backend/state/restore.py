@@ -13,7 +13,7 @@ These functions work on the LMDB tables and the handles only, not on the backend
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import lmdb
@@ -31,10 +31,16 @@ from dstl.types import ChangelogHandle, KeyGroupRange
 
 __all__ = [
     "ChunkLoader",
+    "SpanReader",
     "apply_record",
+    "bulk_put",
     "check_compatible",
+    "check_tables",
     "load_materialized",
     "merge_metadata",
+    "owned_logs",
+    "owned_parts",
+    "record_kinds",
     "replay_log",
 ]
 
@@ -70,6 +76,60 @@ def merge_metadata(known: dict[str, dict[str, Any]], states: dict[str, dict[str,
         known[name] = meta if seen is None else versions.merge(name, seen, meta)
 
 
+def owned_parts(
+    handles: Sequence[KeyedStateHandle], owned: KeyGroupRange
+) -> list[tuple[KeyGroupRange, dict[str, Any]]]:
+    """The owned parts of the handles' materialized chunks, in key-group order: each chunk entry
+    narrowed to the key groups this subtask owns (``scope``), with the key groups it covers here."""
+    parts: list[tuple[KeyGroupRange, dict[str, Any]]] = []
+    for handle in handles:
+        scope = intersect(handle.key_group_range, owned)
+        for chunk in handle.materialized:
+            try:
+                rng = intersect(KeyGroupRange.from_json(chunk["scope"]), scope)
+                path = chunk["path"]
+            except (KeyError, TypeError, ValueError) as exc:
+                raise StateRestoreError(f"malformed materialized chunk entry {chunk!r}: {exc}") from None
+            if len(rng):
+                parts.append((rng, {**chunk, "scope": rng.to_json(), "path": path}))
+    return sorted(parts, key=lambda p: p[0].start)
+
+
+def owned_logs(
+    handles: Sequence[KeyedStateHandle], owned: KeyGroupRange
+) -> Iterator[tuple[ChangelogHandle, KeyGroupRange]]:
+    """The changelog entries of the handles that hold owned key groups, oldest first per handle,
+    each with the owned key groups it is read for (what a restore replays and then carries)."""
+    for handle in handles:
+        scope = intersect(handle.key_group_range, owned)
+        if not len(scope):
+            continue
+        for entry in handle.changelog:
+            rng = intersect(entry.key_groups, scope)
+            log = entry.log
+            if len(rng) and rng.intersects(log.key_group_range.start, log.key_group_range.end):
+                yield log, rng
+
+
+def bulk_put(txn: Any, db: Any, entries: Sequence[tuple[bytes, bytes]]) -> None:
+    """Put ``entries`` (sorted) into ``db``: sorted appends (the fast bulk load) where they all
+    come after what the table holds, plain puts otherwise."""
+    cursor = txn.cursor(db=db)
+    try:
+        _, added = cursor.putmulti(entries, append=True)
+    except lmdb.KeyExistsError:
+        added = -1
+    if added != len(entries):  # some were not after what the table holds: plain puts
+        cursor.putmulti(entries)
+
+
+def check_tables(path: str, names: Iterable[str], states: Mapping[str, Any]) -> None:
+    """Refuse a chunk holding a table the handles' metadata does not name."""
+    for name in names:
+        if name != TIMERS_DB and name not in states:
+            raise StateRestoreError(f"chunk {path} holds state {name!r} missing from the handle")
+
+
 def load_materialized(
     tables: LmdbTables,
     handles: list[KeyedStateHandle],
@@ -87,45 +147,22 @@ def load_materialized(
     handle (of version 1) recorded none, so later snapshots carry version-2 entries. Returns the
     number of entries loaded.
     """
-    parts: list[tuple[KeyGroupRange, dict[str, Any]]] = []
-    for handle in handles:
-        scope = intersect(handle.key_group_range, owned)
-        for chunk in handle.materialized:
-            try:
-                rng = intersect(KeyGroupRange.from_json(chunk["scope"]), scope)
-                path = chunk["path"]
-            except (KeyError, TypeError, ValueError) as exc:
-                raise StateRestoreError(f"malformed materialized chunk entry {chunk!r}: {exc}") from None
-            if len(rng):
-                parts.append((rng, {**chunk, "scope": rng.to_json(), "path": path}))
-    if not parts:
+    ordered = owned_parts(handles, owned)
+    if not ordered:
         return 0
     if load_chunk is None or reader is None:
         raise StateRestoreError(
             "the handles hold materialized chunks: restore with materializer.restore(backend, handles)"
         )
     loaded = 0
-    ordered = sorted(parts, key=lambda p: p[0].start)
-    spans = _SpanReader(reader.files, [chunk for _, chunk in ordered])
+    spans = SpanReader(reader.files, [chunk for _, chunk in ordered])
     for index, (rng, chunk) in enumerate(ordered):
-        try:
-            data = spans.read(index)
-        except FileNotFoundError:
-            raise StateRestoreError(f"materialized chunk {chunk['path']} is missing") from None
-        except ValueError as exc:  # a path outside the storage's base path
-            raise StateRestoreError(f"materialized chunk path refused: {exc}") from None
+        data = read_part(spans, index)
         by_state = load_chunk(chunk["path"], data, chunk, rng)
+        check_tables(chunk["path"], by_state, states)
         with tables.write(f"the restore of chunk {chunk['path']}") as txn:
             for name, entries in by_state.items():
-                if name != TIMERS_DB and name not in states:
-                    raise StateRestoreError(f"chunk {chunk['path']} holds state {name!r} missing from the handle")
-                cursor = txn.cursor(db=tables.database_in(txn, name))
-                try:
-                    _, added = cursor.putmulti(entries, append=True)  # sorted appends: the fast bulk load
-                except lmdb.KeyExistsError:
-                    added = -1
-                if added != len(entries):  # some were not after what the table holds: plain puts
-                    cursor.putmulti(entries)
+                bulk_put(txn, tables.database_in(txn, name), entries)
                 loaded += len(entries)
         if CHUNK_HASH not in chunk:
             chunk[CHUNK_HASH] = chunk_digest(data)
@@ -135,11 +172,22 @@ def load_materialized(
     return loaded
 
 
+def read_part(spans: SpanReader, index: int) -> bytes:
+    """The bytes of chunk ``index`` of ``spans``; a missing or refused file raises ``StateRestoreError``."""
+    chunk = spans.chunks[index]
+    try:
+        return spans.read(index)
+    except FileNotFoundError:
+        raise StateRestoreError(f"materialized chunk {chunk['path']} is missing") from None
+    except ValueError as exc:  # a path outside the storage's base path
+        raise StateRestoreError(f"materialized chunk path refused: {exc}") from None
+
+
 #: the most bytes one ranged read of adjacent chunks of a pack fetches
 SPAN_BYTES = 16 << 20
 
 
-class _SpanReader:
+class SpanReader:
     """The bytes of each chunk of ``chunks`` (in load order), reading a run of chunks that lie
     back to back in one pack with one ranged read (at most ``SPAN_BYTES``): a restore of a whole
     pack costs one request, not one per key group, and holds at most one span at a time."""
@@ -185,8 +233,7 @@ def replay_log(
     ``states``: table name -> metadata of every restored table (``versions.tables_of``: a state's
     schema versions each have theirs); the kind decides how a CLEAR applies.
     """
-    kinds = {rec.state_id(name): (name, meta["kind"]) for name, meta in states.items()}
-    kinds[TIMERS_SID] = (TIMERS_DB, "timers")
+    kinds = record_kinds(states)
     dbs = {sid: tables.database(name) for sid, (name, _) in kinds.items()}
     count = 0
     with tables.write(f"the replay of log {log.log_id}") as txn:
@@ -211,6 +258,14 @@ def replay_log(
                 f"malformed change record in log {log.log_id} (sqn {log.after + 1}..{log.upto}): {exc}",
             ) from None
     return count
+
+
+def record_kinds(states: Mapping[str, Mapping[str, Any]]) -> dict[int, tuple[str, str]]:
+    """State id -> (table name, kind) of every restored table and of the timers: what a change
+    record's state id names."""
+    kinds = {rec.state_id(name): (name, str(meta["kind"])) for name, meta in states.items()}
+    kinds[TIMERS_SID] = (TIMERS_DB, "timers")
+    return kinds
 
 
 def apply_record(txn: Any, db: Any, kind: str, op: Op, ck: bytes, rest: bytes) -> int:

@@ -47,9 +47,10 @@ from backend.core.errors import StateRestoreError
 from backend.core.records import Op
 from backend.core.serializers import Serializer
 from backend.core.serializers.evolution import check_registration, evolve
-from backend.core.tablekeys import key_group_of
+from backend.core.tablekeys import key_group_of, split_table_key
 from backend.state.context import StateHost
 from backend.state.lmdb_tables import LmdbTables
+from dstl.errors import ConfigurationError
 
 __all__ = [
     "SEPARATOR",
@@ -111,6 +112,42 @@ def tables_of(states: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, An
         for old in older_of(meta):
             tables[table_name(name, version_of(old))] = schema_of(old)
     return tables
+
+
+def check_collisions(name: str, meta: Mapping[str, Any], known: Mapping[str, Mapping[str, Any]]) -> None:
+    """Refuse a state whose tables (one per schema version) would share a name or state id
+    with the tables of another state of ``known`` (name -> metadata)."""
+    others = {n: m for n, m in known.items() if n != name}
+    taken = {rec.state_id(table): table for table in tables_of(others)}
+    for table in tables_of({name: meta}):
+        other = taken.get(rec.state_id(table))
+        if other is not None:
+            raise ConfigurationError(
+                f"state {name!r} (its table {table!r}) and the table {other!r} of another state collide "
+                "(same state id); rename one"
+            )
+
+
+def delete_tables(
+    tables: LmdbTables, name: str, meta: Mapping[str, Any], append: Callable[[int, bytes], None] | None
+) -> None:
+    """Delete every entry of state ``name``'s tables (each schema version's) in one transaction,
+    then, once it committed, log a REMOVE of each (``append``; None: the log is off). REMOVE of
+    the exact table key replays the same whatever the state's kind."""
+    held = [
+        (tables.database(table), [key for key, _ in tables.scan_prefix(tables.database(table), b"")])
+        for table in tables_of({name: meta})
+    ]
+    with tables.write(f"the deletion of state {name!r}") as txn:
+        for db, keys in held:
+            for key in keys:
+                txn.delete(key, db=db)
+    if append is not None:
+        for table, (_, keys) in zip(tables_of({name: meta}), held, strict=True):
+            sid = rec.state_id(table)
+            for key in keys:
+                ck, user_key = split_table_key(key)
+                append(key_group_of(ck), rec.record(Op.REMOVE, sid, ck, user_key))
 
 
 def register(

@@ -1,0 +1,200 @@
+"""The owned parts of materialized chunks as the lazy restore reads them (``backend.state.lazy``).
+
+What the lazy restore needs of the chunk format is named here with plain types (``ChunkView``,
+``ChunkSource``; ``materializer.point_reads`` implements them: the backend does not import the
+materializer). ``PartReader`` reads byte ranges of parts, concurrently where asked, and reports a
+failed read as the lazy restore's failures say (docs/failure-semantics.md): ``StorageError`` naming
+the chunk and the key groups after the storage's retries, ``StateRestoreError`` for a missing
+chunk, a ``CorruptDataError`` of the format naming the key groups too. ``LocalKeys`` is what is
+local: the key groups hydrated and the keys loaded one by one; ``apply_pending`` applies and drops
+the pending changes kept at restore (their table's layout is in ``backend.state.lazy``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from backend.core import records as rec
+from backend.core.errors import StateRestoreError
+from backend.core.tablekeys import key_group_of
+from backend.state import restore as restoring
+from backend.state.lmdb_tables import LmdbTables
+from dstl.api import DfsFiles
+from dstl.errors import CorruptDataError, StorageError
+from dstl.types import KeyGroupRange
+
+__all__ = [
+    "FETCH_THREADS",
+    "ChunkSource",
+    "ChunkView",
+    "LocalKeys",
+    "Part",
+    "PartReader",
+    "apply_pending",
+    "key_groups_label",
+    "named",
+]
+
+#: concurrent ranged reads of one load or of the hydration's prefetch
+FETCH_THREADS = 8
+
+
+class ChunkView(Protocol):
+    """A chunk's block index, read from its tail (``materializer.point_reads`` implements it).
+    Offsets are from the start of the chunk."""
+
+    def tables(self) -> list[str]:
+        """The tables the chunk has a section of."""
+        ...
+
+    def key_blocks(self, table: str, ckey: bytes) -> list[tuple[int, int]]:
+        """(offset, length) of each of the consecutive blocks that may hold ``ckey``'s entries."""
+        ...
+
+    def key_entries(self, table: str, ckey: bytes, blocks: list[bytes]) -> list[tuple[bytes, bytes]]:
+        """``ckey``'s entries of ``table`` in key order, given the bytes of its ``key_blocks``."""
+        ...
+
+    def section_range(self, table: str) -> tuple[int, int] | None:
+        """(offset, length) of ``table``'s whole section (None: the chunk holds none of it)."""
+        ...
+
+    def section_entries(self, table: str, data: bytes) -> list[tuple[bytes, bytes]]:
+        """Every entry of ``table``'s section, given its bytes."""
+        ...
+
+
+class ChunkSource(Protocol):
+    """What the lazy restore needs of the chunk format (injected: the materializer implements it,
+    and ``backend.state`` does not import the materializer)."""
+
+    def index(self, path: str, entry: Mapping[str, Any], read: Callable[[int, int], bytes]) -> ChunkView:
+        """The index of the chunk ``entry`` names, ``read(offset, length)`` reading its bytes; checked
+        against ``entry`` (key groups, SQN, entries). Damage raises a ``CorruptDataError``."""
+        ...
+
+    def load(
+        self, path: str, data: bytes, entry: Mapping[str, Any], key_groups: KeyGroupRange
+    ) -> Mapping[str, Sequence[tuple[bytes, bytes]]]:
+        """A whole chunk's entries of ``key_groups``, checked as an eager restore checks it."""
+        ...
+
+
+@dataclass(eq=False)
+class Part:
+    """An owned part of a chunk: its entry (narrowed to the owned key groups) and, once read, its index."""
+
+    number: int
+    rng: KeyGroupRange
+    entry: dict[str, Any]
+    view: ChunkView | None = None
+
+    @property
+    def path(self) -> str:
+        return str(self.entry["path"])
+
+    @property
+    def size(self) -> int:
+        return int(self.entry["size"])
+
+
+@dataclass
+class LocalKeys:
+    """What is local after a lazy restore: per key group (indexed by it) whether it is still
+    *cold* (not hydrated), and the keys (ckeys) of cold key groups loaded one by one."""
+
+    cold: list[bool]
+    keys: set[bytes] = field(default_factory=set)
+    #: the cold key groups some of whose keys are local
+    key_groups: set[int] = field(default_factory=set)
+
+    def is_local(self, ck: bytes, kg: int) -> bool:
+        return not self.cold[kg] or ck in self.keys
+
+
+class PartReader:
+    """Reads of the parts' bytes through the storage's files (module doc), on a small pool."""
+
+    def __init__(self, files: DfsFiles) -> None:
+        self.files = files
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="lazy-restore")
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def read(self, part: Part, offset: int, length: int, what: str) -> bytes:
+        """Bytes ``[offset, offset + length)`` of ``part``'s chunk; failures name the chunk and ``what``."""
+        base = int(part.entry.get("offset", 0))
+        try:
+            return bytes(self.files.read_range(part.path, base + offset, length))
+        except FileNotFoundError:
+            raise StateRestoreError(f"materialized chunk {part.path} is missing (reading {what})") from None
+        except StorageError as exc:
+            raise StorageError(
+                f"lazy restore of {what}: reading materialized chunk {part.path} "
+                f"(bytes {base + offset}..{base + offset + length}) failed: {exc}"
+            ) from exc
+        except ValueError as exc:  # a path outside the storage's base path
+            raise StateRestoreError(f"materialized chunk path refused: {exc}") from None
+
+    def all(self, calls: list[Callable[[], Any]]) -> list[Any]:
+        """Run ``calls`` concurrently (inline if one); wait for all, then raise the first error."""
+        if len(calls) <= 1:
+            return [call() for call in calls]
+        futures = [self.pool().submit(call) for call in calls]
+        concurrent.futures.wait(futures)
+        return [f.result() for f in futures]
+
+
+def named(what: str, call: Callable[[], Any]) -> Any:
+    """``call()``, a ``CorruptDataError`` it raises naming ``what`` (key groups) too."""
+    try:
+        return call()
+    except CorruptDataError as exc:
+        raise type(exc)(exc.path, f"{exc.problem} (reading {what})") from exc
+
+
+def key_groups_label(kgs: Sequence[int]) -> str:
+    return f"key group {kgs[0]}" if len(kgs) == 1 else f"key groups {', '.join(map(str, kgs))}"
+
+
+def apply_pending(
+    txn: Any,
+    tables: LmdbTables,
+    pending: Any,
+    kinds: Mapping[int, tuple[str, str]],
+    start: bytes,
+    end: bytes | None,
+) -> None:
+    """Apply, in log order, and delete the pending changes of keys in ``[start, end)`` (``end``
+    None: the keys starting with ``start``, one ckey's) with the eager replay's ``apply_record``."""
+    cursor = txn.cursor(db=pending)
+    if not cursor.set_range(start):
+        return
+    while True:
+        key = cursor.key()
+        if not key or (key >= end if end is not None else not key.startswith(start)):
+            return
+        op, sid, ck, rest = rec.parse_record(cursor.value())
+        name, kind = kinds[sid]
+        restoring.apply_record(txn, tables.database_in(txn, name), kind, op, ck, rest)
+        if not cursor.delete():
+            return
+
+
+def key_groups_of(cks: Sequence[bytes]) -> str:
+    return key_groups_label(sorted({key_group_of(ck) for ck in cks}))
+
+
+def intersection(a: KeyGroupRange, b: KeyGroupRange) -> KeyGroupRange:
+    return KeyGroupRange(max(a.start, b.start), min(a.end, b.end))

@@ -1,0 +1,417 @@
+"""Lazy restore: serve a key as soon as *that key* is local, load the rest in the background.
+
+What is read when (docs/architecture.md, "Lazy restore"):
+
+- **At restore** (``restore_lazily``): the handles (validated by the backend as for an eager
+  restore), the tail of every owned chunk part (its block index: ``ChunkSource.index``, one ranged
+  read each, concurrent) and the section of the timers in it (one ranged read), and the log entries
+  of the owned key groups. Timers are loaded eagerly (the chunks' timer sections and the log's timer
+  records go to the timers table), so ``TimerService`` finds due timers without loading any key.
+  Every other log record is kept in a local table of *pending changes* (``PENDING_DB``), keyed
+  ``ckey | seq:u64be``: a key's records come back in log order with one cursor range. A ckey is
+  never a byte prefix of another ckey (its bytes 2-3 are the key's length, ``tablekeys``), so the
+  range of ``ckey`` holds exactly that key's records. A batch record (``SET_BATCH``,
+  ``SET_COLUMN``) is split into one SET per key. Nothing else of the states' chunks is read.
+- **On access** (``LazyRestore.load``, called by ``set_current_key``, ``set_current_key_in_group``
+  and ``set_current_ckey`` of a key in a key group not hydrated yet, while lazy): the key's blocks in
+  every table of the chunk part covering its key group are found in the index, fetched (ranged
+  reads, a small LRU of fetched blocks serves neighbours) and decoded; its entries and then its
+  pending changes, in log order (``restore.apply_record``, as the eager replay), are written to
+  LMDB in one transaction, which also deletes those pending changes; once it committed the key is
+  local. No partial key is ever visible: the transaction commits whole or not at all, and the
+  access that failed leaves the previous key current. ``backend.batch(keys)`` loads the batch's
+  keys that are not local the same way, their block reads concurrent (``FETCH_THREADS``), in one
+  transaction.
+- **In the background** (``hydrate_step``, driven by the owner between units of work): whole key
+  groups, in order: each chunk part read whole (runs of parts lying back to back in one pack in one
+  ranged read, as the eager restore, prefetched with at most ``HYDRATION_BYTES`` in flight), checked
+  (``ChunkSource.load``: size, hash, footer, as the eager restore), bulk-put skipping the keys
+  already local (they may have changed since), then the pending changes of the key groups applied
+  and deleted, and the key groups marked hydrated. When every key group is, the pending table is
+  dropped, the hooks on ``set_current_key`` are removed and the backend is as after an eager
+  restore. Why the owner drives it and no thread writes: the hot read path holds no lock, and a
+  write renews the LMDB read view under it (``lmdb_tables``); the prefetch threads only read the DFS.
+
+The operations that need every key (``delete_state``, ``consistent_view`` for savepoints and the
+state tools, a materialization: ``begin_materialization(hydrate=True)``) hydrate everything first.
+
+Failures: a read that fails after the storage's retries raises ``StorageError`` naming the chunk
+and the key group(s); a missing chunk ``StateRestoreError``; a damaged block or index the chunk
+format's ``CorruptDataError`` (``CorruptChunkError``) naming the file and the key group. Nothing is
+written before every read of a load succeeded, so nothing partial is visible, and the same access
+works once the storage is back.
+"""
+
+from __future__ import annotations
+
+import collections
+import struct
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from backend.core import records as rec
+from backend.core.errors import SerializationError, StateRestoreError
+from backend.core.handles import KeyedStateHandle, LogEntry
+from backend.core.records import Op
+from backend.core.tablekeys import key_group_of
+from backend.state import restore as restoring
+from backend.state.chunk_parts import (
+    ChunkSource,
+    ChunkView,
+    LocalKeys,
+    Part,
+    PartReader,
+    apply_pending,
+    key_groups_label,
+    key_groups_of,
+    named,
+)
+from backend.state.context import KeyContext
+from backend.state.hydration import Hydration
+from backend.state.lmdb_tables import LmdbTables
+from backend.state.restore import Progress
+from backend.state.timers import TIMERS_DB, TIMERS_SID
+from dstl.api import ChangelogStorage
+from dstl.errors import CorruptChangelogError
+from dstl.types import ChangelogHandle, KeyGroupRange
+
+__all__ = ["PENDING_DB", "ChunkSource", "ChunkView", "LazyRestore", "restore_lazily"]
+
+#: the local table of pending changes (not a state: ``LmdbTables.unlisted_database``)
+PENDING_DB = "__lazy__"
+#: fetched blocks kept for the keys next to the ones loaded (compressed bytes)
+BLOCK_CACHE_BYTES = 16 << 20
+#: adjacent blocks of one chunk are fetched in one ranged read up to this many bytes
+READ_MERGE_BYTES = 1 << 20
+
+_SEQ = struct.Struct(">Q")
+#: a block to fetch: its part, offset, length and the key group it is read for
+_Block = tuple[Part, int, int, int]
+
+
+class LazyRestore:
+    """The lazy part of a restored backend: what is not local yet and how to load it (module doc)."""
+
+    def __init__(
+        self,
+        tables: LmdbTables,
+        lock: threading.RLock,
+        reader: PartReader,
+        chunks: ChunkSource | None,
+        states: Mapping[str, Mapping[str, Any]],
+        owned: KeyGroupRange,
+        parts: list[Part],
+    ) -> None:
+        self.tables, self.lock, self.reader, self.chunks = tables, lock, reader, chunks
+        self.kinds = restoring.record_kinds(states)
+        self.states = states
+        self.owned = owned
+        self.parts = parts
+        self.pending = tables.unlisted_database(PENDING_DB)
+        self.local = LocalKeys([False] * (owned.end + 1))
+        self.hydration = Hydration(tables, lock, reader, chunks, states, self.local, self.pending, self.kinds)
+        self._by_kg: dict[int, list[Part]] = {}
+        for part in parts:
+            for kg in part.rng:
+                self._by_kg.setdefault(kg, []).append(part)
+        self._blocks: collections.OrderedDict[tuple[int, int], bytes] = collections.OrderedDict()
+        self._block_bytes = 0
+        #: what ends the lazy mode once every key group is hydrated (the backend sets it)
+        self.on_done: Callable[[], None] = lambda: None
+
+    def close(self) -> None:
+        self.reader.close()
+        self.hydration.close()
+        self._blocks.clear()
+
+    # -- at restore ---------------------------------------------------------------------------
+
+    def open_indexes(self, parts: Iterable[Part], what: Callable[[Part], str]) -> None:
+        """Read the index of each of ``parts`` not read yet (concurrently)."""
+        todo = [p for p in dict.fromkeys(parts) if p.view is None]
+        chunks = self.chunks
+        assert chunks is not None or not todo
+
+        def opener(part: Part) -> Callable[[], ChunkView]:
+            def read(offset: int, length: int) -> bytes:
+                return self.reader.read(part, offset, length, what(part))
+
+            return lambda: named(what(part), lambda: chunks.index(part.path, part.entry, read))  # type: ignore[union-attr]
+
+        for part, view in zip(todo, self.reader.all([opener(p) for p in todo]), strict=True):
+            restoring.check_tables(part.path, view.tables(), self.states)
+            part.view = view
+
+    def load_timers(self) -> int:
+        """Put the timers of every part (their section, one ranged read each) into the timers table."""
+        reads = []
+        for part in self.parts:
+            assert part.view is not None
+            where = part.view.section_range(TIMERS_DB)
+            if where is not None:
+                reads.append((part, where, f"the timers of key groups {part.rng.to_json()}"))
+
+        def reading(part: Part, where: tuple[int, int], what: str) -> Callable[[], bytes]:
+            return lambda: self.reader.read(part, where[0], where[1], what)
+
+        datas = self.reader.all([reading(*r) for r in reads])
+        count = 0
+        with self.tables.write("the restore of the timers") as txn:
+            db = self.tables.database_in(txn, TIMERS_DB)
+            for (part, _, what), data in zip(reads, datas, strict=True):
+                view = part.view
+                assert view is not None
+                entries = named(what, lambda: view.section_entries(TIMERS_DB, data))  # noqa: B023
+                entries = [e for e in entries if key_group_of(e[0]) in part.rng]
+                restoring.bulk_put(txn, db, entries)
+                count += len(entries)
+        return count
+
+    def stash_log(self, storage: ChangelogStorage, log: ChangelogHandle, rng: KeyGroupRange, seq: int) -> int:
+        """Keep the records of ``log`` in ``rng`` as pending changes (timer records applied now),
+        numbered from ``seq`` on; returns the next number."""
+        kinds = self.kinds
+        timers = self.tables.database(TIMERS_DB)
+        with self.tables.write(f"the lazy restore of log {log.log_id}") as txn:
+            try:
+                for _, data in storage.read(log, rng):
+                    op, sid, ck, rest = rec.parse_record(data)
+                    if sid not in kinds:
+                        raise StateRestoreError(f"log {log.log_id} has a change of an unknown state id {sid:#x}")
+                    if sid == TIMERS_SID:
+                        restoring.apply_record(txn, timers, "timers", op, ck, rest)
+                        continue
+                    if op in rec.BATCH_OPS:
+                        pairs = [(k, rec.record(Op.SET, sid, k, v)) for k, v in rec.split_batch(op, rest)]
+                    else:
+                        _check_record(op, rest)
+                        pairs = [(ck, data)]
+                    for key, record in pairs:
+                        txn.put(key + _SEQ.pack(seq), record, db=self.pending)
+                        self.local.cold[key_group_of(key)] = True
+                        seq += 1
+            except SerializationError as exc:
+                raise CorruptChangelogError(
+                    ", ".join(sorted(log.files)) or log.log_id,
+                    f"malformed change record in log {log.log_id} (sqn {log.after + 1}..{log.upto}): {exc}",
+                ) from None
+        return seq
+
+    # -- on access ----------------------------------------------------------------------------
+
+    def is_local(self, ck: bytes, kg: int) -> bool:
+        return self.local.is_local(ck, kg)
+
+    def load(self, cks: Sequence[bytes]) -> None:
+        """Make the keys ``cks`` (not local, in cold key groups) local: one transaction (module doc)."""
+        cks = sorted(set(cks))
+        wanted = [(ck, part) for ck in cks for part in self._by_kg.get(key_group_of(ck), ())]
+        self.open_indexes([part for _, part in wanted], lambda p: key_groups_of([ck for ck, q in wanted if q is p]))
+        plan: list[tuple[bytes, Part, str, list[tuple[int, int]]]] = []
+        have: dict[tuple[int, int], bytes] = {}
+        need: dict[tuple[int, int], _Block] = {}
+        for ck, part in wanted:
+            assert part.view is not None
+            for table in part.view.tables():
+                blocks = part.view.key_blocks(table, ck) if table != TIMERS_DB else []
+                if blocks:
+                    plan.append((ck, part, table, blocks))
+                for offset, length in blocks:
+                    key = (part.number, offset)
+                    cached = self._blocks.get(key)
+                    if cached is not None:
+                        self._blocks.move_to_end(key)
+                        have[key] = cached
+                    elif key not in need:
+                        need[key] = (part, offset, length, key_group_of(ck))
+        have.update(self._fetch(need))
+        entries: dict[str, list[tuple[bytes, bytes]]] = {}
+        for ck, part, table, blocks in plan:
+            view = part.view
+            assert view is not None
+            datas = [have[part.number, offset] for offset, _ in blocks]
+            found = named(f"key group {key_group_of(ck)}", lambda: view.key_entries(table, ck, datas))  # noqa: B023
+            entries.setdefault(table, []).extend(found)
+        with self.lock:
+            with self.tables.write(f"the lazy load of {len(cks)} keys") as txn:
+                for table, items in entries.items():
+                    txn.cursor(db=self.tables.database_in(txn, table)).putmulti(items)
+                for ck in cks:
+                    apply_pending(txn, self.tables, self.pending, self.kinds, ck, None)
+            self.local.keys.update(cks)
+            self.local.key_groups.update(map(key_group_of, cks))
+
+    def _fetch(self, need: Mapping[tuple[int, int], _Block]) -> dict[tuple[int, int], bytes]:
+        """Fetch the blocks ``need`` names, adjacent ones of a chunk in one read, reads concurrent."""
+        runs: list[list[_Block]] = []
+        for block in sorted(need.values(), key=lambda b: (b[0].number, b[1])):
+            part, offset, length, _ = block
+            last = runs[-1][-1] if runs else None
+            if (
+                last is not None
+                and last[0] is part
+                and last[1] + last[2] == offset
+                and offset + length - runs[-1][0][1] <= READ_MERGE_BYTES
+            ):
+                runs[-1].append(block)
+            else:
+                runs.append([block])
+
+        def reading(run: list[_Block]) -> Callable[[], bytes]:
+            part, start = run[0][0], run[0][1]
+            what = key_groups_label(sorted({b[3] for b in run}))
+            return lambda: self.reader.read(part, start, run[-1][1] + run[-1][2] - start, what)
+
+        got: dict[tuple[int, int], bytes] = {}
+        for run, data in zip(runs, self.reader.all([reading(r) for r in runs]), strict=True):
+            start = run[0][1]
+            for part, offset, length, _ in run:
+                got[part.number, offset] = block = data[offset - start : offset - start + length]
+                self._cache(part.number, offset, block)
+        return got
+
+    def _cache(self, number: int, offset: int, block: bytes) -> None:
+        self._blocks[number, offset] = block
+        self._block_bytes += len(block)
+        while self._block_bytes > BLOCK_CACHE_BYTES and len(self._blocks) > 1:
+            _, old = self._blocks.popitem(last=False)
+            self._block_bytes -= len(old)
+
+    # -- in the background ----------------------------------------------------------------------
+
+    def hydrate_step(self, max_key_groups: int) -> int:
+        """Hydrate at least ``max_key_groups`` key groups (``backend.state.hydration``) or those
+        left; ends the lazy mode once none is left. Returns how many were hydrated."""
+        done = self.hydration.step(max_key_groups)
+        if self.hydration.done:
+            self.finish()
+        return done
+
+    def finish(self) -> None:
+        """Every key group is hydrated: drop the pending table and the bookkeeping."""
+        with self.lock:
+            with self.tables.write("the end of the lazy restore") as txn:
+                txn.drop(self.pending, delete=True)
+            self.local.keys.clear()
+            self.close()
+            self.on_done()
+
+
+def _check_record(op: Op, rest: bytes) -> None:
+    """The checks the eager replay makes on applying a record, made when it is kept instead."""
+    if op is Op.PUT:
+        rec.split_put(rest)
+    elif op is Op.ADD:
+        rec.decode_list(rest)
+
+
+def restore_lazily(
+    host: KeyContext,
+    tables: LmdbTables,
+    lock: threading.RLock,
+    handles: list[KeyedStateHandle],
+    states: Mapping[str, Mapping[str, Any]],
+    reader: ChangelogStorage | None,
+    chunks: ChunkSource | None,
+    materialized: list[dict[str, Any]],
+    carried: list[LogEntry],
+    progress: Progress | None,
+    on_done: Callable[[], None],
+) -> tuple[LazyRestore | None, int]:
+    """Restore ``handles`` lazily into ``tables`` for ``host`` (module doc); returns the lazy part
+    (None when nothing is left to load) and the timers loaded plus the records kept. Appends what
+    the snapshots reference to ``materialized`` and ``carried``, as the eager restore does. Until
+    the lazy part ends (then ``on_done`` runs), the host's methods that make a key current load it
+    first (``install_hooks``)."""
+    owned = host.key_group_range
+    parts = [Part(i, rng, chunk) for i, (rng, chunk) in enumerate(restoring.owned_parts(handles, owned))]
+    if parts and chunks is None:
+        raise StateRestoreError(
+            "the handles hold materialized chunks: restore with materializer.restore(backend, handles, mode='lazy')"
+        )
+    logs = list(restoring.owned_logs(handles, owned))
+    if reader is None:
+        if parts or logs:
+            raise StateRestoreError("restoring changelog handles needs a changelog storage")
+        return None, 0
+    lazy = LazyRestore(tables, lock, PartReader(reader.files), chunks, states, owned, parts)
+    try:
+        lazy.open_indexes(parts, lambda p: f"the index of key groups {p.rng.to_json()}")
+        count = lazy.load_timers()
+        if progress is not None:
+            progress(count)
+        seq = 0
+        for log, rng in logs:
+            seq = lazy.stash_log(reader, log, rng, seq)
+            carried.append(LogEntry(log, rng))
+            if progress is not None:
+                progress(count + seq)
+    except BaseException:
+        lazy.close()
+        raise
+    for part in parts:
+        materialized.append(part.entry)
+        for kg in part.rng:
+            lazy.local.cold[kg] = True
+    lazy.hydration.plan(owned, parts)
+    if lazy.hydration.done:
+        lazy.finish()
+        return None, count + seq
+    uninstall = install_hooks(host, lazy)
+
+    def done() -> None:
+        uninstall()
+        on_done()
+
+    lazy.on_done = done
+    return lazy, count + seq
+
+
+#: the methods that make a key current, hooked while a backend is lazy
+_HOOKED = ("set_current_key", "set_current_key_in_group", "set_current_ckey")
+
+
+def install_hooks(host: KeyContext, lazy: LazyRestore) -> Callable[[], None]:
+    """Hook the methods that make a key current so that a key not local yet is loaded first (the
+    previous key stays current if the load fails); returns what removes the hooks. Instance
+    attributes, so that a backend that is not lazy (or no longer) pays nothing on its hot path."""
+    cold, local = lazy.local.cold, lazy.local.keys
+
+    def ensure(saved: tuple[bytes, int, Any]) -> None:
+        ck = host.current_ckey
+        if cold[host.current_kg] and ck not in local:
+            try:
+                lazy.load([ck])
+            except BaseException:
+                host.current_ckey, host.current_kg, host.current_key = saved
+                raise
+
+    def set_current_key(key: Any) -> None:
+        saved = (host.current_ckey, host.current_kg, host.current_key)
+        KeyContext.set_current_key(host, key)
+        ensure(saved)
+
+    def set_current_key_in_group(key: Any, key_group: int) -> None:
+        saved = (host.current_ckey, host.current_kg, host.current_key)
+        KeyContext.set_current_key_in_group(host, key, key_group)
+        ensure(saved)
+
+    def set_current_ckey(ck: bytes) -> Any:
+        saved = (host.current_ckey, host.current_kg, host.current_key)
+        key = KeyContext.set_current_ckey(host, ck)
+        ensure(saved)
+        return key
+
+    hooks = {
+        "set_current_key": set_current_key,
+        "set_current_key_in_group": set_current_key_in_group,
+        "set_current_ckey": set_current_ckey,
+    }
+    host.__dict__.update(hooks)
+
+    def uninstall() -> None:
+        for name in _HOOKED:
+            host.__dict__.pop(name, None)
+
+    return uninstall

@@ -1,0 +1,72 @@
+"""Point reads of chunks for the lazy restore: the chunk format (``materializer.chunks``) behind the
+small interface ``backend.state.lazy`` defines (``ChunkSource``, ``ChunkView``).
+
+Why an adapter: the backend must not import the materializer (the layers import one way), so it
+names what it needs with plain types (byte ranges, table names, entries), and this module answers
+with the chunk index: ``read_chunk_index`` (one ranged read of the tail, a second if it is longer),
+checked against the handle's entry (key groups, SQN, entries: ``binding.check_index_binding``; the
+size and hash need the whole chunk, which the hydration reads and checks with
+``bound_chunk_sections`` as an eager restore does), ``SectionInfo.blocks_for`` and
+``ChunkIndex.decode_block`` with the key as prefix (only that key's entries are sliced out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from dstl.types import KeyGroupRange
+from materializer.binding import bound_chunk_sections, check_index_binding
+from materializer.chunks import ChunkIndex, read_chunk_index
+
+__all__ = ["POINT_READS", "ChunkPointReads", "IndexView"]
+
+
+class IndexView:
+    """A chunk's index, as ``backend.state.lazy.ChunkView``."""
+
+    def __init__(self, info: ChunkIndex) -> None:
+        self.info = info
+
+    def tables(self) -> list[str]:
+        return [s.name for s in self.info.sections]
+
+    def key_blocks(self, table: str, ckey: bytes) -> list[tuple[int, int]]:
+        section = self.info.table(table)
+        if section is None:
+            return []
+        return [(b.offset, b.length) for b in section.blocks_for(ckey)]
+
+    def key_entries(self, table: str, ckey: bytes, blocks: list[bytes]) -> list[tuple[bytes, bytes]]:
+        section = self.info.table(table)
+        if section is None:
+            return []
+        found: list[tuple[bytes, bytes]] = []
+        for block, data in zip(section.blocks_for(ckey), blocks, strict=True):
+            found += self.info.decode_block(data, block, prefix=ckey)
+        return found
+
+    def section_range(self, table: str) -> tuple[int, int] | None:
+        section = self.info.table(table)
+        return None if section is None or not section.count else section.byte_range
+
+    def section_entries(self, table: str, data: bytes) -> list[tuple[bytes, bytes]]:
+        return self.info.decode_section(data, table)
+
+
+class ChunkPointReads:
+    """``backend.state.lazy.ChunkSource`` over the chunk format."""
+
+    def index(self, path: str, entry: Mapping[str, Any], read: Callable[[int, int], bytes]) -> IndexView:
+        info = read_chunk_index(path, int(entry["size"]), read)
+        check_index_binding(path, info, entry)
+        return IndexView(info)
+
+    def load(
+        self, path: str, data: bytes, entry: Mapping[str, Any], key_groups: KeyGroupRange
+    ) -> dict[str, list[tuple[bytes, bytes]]]:
+        return bound_chunk_sections(path, data, entry, key_groups)
+
+
+#: the one instance (it holds nothing)
+POINT_READS = ChunkPointReads()
