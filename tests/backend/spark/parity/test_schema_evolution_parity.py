@@ -9,8 +9,8 @@ fail Spark's query with its error, and the drop-in's before any batch runs with
 restarts on both from their checkpoints and both give the same rows again.
 
 The full matrix (value, list and map state, with and without TTL, ``transformWithStateInPandas``
-and ``transformWithState``) runs under the ``spark_parity`` marker; one representative of each
-change kind runs in the default suite.
+and ``transformWithState``) runs under the ``spark_parity`` marker; the default suite runs every
+accepted change kind at once, on states of their own, in both APIs, and a few refusals.
 """
 
 from __future__ import annotations
@@ -93,26 +93,22 @@ REFUSED = {
 # added one reads 0 in old values): the drop-in refuses both (docs/spark-parity.md)
 
 APIS = ("pandas", "row")
-#: the default suite's representative of each change kind (the rest: marker spark_parity)
-REPRESENTATIVES = {
-    ("add_field", "value", None, "pandas"),
-    ("remove_field", "list", None, "row"),
-    ("reorder_fields", "map", HOUR_MS, "pandas"),
-    ("widen_int_long", "value", HOUR_MS, "row"),
-    ("map_key_renamed", "map", None, "row"),
+#: the default suite's refusals run against Spark (each a query of its own: a refusal stops it); the
+#: accepted changes run together in ``test_every_kind_of_accepted_change_at_once_gives_sparks_outputs``
+#: (the rest: marker spark_parity, ``tests/backend/spark/parity/conftest.py``)
+REFUSED_REPRESENTATIVES: set[tuple[str, str, int | None, str]] = {
     ("narrow_long_int", "value", None, "pandas"),
-    ("map_key_widened", "map", None, "pandas"),
     ("made_not_null", "value", None, "row"),
 }
 
 
-def _matrix(cases: dict[str, Change]) -> list[Any]:
+def _matrix(cases: dict[str, Change], representatives: set[tuple[str, str, int | None, str]]) -> list[Any]:
     params = []
     for name, change in cases.items():
         for kind in change.kinds:
             for ttl in change.ttls:
                 for api in APIS:
-                    marks = [] if (name, kind, ttl, api) in REPRESENTATIVES else [pytest.mark.spark_parity]
+                    marks = [] if (name, kind, ttl, api) in representatives else [pytest.mark.spark_parity]
                     params.append(pytest.param(name, kind, ttl, api, marks=marks,
                                                id=f"{name}-{kind}-{'ttl' if ttl else 'nottl'}-{api}"))  # fmt: skip
     return params
@@ -145,7 +141,31 @@ def assert_same(outcomes: dict[str, Outcome], what: str) -> None:
     assert spark.rows == ours.rows, f"{what}: only Spark {only_spark}, only the drop-in {only_ours}"
 
 
-@pytest.mark.parametrize(("case", "kind", "ttl", "api"), _matrix(ACCEPTED))
+#: one processor whose every state changes differently between its two runs: a field added (value),
+#: removed (list), fields reordered (map), a type widened, a TTL duration changed, a state variable
+#: removed and one added
+TOGETHER_OLD = (
+    Var("added", "value", "total long"), Var("removed", "list", "total long, n long"),
+    Var("reordered", "map", "total long, name string", "k int"), Var("widened", "value", "total int"),
+    Var("ttl", "value", "total long", "", HOUR_MS), Var("dropped", "list", "n long"),
+)  # fmt: skip
+TOGETHER_NEW = (
+    Var("added", "value", "total long, n long"), Var("removed", "list", "total long"),
+    Var("reordered", "map", "name string, total long", "k int"), Var("widened", "value", "total long"),
+    Var("ttl", "value", "total long", "", 2 * HOUR_MS), Var("fresh", "list", "n long"),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_every_kind_of_accepted_change_at_once_gives_sparks_outputs(avro: Any, tmp_path: Path, api: str) -> None:
+    """The default suite's side-by-side run of the changes Spark accepts: each kind on a state of
+    its own, in one restart (the full matrix, each change alone per kind, TTL and API: spark_parity)."""
+    mode = time_mode(TOGETHER_OLD, TOGETHER_NEW)
+    assert_same(run(avro, tmp_path, api, TOGETHER_OLD, FIRST, mode), "the first run")
+    assert_same(run(avro, tmp_path, api, TOGETHER_NEW, [RESTART], mode), "the restart under the changed schemas")
+
+
+@pytest.mark.parametrize(("case", "kind", "ttl", "api"), _matrix(ACCEPTED, set()))
 def test_a_change_spark_accepts_gives_sparks_outputs(
     avro: Any, tmp_path: Path, case: str, kind: str, ttl: int | None, api: str
 ) -> None:
@@ -157,7 +177,7 @@ def test_a_change_spark_accepts_gives_sparks_outputs(
     assert_same(run(avro, tmp_path, api, new, [RESTART], mode), "the restart under the changed schema")
 
 
-@pytest.mark.parametrize(("case", "kind", "ttl", "api"), _matrix(REFUSED))
+@pytest.mark.parametrize(("case", "kind", "ttl", "api"), _matrix(REFUSED, REFUSED_REPRESENTATIVES))
 def test_a_change_spark_refuses_is_refused_and_the_old_code_restarts(
     avro: Any, tmp_path: Path, case: str, kind: str, ttl: int | None, api: str
 ) -> None:
@@ -191,10 +211,10 @@ TOTAL, COUNT = Var("total", "value", "total long"), Var("seen", "list", "n long"
 @pytest.mark.parametrize(
     ("old", "new", "api"),
     [
-        pytest.param((TOTAL,), (TOTAL, COUNT), "pandas", id="added-pandas"),
+        pytest.param((TOTAL,), (TOTAL, COUNT), "pandas", id="added-pandas", marks=pytest.mark.spark_parity),
         pytest.param((TOTAL,), (TOTAL, COUNT), "row", id="added-row", marks=pytest.mark.spark_parity),
         pytest.param((TOTAL, COUNT), (TOTAL,), "pandas", id="removed-pandas", marks=pytest.mark.spark_parity),
-        pytest.param((TOTAL, COUNT), (TOTAL,), "row", id="removed-row"),
+        pytest.param((TOTAL, COUNT), (TOTAL,), "row", id="removed-row", marks=pytest.mark.spark_parity),
     ],
 )
 def test_a_state_variable_added_or_removed_gives_sparks_outputs(
@@ -214,7 +234,8 @@ def test_a_state_whose_kind_changes_is_refused_and_the_old_code_restarts(avro: A
     assert_same(run(avro, tmp_path, api, old, [AGAIN], "None"), "the old code's restart")
 
 
-@pytest.mark.parametrize("kind", ["value", pytest.param("list", marks=pytest.mark.spark_parity),
+@pytest.mark.parametrize("kind", [pytest.param("value", marks=pytest.mark.spark_parity),
+                                  pytest.param("list", marks=pytest.mark.spark_parity),
                                   pytest.param("map", marks=pytest.mark.spark_parity)])  # fmt: skip
 def test_a_ttl_duration_changed_keeps_the_values_as_in_spark(avro: Any, tmp_path: Path, kind: str) -> None:
     old = variables("total long", "k int", kind, HOUR_MS)
@@ -244,6 +265,7 @@ def test_a_ttl_removed_reads_null_fields_in_spark_and_is_refused_here(avro: Any,
     assert restarted["ours"].error is not None and "a TTL cannot be added to or removed" in restarted["ours"].error
 
 
+@pytest.mark.spark_parity
 def test_a_field_removed_and_added_back_reads_null_here_and_the_old_field_in_spark(avro: Any, tmp_path: Path) -> None:
     """A documented difference (docs/spark-parity.md): three runs, ``tag`` removed, then added back.
     Spark reads each value with the schema it was written in, so a key not written while ``tag``
