@@ -208,7 +208,8 @@ class LazyRestore:
         cks = sorted(set(cks))
         wanted = [(ck, part) for ck in cks for part in self._by_kg.get(key_group_of(ck), ())]
         self.open_indexes([part for _, part in wanted], lambda p: key_groups_of([ck for ck, q in wanted if q is p]))
-        plan: list[tuple[bytes, Part, str, list[tuple[int, int]]]] = []
+        # the keys sharing the same blocks of a table of a part: their blocks are decoded once
+        plan: dict[tuple[int, str, tuple[tuple[int, int], ...]], tuple[Part, list[bytes]]] = {}
         have: dict[tuple[int, int], bytes] = {}
         need: dict[tuple[int, int], _Block] = {}
         for ck, part in wanted:
@@ -216,7 +217,7 @@ class LazyRestore:
             for table in part.view.tables():
                 blocks = part.view.key_blocks(table, ck) if table != TIMERS_DB else []
                 if blocks:
-                    plan.append((ck, part, table, blocks))
+                    plan.setdefault((part.number, table, tuple(blocks)), (part, []))[1].append(ck)
                 for offset, length in blocks:
                     key = (part.number, offset)
                     cached = self._blocks.get(key)
@@ -227,11 +228,11 @@ class LazyRestore:
                         need[key] = (part, offset, length, key_group_of(ck))
         have.update(self._fetch(need))
         entries: dict[str, list[tuple[bytes, bytes]]] = {}
-        for ck, part, table, blocks in plan:
+        for (_, table, spans), (part, keys) in plan.items():
             view = part.view
             assert view is not None
-            datas = [have[part.number, offset] for offset, _ in blocks]
-            found = named(f"key group {key_group_of(ck)}", lambda: view.key_entries(table, ck, datas))  # noqa: B023
+            datas = [have[part.number, offset] for offset, _ in spans]
+            found = named(key_groups_of(keys), lambda: view.key_entries(table, keys, datas))  # noqa: B023
             entries.setdefault(table, []).extend(found)
         with self.lock:
             with self.tables.write(f"the lazy load of {len(cks)} keys") as txn:
