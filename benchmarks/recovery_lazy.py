@@ -303,9 +303,13 @@ def _plot(results: list[_Size], best: dict[str, float], path: Path) -> bool:
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xticks(keys, [f"{s.label}\n{s.keys / 1e6:g}M keys" for s in results])
+    ax.minorticks_off()
     ax.set_xlabel("state size")
-    ax.set_ylabel("first batch after a crash (s): restore + 10,000 updates + checkpoint")
-    ax.set_title("Recovery: first batch against state size (S3: moto + FLIP-158 profile x 0.1)")
+    ax.set_ylabel("first batch after a crash (s)")
+    ax.set_title(
+        f"Restore + {BATCH_KEYS:,} updates + checkpoint, against state size\n"
+        f"(S3: moto + FLIP-158 latencies x {S3_SCALE})"
+    )
     ax.legend()
     ax.grid(True, which="both", linewidth=0.3)
     save_figure(fig, path)

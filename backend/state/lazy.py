@@ -82,8 +82,12 @@ __all__ = ["PENDING_DB", "ChunkSource", "ChunkView", "LazyRestore", "restore_laz
 PENDING_DB = "__lazy__"
 #: fetched blocks kept for the keys next to the ones loaded (compressed bytes)
 BLOCK_CACHE_BYTES = 16 << 20
-#: adjacent blocks of one chunk are fetched in one ranged read up to this many bytes
+#: blocks of one chunk are fetched in one ranged read up to this many bytes
 READ_MERGE_BYTES = 1 << 20
+#: ... across gaps (blocks not needed) of up to this many bytes: on an object store a request costs
+#: tens of milliseconds, while reading a few unneeded blocks along costs a fraction of one; a batch
+#: of random keys needs most blocks of a chunk, with a few gaps between them
+READ_GAP_BYTES = 64 << 10
 
 _SEQ = struct.Struct(">Q")
 #: a block to fetch: its part, offset, length and the key group it is read for
@@ -244,7 +248,8 @@ class LazyRestore:
             self.local.key_groups.update(map(key_group_of, cks))
 
     def _fetch(self, need: Mapping[tuple[int, int], _Block]) -> dict[tuple[int, int], bytes]:
-        """Fetch the blocks ``need`` names, adjacent ones of a chunk in one read, reads concurrent."""
+        """Fetch the blocks ``need`` names, those of a chunk close together in one read (``READ_GAP_BYTES``),
+        reads concurrent."""
         runs: list[list[_Block]] = []
         for block in sorted(need.values(), key=lambda b: (b[0].number, b[1])):
             part, offset, length, _ = block
@@ -252,7 +257,7 @@ class LazyRestore:
             if (
                 last is not None
                 and last[0] is part
-                and last[1] + last[2] == offset
+                and 0 <= offset - (last[1] + last[2]) <= READ_GAP_BYTES
                 and offset + length - runs[-1][0][1] <= READ_MERGE_BYTES
             ):
                 runs[-1].append(block)
