@@ -15,6 +15,12 @@
 Each restore runs ``ROUNDS`` times, the two kinds alternating, into an empty local directory (the
 DFS files are in the OS page cache after the first round); the best of each kind counts.
 Every restore is checked against the expected values of a sample of keys.
+
+3. The lazy mode (``benchmarks.recovery_lazy``, whose docstring names its figures): the first batch
+   after a crash (restore + 10,000 updates + checkpoint) with an eager and with a lazy restore, at
+   three state sizes, on the local DFS and on S3 (moto behind the latency proxy);
+   ``first_batch_growth_lazy`` (16S over S) and ``hydration_records_per_s``; the plot
+   ``recovery_first_batch.png``.
 """
 
 from __future__ import annotations
@@ -172,6 +178,11 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
             progress(f"recovery: round {r + 1}/{ROUNDS}: snapshot + log {times['log'][-1]:.3f} s, full {seconds:.3f} s")
         log_s, full_s = min(times["log"]), min(times["full"])
 
+        from benchmarks import recovery_lazy  # it imports this module's loaders
+
+        lazy = recovery_lazy.run_lazy(tmp, st, quick, out_dir)
+        plot, lazy_times = lazy.pop("_plot"), lazy.pop("_times")
+
     total = log_entries + log_changes
     records_per_s = total / log_s
     ratio = log_s / full_s
@@ -193,6 +204,7 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
         "bytes_chunks_full": full_chunks,
         "bytes_log_full": full_log,
         "records_per_s_full": round(full_entries / full_s),
+        **lazy,
     }
     mib = 1 << 20
     return BenchResult(
@@ -209,6 +221,13 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
             ("records/s (snapshot + log)", f"{records_per_s:,.0f}  (target >= 1,000,000)"),
             ("records/s (full snapshot)", f"{full_entries / full_s:,.0f}"),
             ("log/full restore ratio", f"{ratio:.3f}  (target <= 1.3)"),
+            *recovery_lazy.table(metrics),
         ],
-        details={"rounds": ROUNDS, "checkpoint_every": CHECKPOINT_EVERY, "restore_seconds": times},
+        details={
+            "rounds": ROUNDS,
+            "checkpoint_every": CHECKPOINT_EVERY,
+            "restore_seconds": times,
+            "lazy_seconds": lazy_times,
+        },
+        plots=[plot] if plot else [],
     )

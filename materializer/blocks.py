@@ -484,6 +484,19 @@ def entries_between(
     sliced out (a binary search over the keys); the block's first and last keys are checked
     against the index (or a version-1 footer) as a whole decode checks them.
     """
+    return entries_in_ranges(path, payload, block, [(low, high)], decompressor)
+
+
+def entries_in_ranges(
+    path: str,
+    payload: bytes | memoryview,
+    block: BlockInfo,
+    ranges: Sequence[tuple[bytes, bytes | None]],
+    decompressor: zstandard.ZstdDecompressor,
+) -> tuple[list[bytes], list[bytes]]:
+    """``entries_between`` for several ``(low, high)`` ranges (sorted, not overlapping) at once: the
+    block is decompressed and its columns checked once, each range found by its own binary search
+    (a batch's keys that share a block cost one decode, not one each)."""
     cols = _columns(path, payload, block, decompressor)
     raw, count = cols.raw, block.count
     if not count:
@@ -494,15 +507,23 @@ def entries_between(
     def key_at(i: int) -> bytes:
         return raw[key_ends[i] : key_ends[i + 1]]
 
-    lo = bisect_left(range(count), low, key=key_at)
-    hi = count if high is None else bisect_left(range(count), high, lo, key=key_at)
-    if lo >= hi:
-        return [], []
-    a, b = max(lo - 1, 0), min(hi + 1, count)  # one neighbour each side: the order across the cut
-    keys = _split(raw, key_ends[a], cols.key_lens[a:b])
-    _check_order(path, block, keys)
-    value_start = cols.values_start + sum(cols.value_lens[:lo])
-    return keys[lo - a : hi - a], _split(raw, value_start, cols.value_lens[lo:hi])
+    value_ends = list(accumulate(cols.value_lens, initial=cols.values_start)) if len(ranges) > 1 else None
+    keys_out: list[bytes] = []
+    values_out: list[bytes] = []
+    at = 0
+    for low, high in ranges:
+        lo = bisect_left(range(count), low, at, key=key_at)
+        hi = count if high is None else bisect_left(range(count), high, lo, key=key_at)
+        at = hi
+        if lo >= hi:
+            continue
+        a, b = max(lo - 1, 0), min(hi + 1, count)  # one neighbour each side: the order across the cut
+        keys = _split(raw, key_ends[a], cols.key_lens[a:b])
+        _check_order(path, block, keys)
+        keys_out += keys[lo - a : hi - a]
+        value_start = value_ends[lo] if value_ends is not None else cols.values_start + sum(cols.value_lens[:lo])
+        values_out += _split(raw, value_start, cols.value_lens[lo:hi])
+    return keys_out, values_out
 
 
 def block_entries(

@@ -98,6 +98,8 @@ from materializer.blocks import (
     decode_blocks,
     encode_index,
     encode_section,
+    entries_in_ranges,
+    prefix_end,
 )
 from materializer.errors import CorruptChunkError
 from materializer.footers import FOOTER_ERRORS, parse_v1_footer, parse_v2_footer
@@ -171,6 +173,17 @@ class ChunkIndex:
         """The entries of ``block``, given its bytes (``block.length`` of them), checked (crc, bounds);
         with a ``prefix``, only those whose key starts with it (cheaper than all of them)."""
         keys, values = decode_block(self.path, data, block, prefix=prefix)
+        return list(zip(keys, values, strict=True))
+
+    def decode_block_prefixes(
+        self, data: bytes | memoryview, block: BlockInfo, prefixes: Sequence[bytes]
+    ) -> list[tuple[bytes, bytes]]:
+        """``decode_block`` with each of ``prefixes`` (sorted, none a prefix of another) at once:
+        the entries whose key starts with one of them, in key order; the block decoded once."""
+        ranges = [(p, prefix_end(p)) for p in prefixes]
+        keys, values = entries_in_ranges(
+            self.path, checked_payload(self.path, data, block), block, ranges, zstandard.ZstdDecompressor()
+        )
         return list(zip(keys, values, strict=True))
 
     def decode_section(self, data: bytes | memoryview, name: str) -> list[tuple[bytes, bytes]]:

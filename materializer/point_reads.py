@@ -7,12 +7,13 @@ with the chunk index: ``read_chunk_index`` (one ranged read of the tail, a secon
 checked against the handle's entry (key groups, SQN, entries: ``binding.check_index_binding``; the
 size and hash need the whole chunk, which the hydration reads and checks with
 ``bound_chunk_sections`` as an eager restore does), ``SectionInfo.blocks_for`` and
-``ChunkIndex.decode_block`` with the key as prefix (only that key's entries are sliced out).
+``ChunkIndex.decode_block_prefixes`` with the keys as prefixes (only their entries are sliced
+out; the keys of a batch that share blocks decode them once).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dstl.types import KeyGroupRange
@@ -37,13 +38,13 @@ class IndexView:
             return []
         return [(b.offset, b.length) for b in section.blocks_for(ckey)]
 
-    def key_entries(self, table: str, ckey: bytes, blocks: list[bytes]) -> list[tuple[bytes, bytes]]:
+    def key_entries(self, table: str, ckeys: Sequence[bytes], blocks: list[bytes]) -> list[tuple[bytes, bytes]]:
         section = self.info.table(table)
         if section is None:
             return []
         found: list[tuple[bytes, bytes]] = []
-        for block, data in zip(section.blocks_for(ckey), blocks, strict=True):
-            found += self.info.decode_block(data, block, prefix=ckey)
+        for block, data in zip(section.blocks_for(ckeys[0]), blocks, strict=True):
+            found += self.info.decode_block_prefixes(data, block, ckeys)
         return found
 
     def section_range(self, table: str) -> tuple[int, int] | None:

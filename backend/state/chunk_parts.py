@@ -54,8 +54,9 @@ class ChunkView(Protocol):
         """(offset, length) of each of the consecutive blocks that may hold ``ckey``'s entries."""
         ...
 
-    def key_entries(self, table: str, ckey: bytes, blocks: list[bytes]) -> list[tuple[bytes, bytes]]:
-        """``ckey``'s entries of ``table`` in key order, given the bytes of its ``key_blocks``."""
+    def key_entries(self, table: str, ckeys: Sequence[bytes], blocks: list[bytes]) -> list[tuple[bytes, bytes]]:
+        """The entries of ``table`` of the keys ``ckeys`` (sorted; ``key_blocks`` the same for each of
+        them), in key order, given the bytes of those blocks."""
         ...
 
     def section_range(self, table: str) -> tuple[int, int] | None:

@@ -7,7 +7,8 @@ ranged read (``SPAN_BYTES`` at most), read ahead on the reader's pool with at mo
 ``HYDRATION_BYTES`` read and not loaded yet, so the reads overlap the owner's work between steps.
 A part is checked as the eager restore checks it (``ChunkSource.load``: size, hash, footer, key
 groups) and bulk-put skipping the keys already local (loaded on access, and maybe changed since:
-their entries in LMDB are newer than the chunk's), then the pending changes of the unit's key
+their entries in LMDB are newer than the chunk's; they are cut out of the part's sorted entries by
+a binary search per local key, not by a test of every entry), then the pending changes of the unit's key
 groups (all of keys not local: a key's are deleted when it is loaded) are applied in log order
 and deleted, in the same transaction, and the key groups are marked hydrated.
 
@@ -18,14 +19,16 @@ A failed read or check fails the step with nothing written; the next step reads 
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
+import operator
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from backend.core.handles import CHUNK_HASH, chunk_digest
-from backend.core.tablekeys import key_group_prefix, split_table_key
+from backend.core.tablekeys import key_group_prefix
 from backend.state import restore as restoring
 from backend.state.chunk_parts import ChunkSource, LocalKeys, Part, PartReader, apply_pending, intersection, named
 from backend.state.lmdb_tables import LmdbTables
@@ -69,6 +72,8 @@ class Hydration:
         self._next = 0
         self._prefetched: dict[int, concurrent.futures.Future[dict[int, bytes]]] = {}
         self._in_flight = 0
+        #: ``local.keys`` sorted (keys are only added while lazy: a new length means new keys)
+        self._sorted_keys: list[bytes] = []
 
     @property
     def done(self) -> bool:
@@ -119,14 +124,14 @@ class Hydration:
     def _write(self, rng: KeyGroupRange, loaded: list[Sections]) -> None:
         local = self.local
         with self.lock:
-            keys = local.keys if any(kg in local.key_groups for kg in rng) else None
+            keys = self._local_keys(rng) if any(kg in local.key_groups for kg in rng) else []
             with self.tables.write(f"the hydration of key groups {rng.to_json()}") as txn:
                 for sections in loaded:
                     for name, entries in sections.items():
                         if name == TIMERS_DB:
                             continue  # loaded at restore, and changed since
-                        if keys is not None:
-                            entries = [e for e in entries if split_table_key(e[0])[0] not in keys]
+                        if keys:
+                            entries = _without(entries, keys)
                         if entries:
                             restoring.bulk_put(txn, self.tables.database_in(txn, name), entries)
                 # a KeyGroupRange ends at MAX_KEY_GROUP, so end + 1 still fits the prefix
@@ -135,6 +140,14 @@ class Hydration:
             for kg in rng:
                 local.cold[kg] = False
                 local.key_groups.discard(kg)
+
+    def _local_keys(self, rng: KeyGroupRange) -> list[bytes]:
+        """The keys of ``rng`` loaded one by one (on access), sorted."""
+        if len(self._sorted_keys) != len(self.local.keys):
+            self._sorted_keys = sorted(self.local.keys)
+        keys = self._sorted_keys
+        start, end = key_group_prefix(rng.start), key_group_prefix(rng.end + 1)
+        return keys[bisect.bisect_left(keys, start) : bisect.bisect_left(keys, end)]
 
     def _part_bytes(self, part: Part) -> bytes:
         future = self._prefetched.get(part.number)
@@ -175,6 +188,23 @@ class Hydration:
             out[part.number] = data[at : at + part.size]
             at += part.size
         return out
+
+
+def _without(entries: Sequence[tuple[bytes, bytes]], cks: list[bytes]) -> list[tuple[bytes, bytes]]:
+    """``entries`` (sorted by table key) without those of the keys ``cks`` (sorted): a key's
+    entries are the table keys starting with its ckey, and no ckey is a prefix of another one."""
+    first = operator.itemgetter(0)
+    kept: list[tuple[bytes, bytes]] = []
+    at = 0
+    for ck in cks:
+        lo = bisect.bisect_left(entries, ck, at, key=first)
+        hi = lo
+        while hi < len(entries) and entries[hi][0].startswith(ck):
+            hi += 1
+        kept += entries[at:lo]
+        at = hi
+    kept += entries[at:]
+    return kept
 
 
 def _follows(run: list[Part], part: Part) -> bool:

@@ -82,8 +82,12 @@ __all__ = ["PENDING_DB", "ChunkSource", "ChunkView", "LazyRestore", "restore_laz
 PENDING_DB = "__lazy__"
 #: fetched blocks kept for the keys next to the ones loaded (compressed bytes)
 BLOCK_CACHE_BYTES = 16 << 20
-#: adjacent blocks of one chunk are fetched in one ranged read up to this many bytes
+#: blocks of one chunk are fetched in one ranged read up to this many bytes
 READ_MERGE_BYTES = 1 << 20
+#: ... across gaps (blocks not needed) of up to this many bytes: on an object store a request costs
+#: tens of milliseconds, while reading a few unneeded blocks along costs a fraction of one; a batch
+#: of random keys needs most blocks of a chunk, with a few gaps between them
+READ_GAP_BYTES = 64 << 10
 
 _SEQ = struct.Struct(">Q")
 #: a block to fetch: its part, offset, length and the key group it is read for
@@ -208,7 +212,8 @@ class LazyRestore:
         cks = sorted(set(cks))
         wanted = [(ck, part) for ck in cks for part in self._by_kg.get(key_group_of(ck), ())]
         self.open_indexes([part for _, part in wanted], lambda p: key_groups_of([ck for ck, q in wanted if q is p]))
-        plan: list[tuple[bytes, Part, str, list[tuple[int, int]]]] = []
+        # the keys sharing the same blocks of a table of a part: their blocks are decoded once
+        plan: dict[tuple[int, str, tuple[tuple[int, int], ...]], tuple[Part, list[bytes]]] = {}
         have: dict[tuple[int, int], bytes] = {}
         need: dict[tuple[int, int], _Block] = {}
         for ck, part in wanted:
@@ -216,7 +221,7 @@ class LazyRestore:
             for table in part.view.tables():
                 blocks = part.view.key_blocks(table, ck) if table != TIMERS_DB else []
                 if blocks:
-                    plan.append((ck, part, table, blocks))
+                    plan.setdefault((part.number, table, tuple(blocks)), (part, []))[1].append(ck)
                 for offset, length in blocks:
                     key = (part.number, offset)
                     cached = self._blocks.get(key)
@@ -227,11 +232,11 @@ class LazyRestore:
                         need[key] = (part, offset, length, key_group_of(ck))
         have.update(self._fetch(need))
         entries: dict[str, list[tuple[bytes, bytes]]] = {}
-        for ck, part, table, blocks in plan:
+        for (_, table, spans), (part, keys) in plan.items():
             view = part.view
             assert view is not None
-            datas = [have[part.number, offset] for offset, _ in blocks]
-            found = named(f"key group {key_group_of(ck)}", lambda: view.key_entries(table, ck, datas))  # noqa: B023
+            datas = [have[part.number, offset] for offset, _ in spans]
+            found = named(key_groups_of(keys), lambda: view.key_entries(table, keys, datas))  # noqa: B023
             entries.setdefault(table, []).extend(found)
         with self.lock:
             with self.tables.write(f"the lazy load of {len(cks)} keys") as txn:
@@ -243,7 +248,8 @@ class LazyRestore:
             self.local.key_groups.update(map(key_group_of, cks))
 
     def _fetch(self, need: Mapping[tuple[int, int], _Block]) -> dict[tuple[int, int], bytes]:
-        """Fetch the blocks ``need`` names, adjacent ones of a chunk in one read, reads concurrent."""
+        """Fetch the blocks ``need`` names, those of a chunk close together in one read (``READ_GAP_BYTES``),
+        reads concurrent."""
         runs: list[list[_Block]] = []
         for block in sorted(need.values(), key=lambda b: (b[0].number, b[1])):
             part, offset, length, _ = block
@@ -251,7 +257,7 @@ class LazyRestore:
             if (
                 last is not None
                 and last[0] is part
-                and last[1] + last[2] == offset
+                and 0 <= offset - (last[1] + last[2]) <= READ_GAP_BYTES
                 and offset + length - runs[-1][0][1] <= READ_MERGE_BYTES
             ):
                 runs[-1].append(block)
