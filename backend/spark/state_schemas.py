@@ -97,9 +97,21 @@ def check(state: str, recorded: Mapping[str, Any] | None, declared: tuple[str, .
             _same_key(state, old[1], new[1])
 
 
-def _refuse(state: str, path: str, old: SparkType | str, new: SparkType | str, why: str) -> SchemaEvolutionError:
+#: Spark's error classes for a refused state schema change, which its tests and users look for
+INVALID_VALUE = "[STATE_STORE_INVALID_VALUE_SCHEMA_EVOLUTION] Schema evolution is not possible"
+KEY_NOT_COMPATIBLE = (
+    "[STATE_STORE_KEY_SCHEMA_NOT_COMPATIBLE] Provided key schema does not match existing state key schema"
+)
+MUST_BE_NULLABLE = "[TRANSFORM_WITH_STATE_SCHEMA_MUST_BE_NULLABLE] The state schema's fields must be nullable"
+
+
+def _refuse(
+    state: str, path: str, old: SparkType | str, new: SparkType | str, why: str, spark: str = INVALID_VALUE
+) -> SchemaEvolutionError:
+    """The refusal, with ``spark``, the error class Spark refuses the same change with ("": Spark
+    takes it and only the drop-in refuses)."""
     shown = [t if isinstance(t, str) else simple_string(t) for t in (old, new)]
-    return SchemaEvolutionError(state, path, shown[0], shown[1], why)
+    return SchemaEvolutionError(state, path, shown[0], shown[1], f"{spark}: {why}" if spark else why)
 
 
 def _readable(state: str, path: str, old: SparkType, new: SparkType) -> None:
@@ -144,7 +156,7 @@ def _same_json_form(state: str, path: str, old: SparkType, new: SparkType) -> No
         return
     _readable(state, path, old, new)  # what Spark refuses, with Spark's reason
     why = "the drop-in stores an array's elements and a map's values as JSON (a struct by position) and cannot "
-    raise _refuse(state, path, old, new, why + "convert them: only an integral widening is taken there")
+    raise _refuse(state, path, old, new, why + "convert them: only an integral widening is taken there", "")
 
 
 def _equal_ignoring_nullability(old: SparkType, new: SparkType) -> bool:
@@ -166,12 +178,12 @@ def _struct(state: str, path: str, old: SparkType, new: SparkType) -> None:
         before = stored.get(f.name)
         if before is None:
             if not f.nullable:
-                raise _refuse(state, where, "(absent)", f"{simple_string(f.type)} NOT NULL",
-                              "an added field must be nullable (old values read it as null)")  # fmt: skip
+                why = "an added field must be nullable (old values read it as null)"
+                raise _refuse(state, where, "(absent)", f"{simple_string(f.type)} NOT NULL", why, MUST_BE_NULLABLE)
             continue
         if before.nullable and not f.nullable:
             raise _refuse(state, where, before.type, f"{simple_string(f.type)} NOT NULL",
-                          "a nullable field cannot become NOT NULL")  # fmt: skip
+                          "a nullable field cannot become NOT NULL", MUST_BE_NULLABLE)  # fmt: skip
         _readable(state, where, before.type, f.type)
 
 
@@ -179,7 +191,7 @@ def _same_key(state: str, old: SparkType, new: SparkType) -> None:
     """A map's user key: Spark's key schema check (equal types, names ignored, a NOT NULL field
     not made nullable)."""
     if not _equal_ignoring_names(old, new):
-        raise _refuse(state, "(map key)", old, new, "a map state's key types cannot change (Spark refuses it)")
+        raise _refuse(state, "(map key)", old, new, "a map state's key types cannot change", KEY_NOT_COMPATIBLE)
 
 
 def _equal_ignoring_names(old: SparkType, new: SparkType) -> bool:
