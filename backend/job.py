@@ -123,9 +123,9 @@ class JobOptions:
     restore_from: str | None = None
     #: Flink's ``execution.savepoint-restore-mode`` for ``restore_from``
     restore_mode: RestoreMode = RestoreMode.NO_CLAIM
-    #: how a restore loads the state: "eager" (all of it before the job starts) or "lazy" (a key
-    #: when first used, the rest by ``hydrate_step``); module docstring
-    state_loading: StateLoading = "eager"
+    #: how a restore loads the state: "lazy" (a key when first used, the rest by ``hydrate_step``;
+    #: module docstring) or "eager" (all of it before the job starts, as before the lazy restore)
+    state_loading: StateLoading = "lazy"
     #: key groups each subtask restored lazily loads per ``hydrate_step``
     hydration_key_groups: int = 8
     #: drop the state of operators the snapshot has and the job has not, instead of refusing it

@@ -1,4 +1,4 @@
-"""A ``LocalJob`` with ``state_loading="lazy"``: it restores without loading the state, serves and
+"""A ``LocalJob`` with ``state_loading="lazy"`` (the default): it restores without loading the state, serves and
 checkpoints while partly loaded (those checkpoints restore), loads the rest between units of work
 (``hydrate_step`` after each checkpoint and poll) until it is fully local, and a NO_CLAIM restore
 from a savepoint reads the savepoint until the first checkpoint, which no longer depends on it."""
@@ -46,11 +46,11 @@ def pending_tables(job: LocalJob) -> int:
     return sum(s.backend.tables.holds_database(PENDING_DB) for s in job.all_subtasks())
 
 
-def test_eager_is_the_default_and_restores_everything_at_start(tmp_path: Path) -> None:
+def test_lazy_is_the_default_and_eager_restores_everything_at_start(tmp_path: Path) -> None:
     work = Workload()
     materialized_job(tmp_path, work)
-    job = job_at(tmp_path)
-    assert JobOptions().state_loading == "eager"
+    assert JobOptions().state_loading == "lazy"
+    job = job_at(tmp_path, state_loading="eager")
     assert job.fully_local and pending_tables(job) == 0
     assert job.hydrate_step() == 0
     assert read_state(job) == work.model
