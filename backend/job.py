@@ -16,7 +16,14 @@ Start-up order matters and is the reason this class exists:
 3. subtasks whose restored state the job does not own are fully materialized before the first
    checkpoint.
 
-Local LMDB directories are recreated on start: state always comes from the DFS.
+Local LMDB directories are recreated on start: state always comes from the DFS, loaded as
+``state_loading`` says (``backend.checkpointing.savepoints.StateLoading``). With ``"lazy"`` a
+subtask serves a key as soon as that key is loaded, and the job loads the rest between units of
+work: ``hydrate_step`` (after each checkpoint's commit and each ``poll_materialization``) loads
+``hydration_key_groups`` whole key groups of each subtask not ``fully_local`` yet, on the caller's
+thread, as the lazy core wants (only the backend's owner writes its tables). A snapshot read
+lazily from outside the job directory (NO_CLAIM, canonical savepoints) stays open until every
+subtask is fully local: the first checkpoint's full materialization loads everything first.
 
 Why it sits above ``backend.checkpointing`` and not in it: it is the standalone job's composition
 root, the one place that constructs ``dstl.storage.StateChangelogStorage`` (for the job
@@ -59,7 +66,9 @@ from backend.checkpointing.metrics import MetricsServer
 from backend.checkpointing.ownership import Ownership
 from backend.checkpointing.savepoints import (
     RestoreMode,
+    StateLoading,
     check_operators,
+    check_state_loading,
     copy_files,
     dispose_savepoint,
     handles_of,
@@ -114,6 +123,11 @@ class JobOptions:
     restore_from: str | None = None
     #: Flink's ``execution.savepoint-restore-mode`` for ``restore_from``
     restore_mode: RestoreMode = RestoreMode.NO_CLAIM
+    #: how a restore loads the state: "lazy" (a key when first used, the rest by ``hydrate_step``;
+    #: module docstring) or "eager" (all of it before the job starts, as before the lazy restore)
+    state_loading: StateLoading = "lazy"
+    #: key groups each subtask restored lazily loads per ``hydrate_step``
+    hydration_key_groups: int = 8
     #: drop the state of operators the snapshot has and the job has not, instead of refusing it
     allow_non_restored_state: bool = False
     #: entries of each backend's write cache
@@ -142,6 +156,9 @@ class JobOptions:
             raise ConfigurationError(f"retention must be a CheckpointRetention, got {self.retention!r}")
         if not isinstance(self.restore_mode, RestoreMode):
             raise ConfigurationError(f"restore_mode must be a RestoreMode, got {self.restore_mode!r}")
+        check_state_loading(self.state_loading)
+        if type(self.hydration_key_groups) is not int or self.hydration_key_groups < 1:
+            raise ConfigurationError(f"hydration_key_groups must be a positive int, got {self.hydration_key_groups!r}")
 
 
 @dataclass
@@ -205,6 +222,8 @@ class LocalJob:
         self.metrics_server: MetricsServer | None = None
         #: an error of the poll after a commit, raised by the next trigger or poll
         self._held_error: Exception | None = None
+        #: the snapshot storage that lazily restored subtasks still read (closed once fully local)
+        self._lazy_source: ChangelogStorage | None = None
         try:
             latest = self.coordinator.recover()
             if latest is not None:
@@ -235,6 +254,7 @@ class LocalJob:
                 f"{url} lies inside this job's directory {self.job_dir}; a job resumes its own checkpoints by itself"
             )
         source = open_directory(base, self._config)
+        kept = False
         try:
             meta = read_snapshot(source.files, where)
             check_operators(meta, [op.uid for op in self.operators], allow_non_restored_state)
@@ -245,8 +265,11 @@ class LocalJob:
                 self._start(meta, self.storage, own=True)
             else:
                 self._start(meta, source, own=False)
+                if not self.fully_local:  # the lazy subtasks read it until they are
+                    self._lazy_source, kept = source, True
         finally:
-            source.close()
+            if not kept:
+                source.close()
         if mode is RestoreMode.CLAIM:
             self.coordinator.on_first_completion = lambda _: self._dispose_claimed(base, where)
 
@@ -279,7 +302,7 @@ class LocalJob:
                 )  # fmt: skip
                 subtasks.append(Subtask(op.uid, index, backend, self._materializer(backend)))
                 if handles:
-                    restore(backend, handles, source=source)
+                    restore(backend, handles, source=source, mode=self.options.state_loading)
                     if not own or meta is None or meta.format == "canonical":
                         backend.disown_restored()
                 self._progress("restore", index + 1, op.parallelism)
@@ -303,12 +326,37 @@ class LocalJob:
                 return subtask.backend
         raise AssertionError(f"no subtask of {uid} owns key group {kg}")
 
+    @property
+    def fully_local(self) -> bool:
+        """Whether every subtask holds all its state locally (always, unless restored lazily)."""
+        return all(s.backend.fully_local for s in self.all_subtasks())
+
+    def hydrate_step(self) -> int:
+        """Load ``hydration_key_groups`` more key groups of each subtask restored lazily that is not
+        fully local yet (module docstring); returns how many key groups were loaded. The job calls
+        it after each checkpoint and poll; a caller may call it more often between units of work.
+        A failed read raises ``StorageError`` with nothing written: the next step reads again."""
+        loaded = 0
+        for subtask in self.all_subtasks():
+            loaded += subtask.backend.hydrate_step(self.options.hydration_key_groups)
+        if self._lazy_source is not None and self.fully_local:
+            self._lazy_source.close()
+            self._lazy_source = None
+        return loaded
+
+    def hydrate(self) -> None:
+        """Load everything the subtasks restored lazily have not loaded yet."""
+        while not self.fully_local or self._lazy_source is not None:
+            self.hydrate_step()
+
     def poll_materialization(self) -> None:
-        """Apply finished materializations and start those due; raises ``MaterializationError``
-        once too many failed in a row, also one held from the poll after a checkpoint's commit."""
+        """Apply finished materializations and start those due, then take a hydration step
+        (``hydrate_step``); raises ``MaterializationError`` once too many failed in a row, also one
+        held from the poll after a checkpoint's commit."""
         self._raise_held()
         for subtask in self.all_subtasks():
             subtask.materializer.poll()
+        self.hydrate_step()
 
     def _poll_after_commit(self, checkpoint_id: int) -> None:
         """The poll after a commit. The checkpoint is complete whatever it meets, so an error (a
@@ -322,6 +370,12 @@ class LocalJob:
                 _log.warning("after checkpoint %d, polling %s[%d]: %s", checkpoint_id, subtask.uid, subtask.index, exc)
                 if self._held_error is None:
                     self._held_error = exc
+        try:
+            self.hydrate_step()
+        except Exception as exc:  # a read of the DFS failed: held too, the next step reads again
+            _log.warning("after checkpoint %d, loading the state restored lazily: %s", checkpoint_id, exc)
+            if self._held_error is None:
+                self._held_error = exc
 
     def _raise_held(self) -> None:
         held, self._held_error = self._held_error, None
@@ -452,6 +506,9 @@ class LocalJob:
             subtask.materializer.close()
             subtask.backend.close()
         self.subtasks = {}
+        if self._lazy_source is not None:
+            self._lazy_source.close()
+            self._lazy_source = None
         try:
             self.coordinator.shutdown(cancelled)
         finally:

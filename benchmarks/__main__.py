@@ -16,6 +16,7 @@ BENCHMARKS = {
     "hedging": "benchmarks.hedging",
     "state": "benchmarks.state",
     "recovery": "benchmarks.recovery",
+    "recovery-spark": "benchmarks.recovery_spark",
     "space": "benchmarks.space",
     "incremental": "benchmarks.incremental",
     "spark": "benchmarks.spark",

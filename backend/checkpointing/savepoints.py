@@ -25,6 +25,17 @@ directory:
 
 Canonical savepoints have no native files, so every mode restores them as NO_CLAIM does; CLAIM
 still deletes the savepoint after the first checkpoint.
+
+State loading (``StateLoading``, the option ``state_loading`` of ``LocalJob``, default "lazy", and
+of the Spark operators, default "eager"; a name of its own, as ``restore_mode`` is taken by the
+modes above), for any restore:
+
+- ``"eager"``: every owned chunk is loaded and the log replayed before the first key is served;
+- ``"lazy"`` (``backend.state.lazy``): the restore reads the chunks' indexes, the timers and the
+  log, a key is loaded when first used, and its owner loads the rest between units of work
+  (``hydrate_step``) until the backend is ``fully_local``. A NO_CLAIM restore reads the snapshot's
+  files until then, and is fully loaded before the first checkpoint, whose materialization needs
+  every key.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ import enum
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 from backend.checkpointing.metadata import METADATA_NAME, Progress, SnapshotMetadata, no_progress, read_snapshot
 from backend.core.errors import CheckpointError
@@ -49,10 +60,25 @@ from backend.core.handles import (
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
 from backend.state.restore import merge_metadata
 from dstl.api import DfsFiles
+from dstl.errors import ConfigurationError
 from dstl.paths import local_path
 from dstl.types import KeyGroupRange
 from materializer.chunks import encode_chunk
 from materializer.periodic import read_sections
+
+#: how a restore loads the state (module docstring)
+StateLoading = Literal["eager", "lazy"]
+STATE_LOADINGS: tuple[StateLoading, ...] = ("eager", "lazy")
+
+
+def check_state_loading(value: object, option: str = "state_loading") -> StateLoading:
+    """``value`` as a ``StateLoading``, or ``ConfigurationError`` naming ``option`` and the choices."""
+    if value not in STATE_LOADINGS:
+        raise ConfigurationError(
+            f"{option} must be 'eager' (load everything at restore) or 'lazy' (load a key when first used), "
+            f"got {value!r}"
+        )
+    return value
 
 
 class RestoreMode(enum.Enum):

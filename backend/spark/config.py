@@ -20,10 +20,14 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from backend.core.keygroups import key_group_range_for_subtask
 from dstl import ChangelogConfig, KeyGroupRange
 from materializer.options import MaterializationOptions
+
+if TYPE_CHECKING:  # the tick source imports this module: nothing of the state layers at run time
+    from backend.checkpointing.savepoints import StateLoading
 
 __all__ = ["EVENT", "PROCESSING", "ROUTE_PROPERTY", "OperatorConfig", "Watermarks", "route_file", "watermark_after"]
 
@@ -84,6 +88,12 @@ class OperatorConfig:
     #: ``spark.sql.execution.arrow.maxBytesPerBatch`` when the operator was built (2**31 - 1: no
     #: limit): transformWithStateInPandas's chunks end earlier by their Arrow size
     max_bytes_per_batch: int = 2**31 - 1
+    #: how a task restoring a subtask from the DFS loads its state (``build``: the user's
+    #: ``state_loading``): "eager", or "lazy" (the keys a batch reads when it reads them, and
+    #: ``hydration_key_groups`` whole key groups after each batch's work until it is local)
+    state_loading: StateLoading = "eager"
+    #: key groups a subtask restored lazily loads after each batch's work (``backend.spark.tasks``)
+    hydration_key_groups: int = 8
     #: a routed operator not bound to a state directory yet (module docstring): its key
     route: str | None = None
     #: the grouping columns' names and Spark types (``simpleString``): a key's key group is Spark's

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 import mmh3
 
+from backend.checkpointing.savepoints import check_state_loading
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
 from backend.spark.batch import coalesced
 from backend.spark.config import OperatorConfig, Watermarks
@@ -171,6 +172,7 @@ def build(
     strict_state_types: bool = False,
     tasks: int | None = None,
     changelog_service: bool = True,
+    state_loading: str = "eager",
 ) -> Any:
     """The streaming DataFrame running ``make_operator(key columns)`` per subtask and batch.
 
@@ -187,7 +189,9 @@ def build(
     subtasks (None: one per core of the cluster, ``SparkContext.defaultParallelism``, at most
     ``parallelism``). ``changelog_service``: the Python workers of a host write the log through one
     changelog service process (``dstl.service``), so the tasks an executor runs at once share one
-    file per flush."""
+    file per flush. ``state_loading``: how a task restoring a subtask from the DFS loads its state
+    (``backend.checkpointing.savepoints.StateLoading``: "eager", or "lazy": the keys of a batch
+    when the batch reads them, the rest a few key groups after each batch)."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import StructType
 
@@ -199,6 +203,7 @@ def build(
         raise ConfigurationError("operator_uid is required: it maps the state in checkpoints to this operator")
     check_name(operator_uid, "operator_uid")  # here on the driver, not first on an executor
     check_max_parallelism(max_parallelism)
+    loading = check_state_loading(state_loading)
     try:
         materialization = MaterializationOptions(
             interval_ms=materialization_interval_ms, size_trigger_bytes=size_trigger_bytes
@@ -240,7 +245,7 @@ def build(
         no_data_batches=no_data_batches if _no_data_batches_enabled(spark) else None,
         strict_state_types=strict_state_types, max_records_per_batch=_max_records_per_batch(spark), tasks=tasks,
         max_bytes_per_batch=_max_bytes_per_batch(spark),
-        changelog_service=changelog_service, route=route,
+        changelog_service=changelog_service, route=route, state_loading=loading,
         grouping_key=tuple((k, simple_string(input_type(df.schema[k].dataType))) for k in keys),
     )  # fmt: skip
     operator = make_operator(keys)

@@ -15,16 +15,23 @@ another in tasks of their own would each flush alone. The task:
    the DFS (``chk-<b-1>/_metadata``, or the subtask handles of batch ``b - 1`` the tasks left
    under ``pending/`` if the driver has not completed that checkpoint yet; at any old
    parallelism). A retried task, a batch evaluated twice, a batch re-run after a driver restart,
-   a dead Python worker and a deleted local directory all land in one of these cases;
-3. marks the local directories dirty, runs the user's processor over each subtask's rows,
-   starts the materialization of those due (only the synchronous part: the upload goes on in the
-   background after the task returns, and no task waits for it; the materializations a task
-   starts together share one chunk file, ``materializer.packs``), and makes every subtask's log
-   durable at once, each snapshot carrying the subtask's pending record (handle, timers, event
-   times) as a note: the records land in the flush's file, ``pending/<b>/<uid>/<uuid>.dstl``, with
-   the changes (``dstl`` notes). A handle names only chunks that are durable: those of a
-   materialization that finished, applied by the next task of the subtask, in this worker
-   (``poll``) or, through a file in the local directory, in another (``backend.spark.handover``);
+   a dead Python worker and a deleted local directory all land in one of these cases. With
+   ``cfg.state_loading == "lazy"`` the restore reads only the chunks' indexes, the timers and the
+   log (``backend.state.lazy``); local tables of a lazy restore that had not ended are not adopted
+   (they hold part of the state), the task restores from the DFS instead;
+3. marks the local directories dirty, runs the user's processor over each subtask's rows (the
+   runners read a partition's keys ahead, ``backend.batch``: after a lazy restore that loads the
+   keys the batch needs, concurrently), loads ``cfg.hydration_key_groups`` more whole key groups of
+   each subtask restored lazily (``hydrate_step``: a kept backend is local after a few batches, and
+   no batch stalls on all of it), starts the materialization of those due (only the synchronous
+   part: the upload goes on in the background after the task returns, and no task waits for it; the
+   materializations a task starts together share one chunk file, ``materializer.packs``), and makes
+   every subtask's log durable at once, each snapshot carrying the subtask's pending record (handle,
+   timers, event times) as a note: the records land in the flush's file,
+   ``pending/<b>/<uid>/<uuid>.dstl``, with the changes (``dstl`` notes). A handle names only chunks
+   that are durable: those of a materialization that finished, applied by the next task of the
+   subtask, in this worker (``poll``) or, through a file in the local directory, in another
+   (``backend.spark.handover``);
 4. flushes the tables (another worker may adopt them), writes the markers (state = batch ``b``),
    and only then hands the output rows to Spark.
 
@@ -195,7 +202,7 @@ def acquire(
     try:
         handles = previous.state.handles
         if handles:
-            restore(fresh.backend, handles)
+            restore(fresh.backend, handles, mode=cfg.state_loading)
     except BaseException:
         _discard(fresh)
         raise
@@ -213,7 +220,11 @@ def _adopt(
         cfg.uid, cfg.key_group_range(subtask), directory / "lmdb", storage=storage,
         max_parallelism=cfg.max_parallelism, num_retained=2, reuse_local=True,
     )  # fmt: skip
-    backend.adopt_local(handle)
+    try:
+        backend.adopt_local(handle)
+    except StateRestoreError:  # partly loaded (a lazy restore that had not ended): restore instead
+        backend.close()
+        return None
     logged = marker.get("log_bytes")
     if type(logged) is int and logged >= 0:  # the size trigger counts logged bytes, not file bytes
         backend.log_bytes_since_materialization = logged
@@ -342,6 +353,9 @@ def _run_batch(
         began = time.perf_counter()
         outputs += process(subtask, kept.backend, now_ms, watermarks)
         run_ms[subtask] = (time.perf_counter() - began) * 1000
+    hydrated = {
+        subtask: kept.backend.hydrate_step(cfg.hydration_key_groups) for subtask, (kept, _, _) in acquired.items()
+    }
     materialized = {subtask: kept.materializer.metrics.completed for subtask, (kept, _, _) in acquired.items()}
     start_materializations([kept.materializer for kept, _, _ in acquired.values()])
     stats: dict[int, dict[str, Any]] = {}
@@ -350,6 +364,9 @@ def _run_batch(
             "source": source,  # where the state came from: kept | local | dfs
             "restore_ms": restore_ms,
             "run_ms": round(run_ms[subtask], 2),
+            # after a lazy restore: key groups loaded after the work, and whether all are now
+            "hydrated": hydrated[subtask],
+            "fully_local": kept.backend.fully_local,
             # materializations this task's handle names for the first time: one this worker's
             # materializer finished, or one another worker finished (handover)
             "materialized": kept.materializer.metrics.completed - materialized[subtask] + kept.handed_over,

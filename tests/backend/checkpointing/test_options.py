@@ -32,6 +32,10 @@ VALUE = ValueStateDescriptor("value", Int64Serializer())
         ({"restore_from": ""}, "restore_from"),
         ({"retention": "delete"}, "retention"),
         ({"restore_mode": "claim"}, "restore_mode"),
+        ({"state_loading": "Lazy"}, "state_loading"),
+        ({"state_loading": None}, "state_loading"),
+        ({"hydration_key_groups": 0}, "hydration_key_groups"),
+        ({"hydration_key_groups": 1.5}, "hydration_key_groups"),
     ],
 )
 def test_job_options_out_of_range_name_the_option(kwargs: dict[str, Any], option: str) -> None:

@@ -74,6 +74,9 @@ def test_missing_checkpoint_location_uid_and_bad_modes_fail_at_call_time(spark: 
         transform_with_state_in_pandas(*args, checkpoint_location="", operator_uid="op")
     with pytest.raises(ValueError, match="operator_uid is required"):
         transform_with_state_in_pandas(*args, checkpoint_location=str(tmp_path / "s"), operator_uid=None)
+    with pytest.raises(ValueError, match=r"state_loading must be 'eager'.* or 'lazy'.*got 'Lazy'"):
+        transform_with_state_in_pandas(*args, checkpoint_location=str(tmp_path / "s"), operator_uid="op",
+                                       state_loading="Lazy")  # fmt: skip
     with pytest.raises(ValueError, match="outputMode"):
         transform_with_state_in_pandas(grouped, counting_processor(), "user string, n long", "Complete", "None",
                                        checkpoint_location=str(tmp_path / "s"), operator_uid="op")  # fmt: skip

@@ -44,6 +44,8 @@ def make_process(fault_dir: str) -> Callable[..., Any]:
 
             context = TaskContext.get()
             batch = context.getLocalProperty("streaming.sql.batchId")
+            if not backend.fully_local:  # restored lazily: recorded for the test
+                (Path(fault_dir).parent / "partly_local" / f"{batch}-{context.partitionId()}").touch()
             total = backend.get_state(TOTAL)
             rows = []
             for frame in frames:
@@ -74,6 +76,7 @@ class Scenario:
         self.batches = 0
         (root / "in").mkdir(parents=True, exist_ok=True)
         (root / "faults").mkdir(exist_ok=True)
+        (root / "partly_local").mkdir(exist_ok=True)
 
     def next_input(self, rows_count: int = 60) -> dict[str, int]:
         """Write the next batch's input file; returns the expected output (key -> new total)."""
@@ -95,14 +98,14 @@ class Scenario:
         (self.root / "faults" / f"{batch}-{subtask}-{kind}").touch()
 
 
-def start(spark: Any, sc: Scenario, parallelism: int, sink: Callable[[Any, int], None]) -> Any:
+def start(spark: Any, sc: Scenario, parallelism: int, sink: Callable[[Any, int], None], **options: Any) -> Any:
     from backend.spark.plan import build
 
     df = spark.readStream.schema("user string, v long").json(str(sc.root / "in"))
     out = build(
         df.groupBy("user"), "user string, total long", make_process(str(sc.root / "faults")), None, False, None, None,
         checkpoint_location=str(sc.root / "state"), operator_uid="totals", parallelism=parallelism,
-        local_dir=str(sc.root / "local"),
+        local_dir=str(sc.root / "local"), **options,
     )  # fmt: skip
     return out.writeStream.foreachBatch(sink).option("checkpointLocation", str(sc.root / "spark")).start()
 
@@ -212,3 +215,36 @@ def test_rescaling_between_runs_keeps_every_key(spark: Any, scenario: Scenario) 
         finally:
             query.stop()
     assert outputs == expected
+
+
+def test_a_query_restarted_with_its_local_directory_wiped_outputs_the_same_loading_lazily(
+    spark: Any, tmp_path: Path
+) -> None:
+    """The state (chunks and a log after them) is restored from the DFS after the restart: lazily,
+    the first batch runs before the state is local (the operator sees it), with the outputs of an
+    eager restore."""
+    from backend.spark import driver
+
+    outputs_of: dict[str, dict[int, dict[str, int]]] = {}
+    for loading in ("eager", "lazy"):
+        driver.forget_all()
+        sc = Scenario(tmp_path / loading)  # the same seed: the same input
+        outputs: dict[int, dict[str, int]] = {}
+        expected: dict[int, dict[str, int]] = {}
+        query = start(spark, sc, 2, collecting(outputs), size_trigger_bytes=1)  # materializes often
+        try:
+            run_batches(query, sc, 3, expected)
+        finally:
+            query.stop()
+        shutil.rmtree(sc.root / "local")
+        driver.forget_all()
+        query = start(spark, sc, 2, collecting(outputs), state_loading=loading)
+        try:
+            run_batches(query, sc, 3, expected)
+        finally:
+            query.stop()
+        assert outputs == expected
+        outputs_of[loading] = outputs
+        partly = {p.name.split("-")[0] for p in (sc.root / "partly_local").iterdir()}
+        assert ("3" in partly) == (loading == "lazy") and partly <= {"3", "4", "5"}
+    assert outputs_of["lazy"] == outputs_of["eager"]
