@@ -51,6 +51,12 @@ def run(spark: Any, root: Path, schema: str, rows: list[dict[str, Any]]) -> list
         grouped, summing(schema), "user string, total double, n long", "Update", "None",
         checkpoint_location=str(root / "state"), operator_uid="sums",
     )  # fmt: skip
+    return collect(out, root)
+
+
+def collect(out: Any, root: Path) -> list[tuple[Any, ...]]:
+    """Run ``out``'s query under the Spark checkpoint ``root/spark`` until its input is processed;
+    its output, sorted."""
     seen: list[tuple[Any, ...]] = []
     query = (
         out.writeStream.foreachBatch(lambda df, _: seen.extend(tuple(r) for r in df.collect()))
@@ -105,17 +111,7 @@ def test_a_grouping_column_of_another_type_is_refused_before_any_batch_and_the_o
             grouped, summing("total long"), f"user {key_type}, total double, n long", "Update", "None",
             checkpoint_location=str(tmp_path / "state"), operator_uid="sums",
         )  # fmt: skip
-        seen: list[tuple[Any, ...]] = []
-        query = (
-            out.writeStream.foreachBatch(lambda df, _: seen.extend(tuple(r) for r in df.collect()))
-            .option("checkpointLocation", str(tmp_path / "spark"))
-            .start()
-        )
-        try:
-            query.processAllAvailable()
-        finally:
-            query.stop()
-        return sorted(seen)
+        return collect(out, tmp_path)
 
     assert run_keyed("int", [{"user": 1, "v": 2}]) == [(1, 2.0, -1)]
     with pytest.raises(
