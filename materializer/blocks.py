@@ -38,6 +38,7 @@ from __future__ import annotations
 import io
 import operator
 import struct
+import threading
 import zlib
 from array import array
 from bisect import bisect_left, bisect_right
@@ -295,6 +296,18 @@ def encode_index(sections: Sequence[EncodedSection]) -> bytes:
 # --------------------------------------------------------------------------------------------- decode
 
 
+_local = threading.local()
+
+
+def thread_decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's decompressor: making one allocates a zstd context, which costs about half of
+    decompressing a block; one may not be used by two threads at once."""
+    decompressor: zstandard.ZstdDecompressor | None = getattr(_local, "decompressor", None)
+    if decompressor is None:
+        decompressor = _local.decompressor = zstandard.ZstdDecompressor()
+    return decompressor
+
+
 def decompress(
     path: str,
     what: str,
@@ -348,6 +361,8 @@ class _Columns:
     value_lens: array[int]
     keys_start: int
     values_start: int
+    key_width: int  # every key's length when they are all alike (int keys, say), else 0
+    value_width: int  # the same for the values
 
 
 def checked_payload(path: str, payload: bytes | memoryview, block: BlockInfo) -> bytes | memoryview:
@@ -361,7 +376,13 @@ def checked_payload(path: str, payload: bytes | memoryview, block: BlockInfo) ->
 def _columns(
     path: str, payload: bytes | memoryview, block: BlockInfo, decompressor: zstandard.ZstdDecompressor
 ) -> _Columns:
-    """Decompress a block whose checksum was checked, and check its columns."""
+    """Decompress a block whose checksum was checked, and check its columns.
+
+    A length column whose lengths are all alike is recognised by comparing its bytes with its first
+    length repeated (one ``memcmp``): its sum and minimum are then a product and that length, and a
+    point read finds its keys by multiplication (``entries_in_ranges``), with no Python-level step
+    per entry.
+    """
     source = "footer" if block.first_key is None else "index"
     raw = decompress(path, block.what, payload, block.raw_length, decompressor, source)
     count = block.count
@@ -374,12 +395,24 @@ def _columns(
     view = memoryview(raw)
     key_lens = array_from_le("I", view[4 : 4 + 4 * count])
     value_lens = array_from_le("I", view[4 + 4 * count : keys_start])
-    values_start = keys_start + sum(key_lens)
-    if values_start + sum(value_lens) != len(raw):
+    key_width = _width(raw, 4, count)
+    value_width = _width(raw, 4 + 4 * count, count)
+    values_start = keys_start + (key_width * count if key_width else sum(key_lens))
+    values_end = values_start + (value_width * count if value_width else sum(value_lens))
+    if values_end != len(raw):
         raise CorruptChunkError(path, f"{block.what}: entry lengths do not add up")
-    if count and min(key_lens) < KEY_GROUP_PREFIX_BYTES:
+    if count and (key_width or min(key_lens)) < KEY_GROUP_PREFIX_BYTES:
         raise CorruptChunkError(path, f"{block.what}: a key is shorter than its key-group prefix")
-    return _Columns(raw, key_lens, value_lens, keys_start, values_start)
+    return _Columns(raw, key_lens, value_lens, keys_start, values_start, key_width, value_width)
+
+
+def _width(raw: bytes, start: int, count: int) -> int:
+    """The length every entry of the little-endian u32 length column at ``start`` has, or 0 (they
+    differ, or there are none). Compared as bytes: a memoryview compares element by element."""
+    if not count:
+        return 0
+    first = raw[start : start + 4]
+    return _U32.unpack(first)[0] if raw[start : start + 4 * count] == first * count else 0
 
 
 def _split(raw: bytes, start: int, lengths: array[int]) -> list[bytes]:
@@ -428,7 +461,7 @@ def decode_block(
     """
     if not checked:
         checked_payload(path, payload, block)
-    decompressor = decompressor or zstandard.ZstdDecompressor()
+    decompressor = decompressor or thread_decompressor()
     if prefix is not None:
         return entries_between(path, payload, block, prefix, prefix_end(prefix), decompressor)
     cols = _columns(path, payload, block, decompressor)
@@ -449,7 +482,7 @@ def decode_blocks(
     """The keys and values of consecutive blocks of one section, each at ``block.offset + shift`` in
     ``data``: the checks of ``decode_block`` on each, but one split and one order check for all of
     them (a whole read costs no more than one frame per section did)."""
-    decompressor = decompressor or zstandard.ZstdDecompressor()
+    decompressor = decompressor or thread_decompressor()
     key_parts, value_parts, starts = [], [], []
     key_lens, value_lens = array("I"), array("I")
     for block in blocks:
@@ -498,16 +531,27 @@ def entries_in_ranges(
     block is decompressed and its columns checked once, each range found by its own binary search
     (a batch's keys that share a block cost one decode, not one each)."""
     cols = _columns(path, payload, block, decompressor)
-    raw, count = cols.raw, block.count
+    raw, count, width = cols.raw, block.count, cols.key_width
     if not count:
         return [], []
-    key_ends = list(accumulate(cols.key_lens, initial=cols.keys_start))
-    _check_ends(path, block, raw[key_ends[0] : key_ends[1]], raw[key_ends[-2] : key_ends[-1]])
+    if width:  # keys of one length: the i-th starts at keys_start + i * width
+        key_starts: Sequence[int] = range(cols.keys_start, cols.values_start + 1, width)
+    else:
+        key_starts = list(accumulate(cols.key_lens, initial=cols.keys_start))
+    _check_ends(path, block, raw[key_starts[0] : key_starts[1]], raw[key_starts[-2] : key_starts[-1]])
 
     def key_at(i: int) -> bytes:
-        return raw[key_ends[i] : key_ends[i + 1]]
+        return raw[key_starts[i] : key_starts[i + 1]]
 
-    value_ends = list(accumulate(cols.value_lens, initial=cols.values_start)) if len(ranges) > 1 else None
+    value_ends = None
+    if not cols.value_width and len(ranges) > 1:  # several ranges: one pass, not a sum per range
+        value_ends = list(accumulate(cols.value_lens, initial=cols.values_start))
+
+    def value_start(i: int) -> int:
+        if cols.value_width:
+            return cols.values_start + i * cols.value_width
+        return value_ends[i] if value_ends is not None else cols.values_start + sum(cols.value_lens[:i])
+
     keys_out: list[bytes] = []
     values_out: list[bytes] = []
     at = 0
@@ -518,11 +562,10 @@ def entries_in_ranges(
         if lo >= hi:
             continue
         a, b = max(lo - 1, 0), min(hi + 1, count)  # one neighbour each side: the order across the cut
-        keys = _split(raw, key_ends[a], cols.key_lens[a:b])
+        keys = _split(raw, key_starts[a], cols.key_lens[a:b])
         _check_order(path, block, keys)
         keys_out += keys[lo - a : hi - a]
-        value_start = value_ends[lo] if value_ends is not None else cols.values_start + sum(cols.value_lens[:lo])
-        values_out += _split(raw, value_start, cols.value_lens[lo:hi])
+        values_out += _split(raw, value_start(lo), cols.value_lens[lo:hi])
     return keys_out, values_out
 
 

@@ -100,6 +100,7 @@ from materializer.blocks import (
     encode_section,
     entries_in_ranges,
     prefix_end,
+    thread_decompressor,
 )
 from materializer.errors import CorruptChunkError
 from materializer.footers import FOOTER_ERRORS, parse_v1_footer, parse_v2_footer
@@ -182,7 +183,7 @@ class ChunkIndex:
         the entries whose key starts with one of them, in key order; the block decoded once."""
         ranges = [(p, prefix_end(p)) for p in prefixes]
         keys, values = entries_in_ranges(
-            self.path, checked_payload(self.path, data, block), block, ranges, zstandard.ZstdDecompressor()
+            self.path, checked_payload(self.path, data, block), block, ranges, thread_decompressor()
         )
         return list(zip(keys, values, strict=True))
 
@@ -436,7 +437,7 @@ def _wanted_blocks(section: SectionInfo, want: KeyGroupRange) -> range:
 def _iter_entries(
     path: str, info: ChunkIndex, payloads: dict[tuple[str, int], bytes | memoryview], want: KeyGroupRange
 ) -> Iterator[tuple[str, bytes, bytes]]:
-    decompressor = zstandard.ZstdDecompressor()
+    decompressor = thread_decompressor()
     for section in info.sections:
         for number in _wanted_blocks(section, want):
             block = section.block(number)

@@ -168,12 +168,22 @@ def chunks(draw: st.DrawFn) -> tuple[KeyGroupRange, dict[str, Entries], int]:
     sections: dict[str, Entries] = {}
     for name in draw(st.lists(st.text(max_size=5), max_size=3, unique=True)):
         keys: set[bytes] = set()
+        fixed = draw(st.booleans())  # keys (and values) of one length: a point read finds them by multiplication
         if len(key_groups):
-            rest = st.binary(max_size=5) | st.builds(
-                lambda b, n: b * n, st.binary(min_size=1, max_size=2), st.integers(1, 60)
+            rest = (
+                st.binary(min_size=4, max_size=4)
+                if fixed
+                else st.binary(max_size=5)
+                | st.builds(lambda b, n: b * n, st.binary(min_size=1, max_size=2), st.integers(1, 60))
             )
             keys = draw(st.sets(st.builds(key, st.integers(start, end), rest), max_size=60))
-        values = st.binary(max_size=30) | st.binary(min_size=300, max_size=700)
+        values = (
+            st.binary(min_size=8, max_size=8) | st.binary(max_size=30)
+            if fixed
+            else st.binary(max_size=30) | st.binary(min_size=300, max_size=700)
+        )
+        if fixed and draw(st.booleans()):
+            values = st.just(draw(st.binary(max_size=9)))
         sections[name] = [(k, draw(values)) for k in sorted(keys)]
     return key_groups, sections, draw(st.sampled_from([1, 20, 64, 256, 1000, BLOCK_SIZE]))
 
@@ -199,6 +209,14 @@ def test_any_chunk_round_trips_and_every_point_read_equals_a_filter(
         prefixes += data.draw(st.lists(st.binary(max_size=5), max_size=3))
         for prefix in prefixes:
             assert point_read(encoded, index, name, prefix) == [(k, v) for k, v in entries if k.startswith(prefix)]
+        chosen = {k for k, _ in entries if data.draw(st.booleans())}  # a batch's keys, read at once: as
+        keys = sorted(k for k in chosen if not any(o != k and o.startswith(k) for o in chosen))  # ckeys, none a prefix
+        section = index.table(name)
+        if keys and section is not None:
+            found = []
+            for block in section.blocks:
+                found += index.decode_block_prefixes(encoded[block.offset : block.offset + block.length], block, keys)
+            assert found == [(k, v) for k, v in entries if any(k.startswith(p) for p in keys)]
 
 
 def test_a_map_keys_entries_spanning_blocks_are_all_found(sample: bytes) -> None:

@@ -393,6 +393,9 @@ def with_section(sample: bytes, raw: bytes, *, frame: bytes | None = None, **fie
 
 COUNTS_KEYS = [k for k, _ in SAMPLE["counts"]]
 COUNTS_VALUES = [v for _, v in SAMPLE["counts"]]
+#: keys and values of one length each: a block of them is read by multiplication, not by summing lengths
+FIXED_KEYS = [key(3, b"a"), key(3, b"b"), key(7, b"c"), key(9, b"z")]
+FIXED_VALUES = [b"12345678"] * 4
 
 
 def test_reassembled_sample_still_decodes(sample: bytes) -> None:
@@ -415,6 +418,11 @@ def test_reassembled_sample_still_decodes(sample: bytes) -> None:
             "key groups differ from the footer's bounds",
         ),
         (lambda: columns([*COUNTS_KEYS[:3], key(8)], COUNTS_VALUES), "key groups differ from the footer's bounds"),
+        (lambda: columns(FIXED_KEYS, FIXED_VALUES) + b"x", "entry lengths do not add up"),
+        (lambda: columns(FIXED_KEYS, FIXED_VALUES)[:-1], "entry lengths do not add up"),
+        (lambda: columns(FIXED_KEYS, FIXED_VALUES, count=3), "holds 3 entries, the footer says 4"),
+        (lambda: columns(FIXED_KEYS[::-1], FIXED_VALUES), "keys not strictly increasing"),
+        (lambda: columns([b"\x01", b"\x02", b"\x03", b"\x04"], FIXED_VALUES), "shorter than its key-group prefix"),
     ],
 )
 def test_checksummed_but_inconsistent_columns(sample: bytes, build: Callable[[], bytes], problem: str) -> None:
