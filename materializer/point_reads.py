@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from backend.state.chunk_parts import BlockSpan
 from dstl.types import KeyGroupRange
 from materializer.binding import bound_chunk_sections, check_index_binding
-from materializer.chunks import ChunkIndex, read_chunk_index
+from materializer.chunks import BlockInfo, ChunkIndex, read_chunk_index
 
 __all__ = ["POINT_READS", "ChunkPointReads", "IndexView"]
 
@@ -28,22 +29,21 @@ class IndexView:
 
     def __init__(self, info: ChunkIndex) -> None:
         self.info = info
+        self._sections = {s.name: s for s in info.sections}
 
     def tables(self) -> list[str]:
-        return [s.name for s in self.info.sections]
+        return list(self._sections)
 
-    def key_blocks(self, table: str, ckey: bytes) -> list[tuple[int, int]]:
-        section = self.info.table(table)
-        if section is None:
-            return []
-        return [(b.offset, b.length) for b in section.blocks_for(ckey)]
+    def key_blocks(self, table: str, ckey: bytes) -> Sequence[BlockInfo]:
+        section = self._sections.get(table)
+        return [] if section is None else section.blocks_for(ckey)
 
-    def key_entries(self, table: str, ckeys: Sequence[bytes], blocks: list[bytes]) -> list[tuple[bytes, bytes]]:
-        section = self.info.table(table)
-        if section is None:
-            return []
+    def key_entries(
+        self, table: str, ckeys: Sequence[bytes], blocks: Sequence[BlockSpan], datas: Sequence[bytes]
+    ) -> list[tuple[bytes, bytes]]:
         found: list[tuple[bytes, bytes]] = []
-        for block, data in zip(section.blocks_for(ckeys[0]), blocks, strict=True):
+        for block, data in zip(blocks, datas, strict=True):
+            assert isinstance(block, BlockInfo)  # what ``key_blocks`` gave
             found += self.info.decode_block_prefixes(data, block, ckeys)
         return found
 

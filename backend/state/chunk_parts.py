@@ -42,6 +42,16 @@ __all__ = [
 FETCH_THREADS = 8
 
 
+class BlockSpan(Protocol):
+    """Where a block is in its chunk (offsets from the start of the chunk)."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def length(self) -> int: ...
+
+
 class ChunkView(Protocol):
     """A chunk's block index, read from its tail (``materializer.point_reads`` implements it).
     Offsets are from the start of the chunk."""
@@ -50,13 +60,15 @@ class ChunkView(Protocol):
         """The tables the chunk has a section of."""
         ...
 
-    def key_blocks(self, table: str, ckey: bytes) -> list[tuple[int, int]]:
-        """(offset, length) of each of the consecutive blocks that may hold ``ckey``'s entries."""
+    def key_blocks(self, table: str, ckey: bytes) -> Sequence[BlockSpan]:
+        """The consecutive blocks that may hold ``ckey``'s entries."""
         ...
 
-    def key_entries(self, table: str, ckeys: Sequence[bytes], blocks: list[bytes]) -> list[tuple[bytes, bytes]]:
-        """The entries of ``table`` of the keys ``ckeys`` (sorted; ``key_blocks`` the same for each of
-        them), in key order, given the bytes of those blocks."""
+    def key_entries(
+        self, table: str, ckeys: Sequence[bytes], blocks: Sequence[BlockSpan], datas: Sequence[bytes]
+    ) -> list[tuple[bytes, bytes]]:
+        """The entries of ``table`` of the keys ``ckeys`` (sorted; ``key_blocks`` gave ``blocks`` for
+        each of them), in key order, given the bytes of those blocks."""
         ...
 
     def section_range(self, table: str) -> tuple[int, int] | None:

@@ -45,6 +45,7 @@ works once the storage is back.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import struct
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -57,6 +58,7 @@ from backend.core.records import Op
 from backend.core.tablekeys import key_group_of
 from backend.state import restore as restoring
 from backend.state.chunk_parts import (
+    BlockSpan,
     ChunkSource,
     ChunkView,
     LocalKeys,
@@ -73,7 +75,7 @@ from backend.state.lmdb_tables import LmdbTables
 from backend.state.restore import Progress
 from backend.state.timers import TIMERS_DB, TIMERS_SID
 from dstl.api import ChangelogStorage
-from dstl.errors import CorruptChangelogError
+from dstl.errors import CorruptChangelogError, CorruptDataError
 from dstl.types import ChangelogHandle, KeyGroupRange
 
 __all__ = ["PENDING_DB", "ChunkSource", "ChunkView", "LazyRestore", "restore_lazily"]
@@ -92,6 +94,8 @@ READ_GAP_BYTES = 64 << 10
 _SEQ = struct.Struct(">Q")
 #: a block to fetch: its part, offset, length and the key group it is read for
 _Block = tuple[Part, int, int, int]
+#: the blocks of a table that may hold some keys, and those keys
+_Keys = tuple[Sequence[BlockSpan], list[bytes]]
 
 
 class LazyRestore:
@@ -208,21 +212,35 @@ class LazyRestore:
         return self.local.is_local(ck, kg)
 
     def load(self, cks: Sequence[bytes]) -> None:
-        """Make the keys ``cks`` (not local, in cold key groups) local: one transaction (module doc)."""
+        """Make the keys ``cks`` (not local, in cold key groups) local: one transaction (module doc).
+
+        Every ranged read is submitted to the reader's pool first; the keys of a part are decoded
+        (on this thread: decoding on the pool measured no faster, its threads contend for the GIL)
+        as soon as that part's reads are in, while the later parts' reads go on.
+        """
         cks = sorted(set(cks))
         wanted = [(ck, part) for ck in cks for part in self._by_kg.get(key_group_of(ck), ())]
         self.open_indexes([part for _, part in wanted], lambda p: key_groups_of([ck for ck, q in wanted if q is p]))
-        # the keys sharing the same blocks of a table of a part: their blocks are decoded once
-        plan: dict[tuple[int, str, tuple[tuple[int, int], ...]], tuple[Part, list[bytes]]] = {}
+        # per part, the keys sharing the same blocks of a table: their blocks are decoded once
+        plans: dict[int, dict[tuple[str, int, int], _Keys]] = {}
+        parts: dict[int, Part] = {}
         have: dict[tuple[int, int], bytes] = {}
         need: dict[tuple[int, int], _Block] = {}
         for ck, part in wanted:
             assert part.view is not None
+            parts[part.number] = part
             for table in part.view.tables():
-                blocks = part.view.key_blocks(table, ck) if table != TIMERS_DB else []
-                if blocks:
-                    plan.setdefault((part.number, table, tuple(blocks)), (part, []))[1].append(ck)
-                for offset, length in blocks:
+                blocks = part.view.key_blocks(table, ck) if table != TIMERS_DB else ()
+                if not blocks:
+                    continue
+                plan = plans.setdefault(part.number, {})
+                span = (table, blocks[0].offset, len(blocks))
+                if span in plan:
+                    plan[span][1].append(ck)
+                else:
+                    plan[span] = (blocks, [ck])
+                for block in blocks:
+                    offset, length = block.offset, block.length
                     key = (part.number, offset)
                     cached = self._blocks.get(key)
                     if cached is not None:
@@ -230,14 +248,25 @@ class LazyRestore:
                         have[key] = cached
                     elif key not in need:
                         need[key] = (part, offset, length, key_group_of(ck))
-        have.update(self._fetch(need))
+        runs = self._runs(need)
+        pool = self.reader.pool()
+        reads = [pool.submit(self._read_run, run) for run in runs]
+        by_part: dict[int, list[concurrent.futures.Future[dict[tuple[int, int], bytes]]]] = {}
+        for run, read in zip(runs, reads, strict=True):
+            by_part.setdefault(run[0][0].number, []).append(read)
         entries: dict[str, list[tuple[bytes, bytes]]] = {}
-        for (_, table, spans), (part, keys) in plan.items():
-            view = part.view
-            assert view is not None
-            datas = [have[part.number, offset] for offset, _ in spans]
-            found = named(key_groups_of(keys), lambda: view.key_entries(table, keys, datas))  # noqa: B023
-            entries.setdefault(table, []).extend(found)
+        try:
+            for number, plan in plans.items():  # decoded part by part, while the later parts' reads go on
+                datas = dict(have)
+                for read in by_part.get(number, ()):
+                    datas.update(read.result())
+                for table, found in _decode_part(parts[number], plan, datas).items():
+                    entries.setdefault(table, []).extend(found)
+        finally:  # a failure waits for the other reads: none runs on once the load raised
+            concurrent.futures.wait(reads)
+        for read in reads:
+            for (number, offset), data in read.result().items():
+                self._cache(number, offset, data)
         with self.lock:
             with self.tables.write(f"the lazy load of {len(cks)} keys") as txn:
                 for table, items in entries.items():
@@ -247,9 +276,10 @@ class LazyRestore:
             self.local.keys.update(cks)
             self.local.key_groups.update(map(key_group_of, cks))
 
-    def _fetch(self, need: Mapping[tuple[int, int], _Block]) -> dict[tuple[int, int], bytes]:
-        """Fetch the blocks ``need`` names, those of a chunk close together in one read (``READ_GAP_BYTES``),
-        reads concurrent."""
+    @staticmethod
+    def _runs(need: Mapping[tuple[int, int], _Block]) -> list[list[_Block]]:
+        """The blocks ``need`` names in reads: those of a chunk close together in one read
+        (``READ_GAP_BYTES``, at most ``READ_MERGE_BYTES``)."""
         runs: list[list[_Block]] = []
         for block in sorted(need.values(), key=lambda b: (b[0].number, b[1])):
             part, offset, length, _ = block
@@ -263,19 +293,14 @@ class LazyRestore:
                 runs[-1].append(block)
             else:
                 runs.append([block])
+        return runs
 
-        def reading(run: list[_Block]) -> Callable[[], bytes]:
-            part, start = run[0][0], run[0][1]
-            what = key_groups_label(sorted({b[3] for b in run}))
-            return lambda: self.reader.read(part, start, run[-1][1] + run[-1][2] - start, what)
-
-        got: dict[tuple[int, int], bytes] = {}
-        for run, data in zip(runs, self.reader.all([reading(r) for r in runs]), strict=True):
-            start = run[0][1]
-            for part, offset, length, _ in run:
-                got[part.number, offset] = block = data[offset - start : offset - start + length]
-                self._cache(part.number, offset, block)
-        return got
+    def _read_run(self, run: list[_Block]) -> dict[tuple[int, int], bytes]:
+        """One ranged read of a run of blocks, cut into its blocks."""
+        part, start = run[0][0], run[0][1]
+        what = key_groups_label(sorted({b[3] for b in run}))
+        data = self.reader.read(part, start, run[-1][1] + run[-1][2] - start, what)
+        return {(part.number, offset): data[offset - start : offset - start + length] for _, offset, length, _ in run}
 
     def _cache(self, number: int, offset: int, block: bytes) -> None:
         self._blocks[number, offset] = block
@@ -302,6 +327,23 @@ class LazyRestore:
             self.local.keys.clear()
             self.close()
             self.on_done()
+
+
+def _decode_part(
+    part: Part, plan: Mapping[tuple[str, int, int], _Keys], blocks: Mapping[tuple[int, int], bytes]
+) -> dict[str, list[tuple[bytes, bytes]]]:
+    """The entries of the keys of ``plan`` (per table and blocks, the keys in them) in ``part``, per table."""
+    view = part.view
+    assert view is not None
+    found: dict[str, list[tuple[bytes, bytes]]] = {}
+    for (table, _, _), (spans, keys) in plan.items():
+        datas = [blocks[part.number, b.offset] for b in spans]
+        try:
+            entries = view.key_entries(table, keys, spans, datas)
+        except CorruptDataError as exc:  # named here, not per call: a label per block costs
+            raise type(exc)(exc.path, f"{exc.problem} (reading {key_groups_of(keys)})") from exc
+        found.setdefault(table, []).extend(entries)
+    return found
 
 
 def _check_record(op: Op, rest: bytes) -> None:
