@@ -264,9 +264,7 @@ class LazyRestore:
                     entries.setdefault(table, []).extend(found)
         finally:  # a failure waits for the other reads: none runs on once the load raised
             concurrent.futures.wait(reads)
-        for read in reads:
-            for (number, offset), data in read.result().items():
-                self._cache(number, offset, data)
+        self._cache([item for read in reads for item in read.result().items()])
         with self.lock:
             with self.tables.write(f"the lazy load of {len(cks)} keys") as txn:
                 for table, items in entries.items():
@@ -302,9 +300,16 @@ class LazyRestore:
         data = self.reader.read(part, start, run[-1][1] + run[-1][2] - start, what)
         return {(part.number, offset): data[offset - start : offset - start + length] for _, offset, length, _ in run}
 
-    def _cache(self, number: int, offset: int, block: bytes) -> None:
-        self._blocks[number, offset] = block
-        self._block_bytes += len(block)
+    def _cache(self, fetched: list[tuple[tuple[int, int], bytes]]) -> None:
+        """Keep the blocks ``fetched`` (in read order) in the LRU: of a load larger than the cache,
+        only the last ones that fit (the others would be evicted by the load itself)."""
+        room, keep = BLOCK_CACHE_BYTES, len(fetched)
+        while keep and room >= len(fetched[keep - 1][1]):
+            keep -= 1
+            room -= len(fetched[keep][1])
+        for key, block in fetched[keep:]:
+            self._blocks[key] = block
+            self._block_bytes += len(block)
         while self._block_bytes > BLOCK_CACHE_BYTES and len(self._blocks) > 1:
             _, old = self._blocks.popitem(last=False)
             self._block_bytes -= len(old)

@@ -304,7 +304,7 @@ def test_the_first_read_holds_the_tail_of_a_chunk_of_thousands_of_blocks() -> No
     tail = len(data) - (index.sections[-1].offset + index.sections[-1].length)
     blocks = sum(s.block_count for s in index.sections)
     assert blocks > 5000
-    assert tail / blocks < TAIL_READ_BYTES / 2048, tail  # the first read holds the tail of 2,048 blocks
+    assert tail / blocks < TAIL_READ_BYTES / 4096, tail  # the first read holds the tail of 4,096 blocks
 
 
 def test_version_1_chunks_read_as_one_block_per_section() -> None:
