@@ -26,6 +26,7 @@ from backend import (
     StrSerializer,
     ValueStateDescriptor,
 )
+from backend.checkpointing.savepoints import StateLoading
 from backend.job import JobOptions, LocalJob, OperatorSpec
 from backend.tools.cli import main
 
@@ -88,13 +89,19 @@ def test_state_read_prints_the_rows_it_printed_then(
     assert main(["checkpoints", "verify", str(path)]) == 0
 
 
-def test_the_job_resumes_its_checkpoint(fixture: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("loading", ["lazy", "eager"])
+def test_the_job_resumes_its_checkpoint(
+    loading: StateLoading, fixture: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     checkpoint = fixture / EXPECTED["snapshots"]["checkpoint"]
     root, job_id = checkpoint.parent.parent, checkpoint.parent.name
-    job = LocalJob(root, job_id, operators(EXPECTED["operator"]["parallelism"]), tmp_path / "local")
+    options = JobOptions(state_loading=loading)
+    job = LocalJob(root, job_id, operators(EXPECTED["operator"]["parallelism"]), tmp_path / "local", options)
     try:
         assert job.restored_from is not None
         assert f"chk-{job.restored_from.checkpoint_id}" == checkpoint.name
+        # a lazy restore of the old chunks (format version 1) loads nothing before the first access
+        assert all(s.backend.fully_local for s in job.all_subtasks()) == (loading == "eager")
         assert_state(job)
         meta = job.checkpoint()  # today's code writes on top of the old files
     finally:
@@ -114,7 +121,7 @@ def test_the_job_resumes_its_checkpoint(fixture: Path, tmp_path: Path, capsys: p
 )
 def test_a_new_job_restores_the_savepoint(name: str, parallelism: int, fixture: Path, tmp_path: Path) -> None:
     savepoint = fixture / EXPECTED["snapshots"][name]
-    options = JobOptions(restore_from=str(savepoint))
+    options = JobOptions(restore_from=str(savepoint))  # lazily, the default
     job = LocalJob(tmp_path / "jobs", "restored", operators(parallelism), tmp_path / "local", options)
     try:
         assert job.restored_from is not None
