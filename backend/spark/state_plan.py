@@ -369,10 +369,15 @@ def plan_read(options: SourceOptions) -> tuple[ScanPlan, list[StatePart] | list[
 
 
 def _unavailable(batch: int, op: OperatorAt, retained: list[int]) -> str:
-    newer = "no batch after" if batch > retained[-1] else "it is not retained, or that batch left"
+    if batch > retained[-1]:
+        why = f"the latest is {retained[-1]}"
+    elif batch < retained[0]:
+        why = "it is not retained any more (retain more checkpoints: num_retained)"
+    else:
+        why = "that batch left none (it ran no task, or its checkpoint failed)"
     return (
         f"[STDS_OFFSET_LOG_UNAVAILABLE] batch {batch} of operator {op.uid!r} has no completed checkpoint in "
-        f"{op.job_dir} ({newer} one); retained batches: {_listed(retained)}"
+        f"{op.job_dir}: {why}; retained batches: {_listed(retained)}"
     )
 
 
