@@ -268,3 +268,63 @@ def test_reads_change_nothing_in_the_checkpoint(spark: Any, run: Run) -> None:
     read(spark, run.location, stateVarName="events", readChangeFeed=True, changeStartBatchId=0)
     read(spark, run.location, "dstl-state-metadata")
     assert snapshot(run.location) == before
+
+
+@pytest.fixture(scope="module")
+def sparks_own(spark: Any, run: Run, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The same processor over the same input on Spark's own operator (RocksDB state store); its
+    query's checkpointLocation, for Spark's ``statestore`` source."""
+    from tests.backend.spark.state_source_queries import REPORTED, reporting, run_batches, stream
+
+    root = tmp_path_factory.mktemp("sparks-own")
+    out = (
+        stream(spark, root).groupBy("id").transformWithStateInPandas(reporting(), REPORTED, "Update", "ProcessingTime")
+    )
+    with no_data_batches_off(spark):
+        run_batches(out, root, range(5), lambda rows: None)
+    return str(root / "spark")
+
+
+def _without_expiry(value: Any) -> Any:
+    """A column value with its TTL expiry left out (it counts from batch timestamps, which differ
+    between two runs); structs as tuples, maps as sorted item tuples, lists as tuples."""
+    from pyspark.sql import Row
+
+    if isinstance(value, Row) and "ttlExpirationMs" in value.__fields__:
+        return _without_expiry(value.value)
+    if isinstance(value, Row | tuple | list):
+        return tuple(_without_expiry(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((_without_expiry(k), _without_expiry(v)) for k, v in value.items()))
+    return value
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"stateVarName": "total"},
+        {"stateVarName": "seen"},
+        {"stateVarName": "once"},
+        {"stateVarName": "events"},
+        {"stateVarName": "events", "flattenCollectionTypes": False},
+        {"stateVarName": "by_kind"},
+        {"stateVarName": "by_kind", "flattenCollectionTypes": False},
+        {"readRegisteredTimers": True},
+    ],
+    ids=["value", "value-ttl", "value-expired", "list", "list-nested", "map-ttl", "map-nested", "timers"],
+)
+def test_the_same_columns_and_rows_as_sparks_own_state_source(
+    spark: Any, run: Run, sparks_own: str, options: dict[str, Any]
+) -> None:
+    """Spark's ``statestore`` source reading the query run on Spark's operator and this source
+    reading the drop-in's run give the same schema and the same rows (but the TTL expiries, which
+    count from each run's batch timestamps, and ``partition_id``: Spark's store partition, the key
+    group here)."""
+    ours = spark.read.format("dstl-state").options(**options).load(run.location)
+    theirs = spark.read.format("statestore").options(**options).load(sparks_own)
+    assert ours.schema.simpleString() == theirs.schema.simpleString()
+
+    def rows(df: Any) -> list[Any]:
+        return sorted(_without_expiry(tuple(r)[:-1]) for r in df.collect())
+
+    assert rows(ours) == rows(theirs)
