@@ -171,6 +171,13 @@ def _declared(meta: dict[str, Any]) -> tuple[str | None, str | None]:
 
 
 def register(spark: Any) -> None:
-    """Register ``dstl-state`` and ``dstl-state-metadata`` on ``spark`` (a SparkSession)."""
-    spark.dataSource.register(StateDataSource)
-    spark.dataSource.register(StateMetadataDataSource)
+    """Register ``dstl-state`` and ``dstl-state-metadata`` on ``spark`` (a SparkSession); a name
+    the session has already is left as it is (Spark refuses to register a name twice)."""
+    from pyspark.errors import AnalysisException
+
+    for source in (StateDataSource, StateMetadataDataSource):
+        try:
+            spark.dataSource.register(source)
+        except AnalysisException as exc:
+            if exc.getCondition() != "DATA_SOURCE_ALREADY_EXISTS":
+                raise

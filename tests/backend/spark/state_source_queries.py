@@ -4,9 +4,10 @@ reports, per key and batch, the state it sees and the changes it made, run throu
 
 The ``Reporting`` processor keeps every kind of state: ``total`` (value), ``seen`` (value with a
 long TTL), ``once`` (value with a 1 ms TTL, written in batch 0 only and never read again, so it
-stays stored, expired), ``events`` (list, appended to, cleared for one key once), ``by_kind``
-(map with a long TTL, one entry removed once) and processing-time timers far in the future (one
-registered per batch, the previous one deleted for one key). Every batch has rows of every key,
+stays stored, expired), ``typed`` (value of every kind of Spark type), ``events`` (list,
+appended to, cleared for one key once), ``by_kind`` (map with a long TTL, one entry removed once)
+and processing-time timers far in the future (one registered per batch, the previous one deleted
+for one key). Every batch has rows of every key,
 so every key reports in every batch."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.backend.spark.queries import publish
+from tests.support.polling import wait_until
 
 #: a TTL no test outlives, and timers that never fire during a test
 TTL_MS = 10**9
@@ -35,6 +37,24 @@ def batch_rows(batch: int) -> list[dict[str, Any]]:
     return rows
 
 
+#: a value state of every kind of Spark type a state holds
+TYPED = (
+    "ts timestamp, day date, amount decimal(10,2), small tinyint, ratio float, flag boolean, raw binary, "
+    "ints array<int>, counts map<string, bigint>, inner struct<x: int, s: string>"
+)
+
+
+def typed_value(batch: int, index: int) -> tuple[Any, ...]:
+    import datetime
+    import decimal
+
+    return (
+        datetime.datetime(2024, 1, 1, 12) + datetime.timedelta(seconds=10 * batch + index),
+        datetime.date(2024, 1, 1 + batch), decimal.Decimal("12.34") + batch, index, 1.5, batch % 2 == 0,
+        bytes([batch, index]), [batch, index], {"k": batch}, (index, f"s{batch}"),
+    )  # fmt: skip
+
+
 def reporting() -> Any:
     """The processor (module docstring); outputs ``id, batch, report, changes`` (JSON)."""
     import pandas as pd
@@ -48,6 +68,7 @@ def reporting() -> Any:
             self.once = handle.getValueState("once", "tag string", 1)
             self.events = handle.getListState("events", "v bigint, half double")
             self.by_kind = handle.getMapState("by_kind", "kind string", "hits bigint", TTL_MS)
+            self.typed = handle.getValueState("typed", TYPED)
 
         def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:
             frame = pd.concat(list(rows))
@@ -62,6 +83,7 @@ def reporting() -> Any:
             if batch == 0:
                 self.once.update(("first",))
                 changes.append(["once", "update", ["first"], now + 1])
+            self.typed.update(typed_value(batch, KEYS.index(uid)))
             if uid == "u1" and batch == 2:
                 self.events.clear()
                 changes.append(["events", "delete", None, None])
@@ -128,12 +150,13 @@ def run_reporting(spark: Any, root: Path, batches: range, parallelism: int, repo
     ``root/spark``) over the input of ``batches``, one file per batch, at ``parallelism``."""
     from backend.spark.api import transform_with_state_in_pandas
 
+    location = options.pop("checkpoint_location", str(root / "state"))
     out = transform_with_state_in_pandas(
         stream(spark, root).groupBy("id"), reporting(), REPORTED, "Update", "ProcessingTime",
-        checkpoint_location=options.pop("checkpoint_location", str(root / "state")), operator_uid="reporting",
+        checkpoint_location=location, operator_uid="reporting",
         parallelism=parallelism, **options,
     )  # fmt: skip
-    run_batches(out, root, batches, reported.add)
+    run_batches(out, root, batches, reported.add, location)
 
 
 def stream(spark: Any, root: Path) -> Any:
@@ -142,9 +165,12 @@ def stream(spark: Any, root: Path) -> Any:
     return spark.readStream.schema(INPUT).json(str(root / "in"))
 
 
-def run_batches(out: Any, root: Path, batches: range, collect: Any) -> None:
+def run_batches(out: Any, root: Path, batches: range, collect: Any, state: str | None = None) -> None:
     """Start ``out``'s query (Spark's checkpoint in ``root/spark``), publish the input of each of
-    ``batches`` to ``root/in`` and wait for it; ``collect`` gets each batch's output rows."""
+    ``batches`` to ``root/in`` and wait for it; ``collect`` gets each batch's output rows. With
+    ``state`` (a drop-in operator's state directory), the query stops once the last batch's
+    checkpoint completed (the driver completes it on the batch's progress event, which may come
+    after ``processAllAvailable`` returns)."""
     source = root / "in"
     query = (
         out.writeStream.foreachBatch(lambda frame, _: collect(frame.collect()))
@@ -155,6 +181,14 @@ def run_batches(out: Any, root: Path, batches: range, collect: Any) -> None:
         for batch in batches:
             publish(source / f"{batch:04d}.json", "".join(json.dumps(r) + "\n" for r in batch_rows(batch)))
             query.processAllAvailable()
+        if state is not None:
+            from backend.spark.driver import coordinator_at
+
+            def completed() -> bool:
+                coordinator = coordinator_at(state)
+                return coordinator is not None and batches[-1] in coordinator.completed_batches
+
+            wait_until(completed, f"the checkpoint of batch {batches[-1]} in {state}")
     finally:
         query.stop()
 

@@ -12,6 +12,7 @@ query read at its ``checkpointLocation`` (``use_for_session``), and S3."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +21,9 @@ from typing import Any
 
 import pytest
 
-from tests.backend.spark.state_source_queries import KEYS, TTL_MS, Reported, run_reporting
+from backend.spark.schema import parse_schema
+from backend.spark.state_schemas import ddl
+from tests.backend.spark.state_source_queries import KEYS, TTL_MS, TYPED, Reported, run_reporting
 
 pytestmark = pytest.mark.spark
 
@@ -191,12 +194,12 @@ def test_the_metadata_lists_the_operator_its_states_and_batches(spark: Any, run:
         "once": ("value", 1, "`tag` string", None),
         "events": ("list", None, "`v` bigint, `half` double", None),
         "by_kind": ("map", TTL_MS, "`hits` bigint", "`kind` string"),
+        "typed": ("value", None, ddl(parse_schema(TYPED)), None),
     }
-    import json
 
     variables = {v["stateName"]: v["stateVariableType"] for v in json.loads(row.operatorProperties)["stateVariables"]}
     assert variables == {"total": "ValueState", "seen": "ValueState", "once": "ValueState", "events": "ListState",
-                         "by_kind": "MapState"}  # fmt: skip
+                         "by_kind": "MapState", "typed": "ValueState"}  # fmt: skip
 
 
 def test_the_read_is_split_by_key_group_ranges(spark: Any, run: Run) -> None:
@@ -305,13 +308,24 @@ def _without_expiry(value: Any) -> Any:
         {"stateVarName": "total"},
         {"stateVarName": "seen"},
         {"stateVarName": "once"},
+        {"stateVarName": "typed"},
         {"stateVarName": "events"},
         {"stateVarName": "events", "flattenCollectionTypes": False},
         {"stateVarName": "by_kind"},
         {"stateVarName": "by_kind", "flattenCollectionTypes": False},
         {"readRegisteredTimers": True},
     ],
-    ids=["value", "value-ttl", "value-expired", "list", "list-nested", "map-ttl", "map-nested", "timers"],
+    ids=[
+        "value",
+        "value-ttl",
+        "value-expired",
+        "value-types",
+        "list",
+        "list-nested",
+        "map-ttl",
+        "map-nested",
+        "timers",
+    ],
 )
 def test_the_same_columns_and_rows_as_sparks_own_state_source(
     spark: Any, run: Run, sparks_own: str, options: dict[str, Any]

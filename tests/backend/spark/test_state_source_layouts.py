@@ -5,6 +5,9 @@ the default retention keeps two checkpoints), and a checkpoint on S3 (read with 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,9 @@ from tests.support.s3 import new_bucket
 
 pytestmark = pytest.mark.spark
 
+#: the uid of the routed reporting operator: its processor's class (``backend.spark.routing``)
+UID = "reporting.Reporting"
+
 
 def test_apply_in_pandas_with_state_reads_as_its_group_state_and_timeout(spark: Any, tmp_path: Path) -> None:
     from backend.spark.api import apply_in_pandas_with_state, register_state_source
@@ -44,7 +50,7 @@ def test_apply_in_pandas_with_state_reads_as_its_group_state_and_timeout(spark: 
         parallelism=2,
     )  # fmt: skip
     with no_data_batches_off(spark):
-        run_batches(out, tmp_path, range(2), collect)
+        run_batches(out, tmp_path, range(2), collect, str(tmp_path / "state"))
     register_state_source(spark)
     rows = read(spark, str(tmp_path / "state"))
     assert {r.key.id: (r.value.groupState.rows, r.value.groupState.note, r.value.timeoutTimestamp) for r in rows} == (
@@ -56,42 +62,51 @@ def test_apply_in_pandas_with_state_reads_as_its_group_state_and_timeout(spark: 
         read(spark, str(tmp_path / "state"), stateVarName="rows")
 
 
-def test_a_routed_query_is_read_at_its_checkpoint_location(spark: Any, tmp_path: Path) -> None:
-    """``use_for_session`` registers the source on the active session (a new session here, which
-    nothing registered it on); ``operatorId`` is the operator's place in the query, or its uid; the
-    default retention keeps the last two checkpoints, and a batch before them is refused."""
-    from pyspark.sql import SparkSession
+def test_use_for_session_registers_the_source_on_the_active_session(tmp_path: Path) -> None:
+    """In a driver of its own: this process's session has the source registered by other tests."""
+    script = (
+        "from backend.spark.session import local_session\n"
+        "spark = local_session('registration', 'local[1]')\n"
+        "from backend.spark.api import use_for_session\n"
+        "use_for_session()()\n"
+        "manager = spark._jsparkSession.sessionState().dataSourceManager()\n"
+        "print([bool(manager.dataSourceExists(n)) for n in ('dstl-state', 'dstl-state-metadata')])\n"
+        "spark.stop()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[True, True]"
 
+
+def test_a_routed_query_is_read_at_its_checkpoint_location(spark: Any, tmp_path: Path) -> None:
+    """``operatorId`` is the operator's place in the query, or its uid; the default retention keeps
+    the last two checkpoints, and a batch before them is refused."""
     from backend.spark.api import use_for_session
 
-    other = spark.newSession()
-    SparkSession._activeSession = other  # what pyspark's getActiveSession returns
-    try:
-        restore = use_for_session()
-    finally:
-        SparkSession._activeSession = spark
+    restore = use_for_session()
     reported = Reported()
     try:
         df = stream(spark, tmp_path)
         out = df.groupBy("id").transformWithStateInPandas(reporting(), REPORTED, "Update", "ProcessingTime")
         with no_data_batches_off(spark):
-            run_batches(out, tmp_path, range(3), reported.add)
+            run_batches(out, tmp_path, range(3), reported.add, str(tmp_path / "spark" / "dstl" / UID))
     finally:
         restore()
     location = str(tmp_path / "spark")  # the query's checkpointLocation
-    (meta,) = read(other, location, "dstl-state-metadata")
-    uid = "reporting.Reporting"  # the routed uid: the processor's class (backend.spark.routing)
+    (meta,) = read(spark, location, "dstl-state-metadata")
+    uid = UID
     assert (meta.operatorId, meta.operatorUid, meta.retainedBatchIds) == (0, uid, [1, 2])
     expected = {k: r["total"] for k, r in reported.reports[2].items()}
     for operator in ("0", uid):
-        rows = read(other, location, stateVarName="total", operatorId=operator)
+        rows = read(spark, location, stateVarName="total", operatorId=operator)
         assert {r.key.id: r.value.n for r in rows} == expected
     before = snapshot(location)
     with pytest.raises(Exception, match=rf"batch 0 of operator '{uid}' has no completed checkpoint.*not retained"):
-        read(other, location, stateVarName="total", batchId=0)
+        read(spark, location, stateVarName="total", batchId=0)
     with pytest.raises(Exception, match=r"the change feed from batch 0 needs checkpoint 0.*which is not retained"):
-        read(other, location, stateVarName="total", readChangeFeed=True, changeStartBatchId=0)
-    changes = read(other, location, stateVarName="total", readChangeFeed=True, changeStartBatchId=1)
+        read(spark, location, stateVarName="total", readChangeFeed=True, changeStartBatchId=0)
+    changes = read(spark, location, stateVarName="total", readChangeFeed=True, changeStartBatchId=1)
     assert sorted((r.batch_id, r.key.id) for r in changes) == [(b, k) for b in (1, 2) for k in KEYS]
     assert snapshot(location) == before
 
