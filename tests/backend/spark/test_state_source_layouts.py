@@ -145,3 +145,49 @@ def test_a_checkpoint_on_s3_is_read_with_s3_options(spark: Any, tmp_path: Path, 
     assert (meta.operatorUid, meta.retainedBatchIds) == ("reporting", [0, 1])
     with pytest.raises(Exception, match=rf"s3://{bucket}/nothing is not a checkpoint location"):
         read(spark, f"s3://{bucket}/nothing", stateVarName="seen", **options)
+
+
+def test_a_state_whose_schema_changed_reads_in_its_new_schema(spark: Any, tmp_path: Path) -> None:
+    """A restart adds a field to a value state: keys not written since are still in the older
+    version's table and read converted (the new field null); a change feed across the change is
+    refused, one after it is not."""
+    import json
+
+    from backend.spark.api import register_state_source, transform_with_state_in_pandas
+    from backend.spark.driver import coordinator_at
+    from tests.backend.spark.queries import publish
+    from tests.backend.spark.test_schema_changes_spark import summing
+    from tests.support.polling import wait_until
+
+    (tmp_path / "in").mkdir()
+    state = str(tmp_path / "state")
+
+    def run(batch: int, schema: str, rows: list[dict[str, Any]]) -> None:
+        df = spark.readStream.schema("user string, v long").json(str(tmp_path / "in"))
+        out = transform_with_state_in_pandas(
+            df.groupBy("user"), summing(schema), "user string, total double, n long", "Update", "None",
+            checkpoint_location=state, operator_uid="sums",
+        )  # fmt: skip
+        query = out.writeStream.foreachBatch(lambda frame, _: frame.collect()).option(
+            "checkpointLocation", str(tmp_path / "spark")
+        )
+        started = query.start()
+        try:
+            publish(tmp_path / "in" / f"{batch:04d}.json", "".join(json.dumps(r) + "\n" for r in rows))
+            started.processAllAvailable()
+            wait_until(lambda: batch in getattr(coordinator_at(state), "completed_batches", ()), f"checkpoint {batch}")
+        finally:
+            started.stop()
+
+    run(0, "total long", [{"user": "a", "v": 2}, {"user": "b", "v": 5}])
+    run(1, "total long, n long", [{"user": "a", "v": 3}])
+    register_state_source(spark)
+    df = spark.read.format("dstl-state").option("stateVarName", "acc").load(state)
+    assert df.schema["value"].dataType.simpleString() == "struct<total:bigint,n:bigint>"
+    assert sorted((r.key.user, r.value.total, r.value.n) for r in df.collect()) == [("a", 5, 1), ("b", 5, None)]
+    with pytest.raises(Exception, match=r"state 'acc' of operator 'sums' changed its schema between batch 0 and"):
+        read(spark, state, stateVarName="acc", readChangeFeed=True, changeStartBatchId=0)
+    changes = read(spark, state, stateVarName="acc", readChangeFeed=True, changeStartBatchId=1)
+    assert [(r.batch_id, r.change_type, r.key.user, r.value.total, r.value.n) for r in changes] == [
+        (1, "update", "a", 5, 1)
+    ]
