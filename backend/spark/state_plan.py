@@ -196,10 +196,16 @@ def completed_checkpoints(files: DfsFiles) -> list[int]:
 
 
 def _not_a_checkpoint(url: str) -> StateSourceError:
+    parent, _, last = url.rpartition("/")
+    hint = (
+        f" (it is one checkpoint: give its directory, {parent}, and option batchId)"
+        if parse_checkpoint_dir(last)
+        else ""
+    )
     return StateSourceError(
-        f"{url} is not a checkpoint location of the drop-in: it has no completed checkpoint (chk-<b>/{METADATA_NAME}) "
-        f"and no routed operators (dstl/{OPERATORS_FILE}); give the checkpoint_location an operator was given, or "
-        "the checkpointLocation of a query run with use_for_session"
+        f"{url} is not a checkpoint location of the drop-in{hint}: it has no completed checkpoint "
+        f"(chk-<b>/{METADATA_NAME}) and no routed operators (dstl/{OPERATORS_FILE}); give the checkpoint_location "
+        "an operator was given, or the checkpointLocation of a query run with use_for_session"
     )
 
 
@@ -234,6 +240,7 @@ def pick_operator(operators: Sequence[OperatorAt], wanted: str | None, path: str
 
 
 def read_checkpoint(files: DfsFiles, url: str, batch: int) -> SnapshotMetadata:
+    """``chk-<batch>/_metadata`` of the job directory ``url`` (``files``), checked (``SnapshotMetadata.loads``)."""
     where = metadata_path(batch)
     data = _get(files, where)
     if data is None:

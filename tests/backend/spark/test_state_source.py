@@ -130,6 +130,11 @@ def test_a_value_whose_ttl_expired_is_left_out_though_still_stored(spark: Any, r
     assert {r.value.value.tag for r in first} == {"first"}
     for batch in (1, 4):
         assert read(spark, run.location, stateVarName="once", batchId=batch) == []
+        # the TTL is judged at the batch's timestamp, which the driver records with the checkpoint
+        properties = json.loads((Path(run.location) / f"chk-{batch}" / "_metadata").read_text())["properties"]
+        assert {r["seen_expiry"] - TTL_MS for r in run.reported.reports[batch].values()} == {
+            properties["batch_timestamp_ms"]
+        }
     assert read(spark, run.location, stateVarName="once", readChangeFeed=True, changeStartBatchId=1) == []
 
 
@@ -257,6 +262,8 @@ def test_bad_options_are_refused_naming_them_and_change_nothing(
 
 
 def test_a_path_that_is_not_a_checkpoint_is_refused_naming_it(spark: Any, run: Run, tmp_path: Path) -> None:
+    with pytest.raises(Exception, match=rf"chk-4 is not a checkpoint location .*give its directory, {run.location}"):
+        read(spark, f"{run.location}/chk-4", stateVarName="total")
     with pytest.raises(Exception, match=rf"{tmp_path} is not a checkpoint location of the drop-in"):
         read(spark, str(tmp_path), stateVarName="total")
     with pytest.raises(Exception, match=rf"{tmp_path / 'missing'} does not exist"):
