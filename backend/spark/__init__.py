@@ -2,9 +2,10 @@
 
 What users call is exported here (``__all__``), from ``backend.spark.api``: Spark's stateful
 operators with this backend's checkpoints (``transform_with_state_in_pandas``,
-``transform_with_state``, ``apply_in_pandas_with_state``) and ``use_for_session``, which routes
-``GroupedData``'s own methods here; with the two errors that are Spark's own, which a user may
-catch. Everything else is an internal of its module, imported from there. Underneath, by layer:
+``transform_with_state``, ``apply_in_pandas_with_state``), ``use_for_session``, which routes
+``GroupedData``'s own methods here, and ``register_state_source``, which lets ``spark.read`` read
+the checkpoints' state; with the two errors that are Spark's own, which a user may catch.
+Everything else is an internal of its module, imported from there. Underneath, by layer:
 
 - inside one partition of one micro-batch, with no SparkSession: ``handle`` implements Spark's
   ``StatefulProcessorHandle`` (value, list and map state with TTL, timers, ``deleteIfExists``)
@@ -17,6 +18,9 @@ catch. Everything else is an internal of its module, imported from there. Undern
   ``tasks`` runs one subtask of one micro-batch, ``driver`` completes checkpoints on the driver,
   ``initial`` carries the initial state, ``routing`` routes ``GroupedData``'s own methods here
   (``use_for_session``) and binds each routed operator's state to the query that starts it;
+- reading state back: ``state_source`` is the data source (``format("dstl-state")``), planned on
+  the driver by ``state_plan`` (with ``state_options`` and ``state_columns``) and read on the
+  executors by ``state_scan``;
 - ``errors`` holds the two errors that are Spark's own; ``session`` and ``demo`` are for running it
   locally.
 
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from backend.spark.api import (
         apply_in_pandas_with_state,
+        register_state_source,
         transform_with_state,
         transform_with_state_in_pandas,
         use_for_session,
@@ -43,6 +48,7 @@ __all__ = [
     "StateOperationError",
     "UnsupportedSchemaError",
     "apply_in_pandas_with_state",
+    "register_state_source",
     "transform_with_state",
     "transform_with_state_in_pandas",
     "use_for_session",
@@ -52,6 +58,7 @@ _WHERE = {
     "StateOperationError": "backend.spark.errors",
     "UnsupportedSchemaError": "backend.spark.errors",
     "apply_in_pandas_with_state": "backend.spark.api",
+    "register_state_source": "backend.spark.api",
     "transform_with_state": "backend.spark.api",
     "transform_with_state_in_pandas": "backend.spark.api",
     "use_for_session": "backend.spark.api",

@@ -6,6 +6,9 @@ exactly the parameters of ``GroupedData.transformWithStateInPandas`` (names, def
 positional or keyword) plus, keyword-only, where the state lives and the operator's uid, and
 returns a streaming DataFrame for any sink. ``use_for_session()`` routes the ``GroupedData``
 methods themselves here, for code that cannot be changed (``backend.spark.routing``).
+``register_state_source(spark)`` lets ``spark.read.format("dstl-state")`` and
+``format("dstl-state-metadata")`` read the state of the checkpoints (``backend.spark.state_source``);
+``use_for_session`` registers them on the active session too.
 
 Every call first builds Spark's own operator from the same arguments, so that what Spark refuses
 is refused here with Spark's own error (its error class: an unknown output or time mode, an
@@ -285,12 +288,30 @@ def use_for_session(checkpoint_root: str | None = None, **options: Any) -> Calla
         "transformWithState": transform_with_state,
         "applyInPandasWithState": apply_in_pandas_with_state,
     }
-    return route_session(checkpoint_root, options, targets)
+    restore = route_session(checkpoint_root, options, targets)
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        register_state_source(active)
+    return restore
+
+
+def register_state_source(spark: Any) -> None:
+    """Register the state data source on ``spark`` (a SparkSession):
+    ``spark.read.format("dstl-state").option("stateVarName", name).load(checkpoint_location)``
+    reads a checkpoint's state (options ``batchId``, ``operatorId``, ``readChangeFeed``, ... as
+    Spark's ``statestore`` source), ``format("dstl-state-metadata")`` its operators and batches
+    (``backend.spark.state_source``)."""
+    from backend.spark.state_source import register
+
+    register(spark)
 
 
 __all__ = [
     "apply_in_pandas_with_state",
     "check_event_times",
+    "register_state_source",
     "routed_uid",
     "transform_with_state",
     "transform_with_state_in_pandas",

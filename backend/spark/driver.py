@@ -162,6 +162,9 @@ class DriverCoordinator:
                 "materializations": sum(s.get("materialized", 0) for s in stats),
                 "restored_from": dict(Counter(str(s.get("source")) for s in stats)),
             }
+            now = [int(r["now_ms"]) for _, r in records if "now_ms" in r]
+            if now:  # the batch's timestamp: TTL counted from it (the state data source's reads too)
+                properties["batch_timestamp_ms"] = max(now)
             if any("event_time_basis_ms" in s for s in stats):
                 properties["event_time_basis_ms"] = max(int(s.get("event_time_basis_ms", 0)) for s in stats)
                 properties["watermark_ms"] = max(int(s.get("watermark_ms", 0)) for s in stats)

@@ -1,9 +1,10 @@
 """The errors the PySpark drop-in adds to the project's hierarchy (root ``dstl.errors.ChangelogError``).
 
 Only what is Spark's own lives here: a handle call that Spark's phases or time modes forbid, a
-schema the adapter cannot store, and a state value whose type does not fit its schema where the
-user asked for strict types. Everything else the drop-in raises (checkpoints, restores,
-serialization) is the backend's error from ``backend.core.errors``. Each keeps a builtin base
+schema the adapter cannot store, a state value whose type does not fit its schema where the
+user asked for strict types, and a read of the state data source it cannot serve. Everything
+else the drop-in raises (checkpoints, restores, serialization) is the backend's error from
+``backend.core.errors``. Each keeps a builtin base
 (``RuntimeError``, ``ValueError`` via ``ConfigurationError``) so that code catching what pyspark
 raises in the same situation still catches it.
 """
@@ -20,7 +21,13 @@ from backend.core.errors import (
     StateRestoreError,
 )
 
-__all__ = ["GroupingKeyChangedError", "StateOperationError", "StateValueError", "UnsupportedSchemaError"]
+__all__ = [
+    "GroupingKeyChangedError",
+    "StateOperationError",
+    "StateSourceError",
+    "StateValueError",
+    "UnsupportedSchemaError",
+]
 
 
 class StateOperationError(ChangelogError, RuntimeError):
@@ -46,6 +53,13 @@ class GroupingKeyChangedError(SchemaEvolutionError):
 
 class UnsupportedSchemaError(ConfigurationError):
     """A Spark schema (or DDL string) this adapter cannot store; names the field."""
+
+
+class StateSourceError(ConfigurationError):
+    """A read of the state data source (``backend.spark.state_source``) that cannot be served: an
+    option Spark's state source would refuse (with Spark's error class first in the message,
+    ``STDS_...``), a path that is not a checkpoint location, an unknown operator, state or batch,
+    a batch whose checkpoint is not retained. Names the option, path, operator, state or batch."""
 
 
 class StateValueError(SerializationError, TypeError):

@@ -22,7 +22,7 @@ from dstl.config import ChangelogConfig
 from dstl.paths import check_name
 from dstl.storage.storage import StateChangelogStorage
 
-__all__ = ["OPERATORS_FILE", "assign_uids", "resolve_uids"]
+__all__ = ["OPERATORS_FILE", "assign_uids", "parse_uids", "resolve_uids"]
 
 #: the list of uids by place, beside the operators' state directories
 OPERATORS_FILE = "operators.json"
@@ -75,7 +75,7 @@ def resolve_uids(changelog: ChangelogConfig, directory: str, wanted: list[tuple[
         except FileNotFoundError:
             recorded: list[str] = []
         else:
-            recorded = _parse(data, f"{directory.rstrip('/')}/{OPERATORS_FILE}")
+            recorded = parse_uids(data, f"{directory.rstrip('/')}/{OPERATORS_FILE}")
         uids = assign_uids(recorded, wanted)
         kept = uids + recorded[len(uids) :]
         if kept != recorded:
@@ -83,7 +83,9 @@ def resolve_uids(changelog: ChangelogConfig, directory: str, wanted: list[tuple[
     return uids
 
 
-def _parse(data: bytes, where: str) -> list[str]:
+def parse_uids(data: bytes, where: str) -> list[str]:
+    """The uids by place an ``operators.json`` (at ``where``, for errors) holds; a damaged one raises
+    ``ConfigurationError`` naming it."""
     try:
         uids = json.loads(data)
     except ValueError as exc:

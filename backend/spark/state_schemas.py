@@ -32,7 +32,7 @@ from typing import Any
 from backend.core.errors import SchemaEvolutionError
 from backend.spark.schema import SparkField, SparkType, parse_schema, simple_string
 
-__all__ = ["check", "ddl", "declared"]
+__all__ = ["check", "ddl", "declared", "type_ddl"]
 
 #: the Avro type Spark stores each Spark type as (``SchemaConverters.toAvroType``)
 _AVRO = {
@@ -56,16 +56,18 @@ def ddl(dtype: SparkType) -> str:
 
 def _field(f: SparkField, separator: str = " ") -> str:
     name = "`" + f.name.replace("`", "``") + "`"
-    return f"{name}{separator}{_type(f.type)}" + ("" if f.nullable else " NOT NULL")
+    return f"{name}{separator}{type_ddl(f.type)}" + ("" if f.nullable else " NOT NULL")
 
 
-def _type(dtype: SparkType) -> str:
+def type_ddl(dtype: SparkType) -> str:
+    """A type as Spark's DDL writes it inside a struct (``struct<`a`: bigint NOT NULL>``,
+    ``array<...>``, ``map<..., ...>``): what the state data source's columns are declared with."""
     if dtype.name == "struct":
         return "struct<" + ", ".join(_field(f, ": ") for f in dtype.fields) + ">"
     if dtype.name == "array" and dtype.element is not None:
-        return f"array<{_type(dtype.element)}>"
+        return f"array<{type_ddl(dtype.element)}>"
     if dtype.name == "map" and dtype.element is not None and dtype.value is not None:
-        return f"map<{_type(dtype.element)}, {_type(dtype.value)}>"
+        return f"map<{type_ddl(dtype.element)}, {type_ddl(dtype.value)}>"
     return simple_string(dtype)
 
 

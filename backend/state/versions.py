@@ -38,7 +38,8 @@ their records and a replay must know their state ids.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import heapq
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from backend.core import records as rec
@@ -58,6 +59,7 @@ __all__ = [
     "OlderTables",
     "decoders",
     "merge",
+    "newest_entries",
     "older_of",
     "register",
     "schema_of",
@@ -223,6 +225,23 @@ def decoders(name: str, older: list[dict[str, Any]], serializer: Serializer[Any]
         decode = evolve(str(meta["serializer"]), serializer, name, through)
         found.append((table_name(name, version_of(meta)), decode or serializer.deserialize))
     return found
+
+
+def newest_entries(txn: Any, dbs: Sequence[Any]) -> Iterator[tuple[bytes, bytes, int]]:
+    """The entries of a state's version tables ``dbs`` (LMDB databases, newest version first, read
+    in ``txn``) in table-key order, each table key once, from the newest table holding it, with
+    that table's index in ``dbs``: a whole state as its reads see it (``dstl state read``, the
+    Spark state data source), without loading it."""
+
+    def entries(rank: int, db: Any) -> Iterator[tuple[bytes, int, bytes]]:
+        for key, stored in txn.cursor(db=db):
+            yield bytes(key), rank, bytes(stored)
+
+    last = None
+    for key, rank, stored in heapq.merge(*(entries(rank, db) for rank, db in enumerate(dbs))):
+        if key != last:
+            last = key
+            yield key, stored, rank
 
 
 class _Older(NamedTuple):

@@ -17,7 +17,6 @@ converted to the current schema (``versions.decoders``), so every row shows the 
 from __future__ import annotations
 
 import contextlib
-import heapq
 import importlib
 import json
 import math
@@ -199,25 +198,10 @@ def state_rows(backend: ChangelogKeyedStateBackend, want: dict[str, StateReader 
                     yield timer_row(backend.operator_id, bytes(table_key))
                 continue
             tables = [(databases[t], decode) for t, decode in reader.tables if t in databases]
-            for table_key, stored, decode in _newest(txn, tables):
-                yield reader.row(table_key, stored, decode)
+            for table_key, stored, rank in versions.newest_entries(txn, [db for db, _ in tables]):
+                yield reader.row(table_key, stored, tables[rank][1])
     finally:
         txn.abort()
-
-
-def _newest(txn: Any, tables: list[tuple[Any, _Decoder]]) -> Iterator[tuple[bytes, bytes, _Decoder]]:
-    """The entries of ``tables`` (a state's schema versions, newest first) in table-key order, each
-    key once, from the newest table holding it."""
-
-    def entries(rank: int, db: Any) -> Iterator[tuple[bytes, int, bytes]]:
-        for key, stored in txn.cursor(db=db):
-            yield bytes(key), rank, bytes(stored)
-
-    last = None
-    for key, rank, stored in heapq.merge(*(entries(rank, db) for rank, (db, _) in enumerate(tables))):
-        if key != last:
-            last = key
-            yield key, stored, tables[rank][1]
 
 
 def _quiet(_: str) -> None:

@@ -25,7 +25,9 @@ files (``DIR/input``) and compares. The phases, in order, each a few batches:
   with none found it records so (the parent skips); services of other runs are left alone;
 - ``restart``: the query is stopped and started again in the same session, on the same checkpoint
   locations, at parallelism 2. If the drop-in refuses that, the refusal is recorded and the
-  restart is done again as a new driver would (``driver.forget_all()`` first).
+  restart is done again as a new driver would (``driver.forget_all()`` first);
+- ``state-read``: the latest checkpoint's state read as a DataFrame (``format("dstl-state")``) in
+  three partitions, which run on the executors (the driver runs no task on this master).
 
 The phases run in one child so that the cluster starts once. A phase that fails records its error
 and ends the run. ``DIR/result.json`` says what happened (the parent's only other inputs are the
@@ -65,7 +67,7 @@ BLOCK_TIMEOUT_S = 300.0
 WAIT_S = 240.0
 POLL_S = 0.05
 
-PHASES = ["warm-up", "executor-kill", "local-dir-wipe", "service-kill", "restart"]
+PHASES = ["warm-up", "executor-kill", "local-dir-wipe", "service-kill", "restart", "state-read"]
 
 
 # -- in the executors ----------------------------------------------------------------------------
@@ -367,6 +369,15 @@ class Run:
             self.start(2)
         batches = [self.plain_batch(), self.plain_batch()]
         return {"batches": batches, "refused": refused, "parallelism": 2}
+
+    def phase_state_read(self) -> dict[str, Any]:
+        from backend.spark.api import register_state_source
+
+        register_state_source(self.spark)
+        df = self.spark.read.format("dstl-state").option("stateVarName", "acc").option("numPartitions", 3)
+        state = df.load(self.state)
+        rows = sorted([r["key"]["k"], r["value"]["count"], r["value"]["total"]] for r in state.collect())
+        return {"rows": rows, "partitions": state.rdd.getNumPartitions(), "batch": self.batches - 1}
 
     def run(self) -> None:
         phases = self.result["phases"]

@@ -1,5 +1,6 @@
 """Exactly-once on a multi-executor cluster: an executor JVM killed mid-batch, a wiped local state
-directory, a killed changelog service, a restart at another parallelism.
+directory, a killed changelog service, a restart at another parallelism; then the state read back
+as a DataFrame by the executors.
 
 One child process (``tests.support.spark_cluster_child``, whose docstring describes the phases)
 starts ``local-cluster[2,1,1024]`` once and runs the phases in order on one query; each test
@@ -129,3 +130,17 @@ def test_a_restart_in_the_same_session_at_another_parallelism_is_accepted(run: R
     parallelism is not refused (the child would restart as a new driver then, for the test above)."""
     phase = run.phase("restart")
     assert phase["refused"] is None, phase["refused"]
+
+
+def test_the_state_is_read_as_a_dataframe_by_the_executors(run: Run) -> None:
+    """``format("dstl-state")`` on the cluster: its partitions (key-group ranges) run in the
+    executors' Python workers, and the rows are every key's running count and total."""
+    phase = run.phase("state-read")
+    counts: dict[str, list[int]] = {}
+    for path in sorted((run.root / "input").glob("*.json")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            count, total = counts.get(row["k"], [0, 0])
+            counts[row["k"]] = [count + 1, total + row["v"]]
+    assert phase["partitions"] == 3
+    assert phase["rows"] == sorted([k, *v] for k, v in counts.items())
