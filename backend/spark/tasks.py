@@ -24,16 +24,16 @@ another in tasks of their own would each flush alone. The task:
 3. marks the local directories dirty, runs the user's processor over each subtask's rows (the
    runners read a partition's keys ahead, ``backend.batch``: after a lazy restore that loads the
    keys the batch needs, concurrently), loads ``cfg.hydration_key_groups`` more whole key groups of
-   each subtask restored lazily (``hydrate_step``: a kept backend is local after a few batches, and
-   no batch stalls on all of it), starts the materialization of those due (only the synchronous
-   part: the upload goes on in the background after the task returns, and no task waits for it; the
-   materializations a task starts together share one chunk file, ``materializer.packs``), and makes
-   every subtask's log durable at once, each snapshot carrying the subtask's pending record (handle,
-   timers, event times) as a note: the records land in the flush's file,
-   ``pending/<b>/<uid>/<uuid>.dstl``, with the changes (``dstl`` notes). A handle names only chunks
-   that are durable: those of a materialization that finished, applied by the next task of the
-   subtask, in this worker (``poll``) or, through a file in the local directory, in another
-   (``backend.spark.handover``);
+   each subtask restored lazily (``hydrate_step``: a subtask is local after a few batches, in
+   whichever worker, and no batch stalls on all of it), starts the materialization of those due
+   (only the synchronous part: the upload goes on in the background after the task returns, and no
+   task waits for it; the materializations a task starts together share one chunk file,
+   ``materializer.packs``), and makes every subtask's log durable at once, each snapshot carrying
+   the subtask's pending record (handle, timers, event times) as a note: the records land in the
+   flush's file, ``pending/<b>/<uid>/<uuid>.dstl``, with the changes (``dstl`` notes). A handle
+   names only chunks that are durable: those of a materialization that finished, applied by the
+   next task of the subtask, in this worker (``poll``) or, through a file in the local directory,
+   in another (``backend.spark.handover``);
 4. flushes the tables (another worker may adopt them), writes the markers (state = batch ``b``),
    and only then hands the output rows to Spark.
 
