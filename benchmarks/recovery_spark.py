@@ -18,8 +18,9 @@ and a map state per key):
    ``MEASURE_BATCHES`` batches of ``UPDATE_ROWS`` updates to random keys of S run. A batch's time
    is Spark's ``triggerExecution``; the warm batch is the median of the eager run's last
    ``warm_batches``, a local state in every worker (a lazy run's last batches may still be loading:
-   a task in a Python worker that did not run the subtask's previous batch finds its tables partly
-   loaded and restores again, ``backend.spark.tasks``; their median is reported too).
+   a task in a Python worker that did not run the subtask's previous batch adopts its tables
+   partly loaded and goes on loading them, ``backend.spark.tasks``; their median is reported too,
+   and the batch after which every subtask was local, "local after batch").
 
 Figures: ``spark_first_over_warm_{eager,lazy}_{small,large}``, the first batch's time over the warm
 batch's; per batch, the tasks' own figures (from their records under ``pending/``: where the state
@@ -216,8 +217,7 @@ def measure(spark: Any, tmp: Path, settings: Settings) -> dict[str, Any]:
             }
         shutil.rmtree(pristine)
         # the warm batch is the eager run's: its last batches run on a local state in every worker,
-        # while a lazy run's may still load (a worker that did not run the subtask's previous
-        # batch restores it again: ``backend.spark.tasks``), which would flatter the ratio
+        # while a lazy run's may still load key groups after their work, which would flatter the ratio
         for mode in MODES:
             entry[mode]["first_over_warm"] = entry[mode]["first_ms"] / entry["eager"]["warm_ms"]
         results[label] = entry

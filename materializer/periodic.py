@@ -327,3 +327,9 @@ def restore(
     return backend.restore(
         handles, progress=progress, load_chunk=bound_chunk_sections, source=source, mode=mode, chunks=POINT_READS
     )
+
+
+def adopt_local(backend: ChangelogKeyedStateBackend, handle: KeyedStateHandle) -> None:
+    """``backend.adopt_local`` that can continue a lazy restore another process left partly loaded
+    (its chunks read by ``point_reads``)."""
+    backend.adopt_local(handle, chunks=POINT_READS)

@@ -26,9 +26,9 @@ directory:
 Canonical savepoints have no native files, so every mode restores them as NO_CLAIM does; CLAIM
 still deletes the savepoint after the first checkpoint.
 
-State loading (``StateLoading``, the option ``state_loading`` of ``LocalJob``, default "lazy", and
-of the Spark operators, default "eager"; a name of its own, as ``restore_mode`` is taken by the
-modes above), for any restore:
+State loading (``StateLoading``, the option ``state_loading`` of ``LocalJob`` and of the Spark
+operators, default "lazy" in both; a name of its own, as ``restore_mode`` is taken by the modes
+above), for any restore:
 
 - ``"eager"``: every owned chunk is loaded and the log replayed before the first key is served;
 - ``"lazy"`` (``backend.state.lazy``): the restore reads the chunks' indexes, the timers and the

@@ -24,8 +24,8 @@ the state), ``local_dir`` (the host's LMDB directories), ``changelog_config``
 (``dstl.ChangelogConfig``: S3 options, hedging, ...), ``num_retained`` (2),
 ``materialization_interval_ms`` (600000), ``size_trigger_bytes`` (64 MiB),
 ``strict_state_types`` (False: a wrongly typed state field is stored as Spark stores it, with a
-warning; True: it raises ``StateValueError``) and ``state_loading`` ("eager"; "lazy": a subtask
-restored from the DFS serves a batch's keys before its whole state is local).
+warning; True: it raises ``StateValueError``) and ``state_loading`` ("lazy": a subtask restored
+from the DFS serves a batch's keys before its whole state is local; "eager": all of it first).
 
 ``eventTimeColumnName`` marks that output column as the event time of the operators after this one,
 with the input's watermark delay, as Spark does; a row the processor emits at or behind the

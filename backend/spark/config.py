@@ -89,9 +89,10 @@ class OperatorConfig:
     #: limit): transformWithStateInPandas's chunks end earlier by their Arrow size
     max_bytes_per_batch: int = 2**31 - 1
     #: how a task restoring a subtask from the DFS loads its state (``build``: the user's
-    #: ``state_loading``): "eager", or "lazy" (the keys a batch reads when it reads them, and
-    #: ``hydration_key_groups`` whole key groups after each batch's work until it is local)
-    state_loading: StateLoading = "eager"
+    #: ``state_loading``): "lazy" (the keys a batch reads when it reads them, and
+    #: ``hydration_key_groups`` whole key groups after each batch's work until it is local; a task
+    #: in another Python worker adopts the tables partly loaded and goes on), or "eager"
+    state_loading: StateLoading = "lazy"
     #: key groups a subtask restored lazily loads after each batch's work (``backend.spark.tasks``)
     hydration_key_groups: int = 8
     #: a routed operator not bound to a state directory yet (module docstring): its key

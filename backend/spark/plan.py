@@ -172,7 +172,7 @@ def build(
     strict_state_types: bool = False,
     tasks: int | None = None,
     changelog_service: bool = True,
-    state_loading: str = "eager",
+    state_loading: str = "lazy",
 ) -> Any:
     """The streaming DataFrame running ``make_operator(key columns)`` per subtask and batch.
 
@@ -190,8 +190,8 @@ def build(
     ``parallelism``). ``changelog_service``: the Python workers of a host write the log through one
     changelog service process (``dstl.service``), so the tasks an executor runs at once share one
     file per flush. ``state_loading``: how a task restoring a subtask from the DFS loads its state
-    (``backend.checkpointing.savepoints.StateLoading``: "eager", or "lazy": the keys of a batch
-    when the batch reads them, the rest a few key groups after each batch)."""
+    (``backend.checkpointing.savepoints.StateLoading``: "lazy", the default: the keys of a batch
+    when the batch reads them, the rest a few key groups after each batch; or "eager")."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import StructType
 

@@ -16,22 +16,24 @@ another in tasks of their own would each flush alone. The task:
    under ``pending/`` if the driver has not completed that checkpoint yet; at any old
    parallelism). A retried task, a batch evaluated twice, a batch re-run after a driver restart,
    a dead Python worker and a deleted local directory all land in one of these cases. With
-   ``cfg.state_loading == "lazy"`` the restore reads only the chunks' indexes, the timers and the
-   log (``backend.state.lazy``); local tables of a lazy restore that had not ended are not adopted
-   (they hold part of the state), the task restores from the DFS instead;
+   ``cfg.state_loading == "lazy"`` (the default) the restore reads only the chunks' indexes, the
+   timers and the log (``backend.state.lazy``); local tables of a lazy restore that had not ended
+   are adopted partly loaded and the lazy restore goes on in this worker (the tables keep what is
+   loaded, and the marker's handle names the chunks of the rest), or, with "eager", loaded whole
+   first; tables a lazy restore of an earlier release left partly loaded are restored from the DFS;
 3. marks the local directories dirty, runs the user's processor over each subtask's rows (the
    runners read a partition's keys ahead, ``backend.batch``: after a lazy restore that loads the
    keys the batch needs, concurrently), loads ``cfg.hydration_key_groups`` more whole key groups of
-   each subtask restored lazily (``hydrate_step``: a kept backend is local after a few batches, and
-   no batch stalls on all of it), starts the materialization of those due (only the synchronous
-   part: the upload goes on in the background after the task returns, and no task waits for it; the
-   materializations a task starts together share one chunk file, ``materializer.packs``), and makes
-   every subtask's log durable at once, each snapshot carrying the subtask's pending record (handle,
-   timers, event times) as a note: the records land in the flush's file,
-   ``pending/<b>/<uid>/<uuid>.dstl``, with the changes (``dstl`` notes). A handle names only chunks
-   that are durable: those of a materialization that finished, applied by the next task of the
-   subtask, in this worker (``poll``) or, through a file in the local directory, in another
-   (``backend.spark.handover``);
+   each subtask restored lazily (``hydrate_step``: a subtask is local after a few batches, in
+   whichever worker, and no batch stalls on all of it), starts the materialization of those due
+   (only the synchronous part: the upload goes on in the background after the task returns, and no
+   task waits for it; the materializations a task starts together share one chunk file,
+   ``materializer.packs``), and makes every subtask's log durable at once, each snapshot carrying
+   the subtask's pending record (handle, timers, event times) as a note: the records land in the
+   flush's file, ``pending/<b>/<uid>/<uuid>.dstl``, with the changes (``dstl`` notes). A handle
+   names only chunks that are durable: those of a materialization that finished, applied by the
+   next task of the subtask, in this worker (``poll``) or, through a file in the local directory,
+   in another (``backend.spark.handover``);
 4. flushes the tables (another worker may adopt them), writes the markers (state = batch ``b``),
    and only then hands the output rows to Spark.
 
@@ -67,7 +69,7 @@ from dstl import ChangelogConfig, ChangelogStorage, Note, StateChangelogStorage
 from dstl.atomic import write_atomically
 from dstl.service import RemoteChangelogStorage
 from materializer.packs import SharedPack
-from materializer.periodic import PeriodicMaterializer, restore
+from materializer.periodic import PeriodicMaterializer, adopt_local, restore
 
 MARKER = "state.json"
 
@@ -221,10 +223,15 @@ def _adopt(
         max_parallelism=cfg.max_parallelism, num_retained=2, reuse_local=True,
     )  # fmt: skip
     try:
-        backend.adopt_local(handle)
-    except StateRestoreError:  # partly loaded (a lazy restore that had not ended): restore instead
+        adopt_local(backend, handle)
+        if cfg.state_loading == "eager":
+            backend.hydrate()  # partly loaded by a lazy restore of an earlier run: all of it first
+    except StateRestoreError:  # e.g. partly loaded by an earlier release, which kept no record of it
         backend.close()
         return None
+    except BaseException:
+        backend.close()
+        raise
     logged = marker.get("log_bytes")
     if type(logged) is int and logged >= 0:  # the size trigger counts logged bytes, not file bytes
         backend.log_bytes_since_materialization = logged

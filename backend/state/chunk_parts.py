@@ -8,18 +8,27 @@ the chunk and the key groups after the storage's retries, ``StateRestoreError`` 
 chunk, a ``CorruptDataError`` of the format naming the key groups too. ``LocalKeys`` is what is
 local: the key groups hydrated and the keys loaded one by one; ``apply_pending`` applies and drops
 the pending changes kept at restore (their table's layout is in ``backend.state.lazy``).
+
+``LocalKeys`` is also kept in the local tables (``LOCAL_DB``), so that a backend of another process
+can continue a lazy restore from them (``adopt_local``; Spark runs a subtask's next task in any
+Python worker of the host): ``KEY_LOADED + ckey`` for a key loaded, ``KEY_GROUP_HYDRATED + key
+group (u16be)`` for a key group hydrated. Each record is written in the transaction that writes
+the data it describes (``record_loaded``, ``record_hydrated``), so a crash never leaves a key
+marked local without its entries or its entries without the mark; ``adopted`` reads it back. The
+key groups still cold are not kept: they are those a chunk part covers that are not hydrated,
+and those with pending changes (a key group's are deleted when it is hydrated).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from backend.core import records as rec
 from backend.core.errors import StateRestoreError
-from backend.core.tablekeys import key_group_of
+from backend.core.tablekeys import key_group_of, key_group_prefix
 from backend.state import restore as restoring
 from backend.state.lmdb_tables import LmdbTables
 from dstl.api import DfsFiles
@@ -28,6 +37,7 @@ from dstl.types import KeyGroupRange
 
 __all__ = [
     "FETCH_THREADS",
+    "LOCAL_DB",
     "ChunkSource",
     "ChunkView",
     "LocalKeys",
@@ -40,6 +50,10 @@ __all__ = [
 
 #: concurrent ranged reads of one load or of the hydration's prefetch
 FETCH_THREADS = 8
+#: the table of what is local (module doc; not a state: ``LmdbTables.unlisted_database``)
+LOCAL_DB = "__lazy_local__"
+#: the first byte of a record of ``LOCAL_DB``: a key loaded, a key group hydrated
+KEY_LOADED, KEY_GROUP_HYDRATED = b"k", b"g"
 
 
 class BlockSpan(Protocol):
@@ -117,15 +131,63 @@ class Part:
 @dataclass
 class LocalKeys:
     """What is local after a lazy restore: per key group (indexed by it) whether it is still
-    *cold* (not hydrated), and the keys (ckeys) of cold key groups loaded one by one."""
+    *cold* (not hydrated), and the keys (ckeys) of cold key groups loaded one by one. ``db``:
+    ``LOCAL_DB``, which keeps it for a backend of another process (module doc)."""
 
     cold: list[bool]
+    db: Any
     keys: set[bytes] = field(default_factory=set)
     #: the cold key groups some of whose keys are local
     key_groups: set[int] = field(default_factory=set)
 
     def is_local(self, ck: bytes, kg: int) -> bool:
         return not self.cold[kg] or ck in self.keys
+
+    def record_loaded(self, txn: Any, cks: Sequence[bytes]) -> None:
+        """Keep, in ``txn`` (the one writing their entries), that the keys ``cks`` are loaded."""
+        txn.cursor(db=self.db).putmulti([(KEY_LOADED + ck, b"") for ck in cks])
+
+    def record_hydrated(self, txn: Any, rng: KeyGroupRange) -> None:
+        """Keep, in ``txn`` (the one writing their entries), that the key groups ``rng`` are
+        hydrated; the records of their keys loaded one by one are moot and go."""
+        cursor = txn.cursor(db=self.db)
+        end = KEY_LOADED + key_group_prefix(rng.end + 1)  # a KeyGroupRange ends at MAX_KEY_GROUP
+        if cursor.set_range(KEY_LOADED + key_group_prefix(rng.start)):
+            while cursor.key() and cursor.key() < end and cursor.delete():
+                pass
+        cursor.putmulti([(KEY_GROUP_HYDRATED + key_group_prefix(kg), b"") for kg in rng])
+
+    def adopted(self, txn: Any, pending: Any, parts: Sequence[Part]) -> None:
+        """Take what another backend kept in ``db`` about these tables (module doc): the key groups
+        of ``parts`` not hydrated and those with ``pending`` changes are cold, and the keys of cold
+        key groups loaded are local."""
+        hydrated = {key_group_of(kg) for kg in _records(txn, self.db, KEY_GROUP_HYDRATED)}
+        for part in parts:
+            for kg in part.rng:
+                self.cold[kg] = kg not in hydrated
+        cursor = txn.cursor(db=pending)
+        found = cursor.first()
+        while found:
+            kg = key_group_of(cursor.key())
+            self.cold[kg] = True
+            found = kg < len(self.cold) - 1 and cursor.set_range(key_group_prefix(kg + 1))
+        for ck in _records(txn, self.db, KEY_LOADED):
+            if self.cold[key_group_of(ck)]:
+                self.keys.add(ck)
+                self.key_groups.add(key_group_of(ck))
+
+    def drop(self, txn: Any) -> None:
+        """Remove ``db`` (every key group is hydrated)."""
+        txn.drop(self.db, delete=True)
+
+
+def _records(txn: Any, db: Any, tag: bytes) -> Iterator[bytes]:
+    """The records of ``db`` (``LOCAL_DB``) starting with ``tag``, without it, in order."""
+    cursor = txn.cursor(db=db)
+    found = cursor.set_range(tag)
+    while found and cursor.key()[:1] == tag:
+        yield cursor.key()[1:]
+        found = cursor.next()
 
 
 class PartReader:

@@ -137,6 +137,7 @@ class Hydration:
                 # a KeyGroupRange ends at MAX_KEY_GROUP, so end + 1 still fits the prefix
                 start, end = key_group_prefix(rng.start), key_group_prefix(rng.end + 1)
                 apply_pending(txn, self.tables, self.pending, self.kinds, start, end)
+                local.record_hydrated(txn, rng)
             for kg in rng:
                 local.cold[kg] = False
                 local.key_groups.discard(kg)

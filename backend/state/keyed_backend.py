@@ -34,7 +34,7 @@ from backend.state import folding, versions
 from backend.state import restore as restoring
 from backend.state.context import KeyContext
 from backend.state.cut import MaterializationPoint
-from backend.state.lazy import PENDING_DB, ChunkSource, LazyRestore, restore_lazily
+from backend.state.lazy import PENDING_DB, ChunkSource, LazyRestore, adopt_lazily, restore_lazily
 from backend.state.lmdb_tables import DEFAULT_MAP_SIZE, LmdbTables
 from backend.state.primitives import create_state
 from backend.state.restore import ChunkLoader
@@ -519,7 +519,7 @@ class ChangelogKeyedStateBackend(KeyContext):
         if mode == "lazy":
             self._lazy, applied = restore_lazily(
                 self, self.tables, self._lock, handles, tables, reader, chunks,
-                lineage.materialized, lineage.carried, progress, lambda: setattr(self, "_lazy", None),
+                lineage.materialized, lineage.carried, progress, self._end_lazy,
             )  # fmt: skip
         else:
             applied = restoring.load_materialized(
@@ -550,27 +550,30 @@ class ChangelogKeyedStateBackend(KeyContext):
         while self._lazy is not None:
             self._lazy.hydrate_step(len(self.key_group_range))
 
-    def adopt_local(self, handle: KeyedStateHandle) -> None:
+    def adopt_local(self, handle: KeyedStateHandle, chunks: ChunkSource | None = None) -> None:
         """Continue from local tables that already hold exactly ``handle``'s state (left by a
         backend of another process on this host): take its metadata and DFS references without
-        reading the DFS. The caller vouches for the tables (``backend.spark`` keeps a marker)."""
+        reading the DFS. The caller vouches for the tables (``backend.spark`` keeps a marker). Tables
+        of a lazy restore that had not ended continue it, as after ``restore(mode="lazy")`` with what
+        was loaded local (``lazy.adopt_lazily``; ``chunks`` reads the chunks' blocks)."""
         if self._states:
             raise StateRestoreError("adopt_local() must be called before any state is used")
-        if self.tables.holds_database(PENDING_DB):
-            raise StateRestoreError(
-                f"the local tables in {self.tables.path} are partly loaded (a lazy restore that had not ended): "
-                "restore from the DFS instead"
-            )
         restoring.check_compatible(handle, self.operator_id, self.max_parallelism)
         scope = intersect(handle.key_group_range, self.key_group_range)
         if scope != self.key_group_range:
             raise StateRestoreError(f"handle covers {handle.key_group_range}, this subtask {self.key_group_range}")
         with self._lock:
             restoring.merge_metadata(self._restored_meta, handle.states)
+            if self.tables.holds_database(PENDING_DB):
+                tables, lock = versions.tables_of(self._restored_meta), self._lock
+                self._lazy = adopt_lazily(self, self.tables, lock, handle, tables, self.storage, chunks, self._end_lazy)
             self.lineage.materialized = [dict(c) for c in handle.materialized]
             self.lineage.carried = list(handle.changelog)
             self.log_bytes_since_materialization = self.lineage.carried_bytes()
             self.timers.load()
+
+    def _end_lazy(self) -> None:  # every key is local
+        self._lazy = None
 
     def disown_restored(self) -> None:
         """Forget the files the restore read (they belong to a savepoint or another job): later

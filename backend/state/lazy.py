@@ -31,6 +31,17 @@ What is read when (docs/architecture.md, "Lazy restore"):
   dropped, the hooks on ``set_current_key`` are removed and the backend is as after an eager
   restore. Why the owner drives it and no thread writes: the hot read path holds no lock, and a
   write renews the LMDB read view under it (``lmdb_tables``); the prefetch threads only read the DFS.
+- **Adopted** (``adopt_lazily``, by ``adopt_local`` in a backend of another process: Spark runs a
+  subtask's next task in any Python worker of the host): the tables hold the pending changes, the
+  timers and what is local, the keys loaded and the key groups hydrated (``chunk_parts.LocalKeys``,
+  kept in ``LOCAL_DB`` by each load and hydration step in the transaction that writes their data,
+  so a crash never separates the two); the handle of the snapshot they hold names the chunks of
+  every key group not hydrated (a snapshot of a partly loaded backend references them, and no
+  materialization replaces them while it is partly loaded: ``begin_materialization`` waits for
+  the hydration unless forced, and a forced one hydrates everything first). So the adoption reads
+  nothing (an index is read when a key of its part is first loaded), and the backend is as after
+  ``restore_lazily``, with what the other process loaded local. Tables kept without that record
+  (an earlier release's) are refused (``StateRestoreError``): the caller restores from the DFS.
 
 The operations that need every key (``delete_state``, ``consistent_view`` for savepoints and the
 state tools, a materialization: ``begin_materialization(hydrate=True)``) hydrate everything first.
@@ -58,6 +69,7 @@ from backend.core.records import Op
 from backend.core.tablekeys import key_group_of
 from backend.state import restore as restoring
 from backend.state.chunk_parts import (
+    LOCAL_DB,
     BlockSpan,
     ChunkSource,
     ChunkView,
@@ -78,7 +90,7 @@ from dstl.api import ChangelogStorage
 from dstl.errors import CorruptChangelogError, CorruptDataError
 from dstl.types import ChangelogHandle, KeyGroupRange
 
-__all__ = ["PENDING_DB", "ChunkSource", "ChunkView", "LazyRestore", "restore_lazily"]
+__all__ = ["LOCAL_DB", "PENDING_DB", "ChunkSource", "ChunkView", "LazyRestore", "adopt_lazily", "restore_lazily"]
 
 #: the local table of pending changes (not a state: ``LmdbTables.unlisted_database``)
 PENDING_DB = "__lazy__"
@@ -117,7 +129,7 @@ class LazyRestore:
         self.owned = owned
         self.parts = parts
         self.pending = tables.unlisted_database(PENDING_DB)
-        self.local = LocalKeys([False] * (owned.end + 1))
+        self.local = LocalKeys([False] * (owned.end + 1), tables.unlisted_database(LOCAL_DB))
         self.hydration = Hydration(tables, lock, reader, chunks, states, self.local, self.pending, self.kinds)
         self._by_kg: dict[int, list[Part]] = {}
         for part in parts:
@@ -271,6 +283,7 @@ class LazyRestore:
                     txn.cursor(db=self.tables.database_in(txn, table)).putmulti(items)
                 for ck in cks:
                     apply_pending(txn, self.tables, self.pending, self.kinds, ck, None)
+                self.local.record_loaded(txn, cks)
             self.local.keys.update(cks)
             self.local.key_groups.update(map(key_group_of, cks))
 
@@ -329,6 +342,7 @@ class LazyRestore:
         with self.lock:
             with self.tables.write("the end of the lazy restore") as txn:
                 txn.drop(self.pending, delete=True)
+                self.local.drop(txn)
             self.local.keys.clear()
             self.close()
             self.on_done()
@@ -408,9 +422,51 @@ def restore_lazily(
         for kg in part.rng:
             lazy.local.cold[kg] = True
     lazy.hydration.plan(owned, parts)
+    return _lazy_mode(host, lazy, on_done), count + seq
+
+
+def adopt_lazily(
+    host: KeyContext,
+    tables: LmdbTables,
+    lock: threading.RLock,
+    handle: KeyedStateHandle,
+    states: Mapping[str, Mapping[str, Any]],
+    reader: ChangelogStorage | None,
+    chunks: ChunkSource | None,
+    on_done: Callable[[], None],
+) -> LazyRestore | None:
+    """Continue the lazy restore a backend of another process left in ``tables``, which hold
+    ``handle``'s state partly loaded (module doc, "Adopted"); returns the lazy part (None when
+    nothing is left to load) and hooks ``host`` as ``restore_lazily`` does. Reads nothing."""
+    if not tables.holds_database(LOCAL_DB):
+        raise StateRestoreError(
+            f"the local tables in {tables.path} are partly loaded by a lazy restore that kept no record "
+            "of what it loaded: restore from the DFS instead"
+        )
+    owned = host.key_group_range
+    parts = [Part(i, rng, chunk) for i, (rng, chunk) in enumerate(restoring.owned_parts([handle], owned))]
+    if parts and chunks is None:
+        raise StateRestoreError(
+            f"the local tables in {tables.path} are partly loaded and the handle holds materialized chunks: "
+            "adopt them with materializer.periodic.adopt_local(backend, handle)"
+        )
+    if reader is None:
+        raise StateRestoreError(
+            f"the local tables in {tables.path} are partly loaded: loading the rest needs a changelog storage"
+        )
+    lazy = LazyRestore(tables, lock, PartReader(reader.files), chunks, states, owned, parts)
+    with tables.env.begin() as txn:
+        lazy.local.adopted(txn, lazy.pending, parts)
+    lazy.hydration.plan(owned, parts)
+    return _lazy_mode(host, lazy, on_done)
+
+
+def _lazy_mode(host: KeyContext, lazy: LazyRestore, on_done: Callable[[], None]) -> LazyRestore | None:
+    """``lazy`` planned: None if nothing is left to load (its tables dropped), else ``lazy`` with
+    ``host`` hooked until it ends (``install_hooks``; then ``on_done`` runs)."""
     if lazy.hydration.done:
         lazy.finish()
-        return None, count + seq
+        return None
     uninstall = install_hooks(host, lazy)
 
     def done() -> None:
@@ -418,7 +474,7 @@ def restore_lazily(
         on_done()
 
     lazy.on_done = done
-    return lazy, count + seq
+    return lazy
 
 
 #: the methods that make a key current, hooked while a backend is lazy

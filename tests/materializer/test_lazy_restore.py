@@ -284,20 +284,6 @@ def test_delete_state_and_views_of_every_key_hydrate_first(env: Env) -> None:
         txn.abort()
 
 
-def test_local_tables_of_an_unfinished_lazy_restore_are_not_adopted(env: Env) -> None:
-    handle, _ = checkpoint_1(env)
-    (b,) = lazily_restored(env, [handle], 1)
-    directory = b.tables.path
-    b.close()
-    env.backends.open.remove(b)
-    again = ChangelogKeyedStateBackend(
-        b.operator_id, FULL, directory, storage=env.storage, max_parallelism=MAX_P, reuse_local=True
-    )
-    env.backends.open.append(again)
-    with pytest.raises(StateRestoreError, match="partly loaded"):
-        again.adopt_local(handle)
-
-
 def test_progress_counts_timers_and_kept_records(env: Env) -> None:
     handle, _ = checkpoint_1(env)
     b = env.backends.new()
