@@ -17,6 +17,7 @@ BENCHMARKS = {
     "state": "benchmarks.state",
     "recovery": "benchmarks.recovery",
     "recovery-spark": "benchmarks.recovery_spark",
+    "state-source": "benchmarks.state_source",
     "space": "benchmarks.space",
     "incremental": "benchmarks.incremental",
     "spark": "benchmarks.spark",

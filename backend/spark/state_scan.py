@@ -18,6 +18,15 @@ key's list or map cleared: a null value, or a map entry removed: its user key). 
 schema versions log CLEARs when a key moves to the current one: a key also changed in the current
 version in that batch was moved, not deleted, and gets no delete row. Timers: ``update`` when
 registered, ``delete`` when deleted or fired.
+
+How the rows reach Spark (``arrow_batches``): pyspark's data source worker turns the tuples a
+reader yields into Arrow one value at a time in Python (a dict per struct, a check per field),
+which costs about as much as restoring and decoding them. A reader may instead yield pyarrow
+record batches in the Arrow schema the worker derives from the read's schema (``to_arrow_schema``);
+pyarrow builds those from the same tuples, lists and dicts column by column in C. This is done
+where pyarrow's conversion of our values is the one pyspark's would give: columns of numbers,
+booleans, strings and dates, in nullable structs, arrays and maps. A read of any other type
+(timestamps, decimals, binary, a NOT NULL field) yields its rows as tuples, converted by pyspark.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Callable, Iterator
+from itertools import islice
 from typing import Any
 
 from backend.core import records as rec
@@ -43,12 +53,16 @@ from dstl import ChangelogStorage, KeyGroupRange
 from dstl.types import ChangelogHandle
 from materializer.periodic import restore
 
-__all__ = ["scan_changes", "scan_state"]
+__all__ = ["arrow_batches", "scan_changes", "scan_state"]
 
 Row = tuple[Any, ...]
 Decode = Callable[[bytes], Any]
 #: a value left out: its TTL expired
 _EXPIRED = object()
+#: rows per Arrow batch: Spark's default ``spark.sql.execution.arrow.maxRecordsPerBatch``
+ARROW_BATCH_ROWS = 10_000
+#: rows turned into Arrow at once (``arrow_batches``)
+CONVERT_ROWS = 500
 
 
 class _Keys:
@@ -278,3 +292,52 @@ def _records(
             rank = ranks.get(sid)
             if rank is not None:
                 yield rank, ck, op, rest
+
+
+def arrow_batches(rows: Iterator[Row], schema: Any, size: int = ARROW_BATCH_ROWS) -> Iterator[Any]:
+    """``rows`` as pyarrow record batches of up to ``size`` rows in the Arrow schema pyspark's data
+    source worker expects for ``schema`` (the read's pyspark ``StructType``), when pyarrow converts
+    every column as pyspark would (module docstring, ``_plain``); else ``rows`` as they are.
+
+    Rows are converted ``CONVERT_ROWS`` at a time and the pieces joined into one batch (a copy of
+    Arrow buffers): few tuples are alive at once, so they are freed young instead of filling the
+    garbage collector's oldest generation, whose full collections cost more than the conversion."""
+    if not all(_plain(f.dataType, f.nullable) for f in schema.fields):
+        yield from rows
+        return
+    import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    arrow_schema = to_arrow_schema(schema)  # no timestamp in a plain schema: no time zone needed
+    types = [field.type for field in arrow_schema]
+    held: list[Any] = []
+    count = 0
+    while chunk := list(islice(rows, CONVERT_ROWS)):
+        columns = zip(*chunk, strict=True)
+        arrays = [pa.array(column, type=dtype) for column, dtype in zip(columns, types, strict=True)]
+        held.append(pa.RecordBatch.from_arrays(arrays, schema=arrow_schema))
+        count += len(chunk)
+        if count >= size:
+            yield from pa.Table.from_batches(held).combine_chunks().to_batches()
+            held, count = [], 0
+    if held:
+        yield from pa.Table.from_batches(held).combine_chunks().to_batches()
+
+
+def _plain(dtype: Any, nullable: bool) -> bool:
+    """Whether pyarrow builds values of ``dtype`` as pyspark's ``LocalDataToArrowConversion`` does:
+    a type pyspark passes through as it is (numbers, booleans, dates; strings, which it only
+    coerces from other types), or a struct (a tuple it makes a dict), array or map (a dict it makes
+    pairs) of them; nullable, as pyspark checks a NOT NULL value in Python."""
+    from pyspark.sql import types as t
+
+    if not nullable:
+        return False
+    if isinstance(dtype, t.StructType):
+        return all(_plain(f.dataType, f.nullable) for f in dtype.fields)
+    if isinstance(dtype, t.ArrayType):
+        return _plain(dtype.elementType, dtype.containsNull)
+    if isinstance(dtype, t.MapType):
+        return _plain(dtype.keyType, True) and _plain(dtype.valueType, dtype.valueContainsNull)
+    plain = (t.ByteType, t.ShortType, t.IntegerType, t.LongType, t.FloatType, t.DoubleType, t.BooleanType, t.DateType)
+    return type(dtype) in plain or type(dtype) is t.StringType

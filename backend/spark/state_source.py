@@ -46,7 +46,7 @@ from backend.spark.state_plan import (
     read_checkpoint,
     states_of,
 )
-from backend.spark.state_scan import scan_changes, scan_state
+from backend.spark.state_scan import arrow_batches, scan_changes, scan_state
 
 __all__ = ["METADATA_FORMAT", "STATE_FORMAT", "StateDataSource", "StateMetadataDataSource", "register"]
 
@@ -81,23 +81,23 @@ class StateDataSource(DataSource):
 
     def reader(self, schema: Any) -> DataSourceReader:
         plan, parts = self._planned()
-        return _StateReader(plan, parts)
+        return _StateReader(plan, parts, schema)
 
 
 class _StateReader(DataSourceReader):
-    """One partition per key-group range; each restores and reads only its own key groups."""
+    """One partition per key-group range; each restores and reads only its own key groups. Its rows
+    go to Spark as Arrow batches of the read's ``schema`` where they can (``state_scan.arrow_batches``)."""
 
-    def __init__(self, plan: ScanPlan, parts: Sequence[StatePart] | Sequence[ChangePart]) -> None:
-        self.plan, self.parts = plan, list(parts)
+    def __init__(self, plan: ScanPlan, parts: Sequence[StatePart] | Sequence[ChangePart], schema: Any) -> None:
+        self.plan, self.parts, self.schema = plan, list(parts), schema
 
     def partitions(self) -> Sequence[InputPartition]:
         return [InputPartition(part) for part in self.parts]
 
-    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+    def read(self, partition: InputPartition) -> Iterator[Any]:
         part = partition.value
-        if isinstance(part, ChangePart):
-            return scan_changes(self.plan, part)
-        return scan_state(self.plan, part)
+        rows = scan_changes(self.plan, part) if isinstance(part, ChangePart) else scan_state(self.plan, part)
+        return arrow_batches(rows, self.schema)
 
 
 class StateMetadataDataSource(DataSource):
