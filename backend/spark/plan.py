@@ -51,7 +51,7 @@ from backend.spark.schema import input_type, simple_string
 from backend.spark.tasks import run_subtasks
 from backend.spark.ticks import TICK, register_tick_source
 from dstl import ChangelogConfig, ConfigurationError
-from dstl.paths import check_name
+from dstl.paths import check_name, local_path
 from materializer.options import MaterializationOptions
 
 KEY_GROUP = "__dstl_key_group"
@@ -173,6 +173,7 @@ def build(
     tasks: int | None = None,
     changelog_service: bool = True,
     state_loading: str = "eager",
+    restore_from: str | None = None,
 ) -> Any:
     """The streaming DataFrame running ``make_operator(key columns)`` per subtask and batch.
 
@@ -191,7 +192,9 @@ def build(
     changelog service process (``dstl.service``), so the tasks an executor runs at once share one
     file per flush. ``state_loading``: how a task restoring a subtask from the DFS loads its state
     (``backend.checkpointing.savepoints.StateLoading``: "eager", or "lazy": the keys of a batch
-    when the batch reads them, the rest a few key groups after each batch)."""
+    when the batch reads them, the rest a few key groups after each batch). ``restore_from``: a
+    savepoint the operator starts from while its state directory holds no state
+    (``backend.spark.bootstrap``)."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import StructType
 
@@ -204,6 +207,8 @@ def build(
     check_name(operator_uid, "operator_uid")  # here on the driver, not first on an executor
     check_max_parallelism(max_parallelism)
     loading = check_state_loading(state_loading)
+    if restore_from is not None and (not isinstance(restore_from, str) or not restore_from.strip()):
+        raise ConfigurationError(f"restore_from must name a savepoint directory, or be None; got {restore_from!r}")
     try:
         materialization = MaterializationOptions(
             interval_ms=materialization_interval_ms, size_trigger_bytes=size_trigger_bytes
@@ -247,6 +252,7 @@ def build(
         max_bytes_per_batch=_max_bytes_per_batch(spark),
         changelog_service=changelog_service, route=route, state_loading=loading,
         grouping_key=tuple((k, simple_string(input_type(df.schema[k].dataType))) for k in keys),
+        restore_from=None if restore_from is None else _location(restore_from),
     )  # fmt: skip
     operator = make_operator(keys)
 
@@ -287,6 +293,13 @@ def build(
     if event_time_column is not None and watermark is not None:
         out = _with_event_time(out, event_time_column, watermark[1])
     return out
+
+
+def _location(url: str) -> str:
+    """A directory as every process reads it: a local one absolute (the tasks' working directory
+    is not the driver's), a URL as given."""
+    local = local_path(url.strip())
+    return url.strip().rstrip("/") if local is None else os.path.abspath(local)
 
 
 def routed_task_name(route: str) -> str:

@@ -1,0 +1,133 @@
+"""Bootstrap: a query's state read through the state data source, transformed as a DataFrame,
+written as a savepoint (``df.write.format("dstl-state")``) and a query started from it
+(``restore_from``) at another parallelism.
+
+The differential: the keeper query (``bootstrap_queries``: value, list, map, two states with a
+TTL) runs three batches at parallelism 2 and then two more; its state after the third batch,
+read, written and restored into a new query at parallelism 3 (locally) or 1 (on S3), must give
+that new query exactly the outputs the original gave for the last two batches, with the one
+change the transformation made. A TTL value restored keeps its expiry."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server
+from tests.backend.spark.bootstrap_queries import MAX_PARALLELISM, TTL_MS, run_keeper
+from tests.backend.spark.test_state_source import no_data_batches_off, read
+from tests.support.s3 import new_bucket
+
+pytestmark = pytest.mark.spark
+
+STATES = ("total", "first", "events", "by_kind")
+
+
+@dataclass
+class Original:
+    location: str  # the keeper's state directory
+    outputs: dict[int, dict[str, Any]]  # its reports, by batch and key
+
+
+@pytest.fixture(scope="module")
+def original(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> Original:
+    """The keeper over batches 0-4 at parallelism 2, every checkpoint retained (the state after
+    batch 2 is read by the tests)."""
+    from backend.spark.api import register_state_source
+
+    root = tmp_path_factory.mktemp("bootstrap-original")
+    outputs: dict[int, dict[str, Any]] = {}
+    with no_data_batches_off(spark):
+        location = run_keeper(spark, root, range(3), 2, outputs, num_retained=10, materialization_interval_ms=1)
+        run_keeper(spark, root, range(3, 5), 2, outputs, num_retained=10, materialization_interval_ms=1)
+    register_state_source(spark)
+    return Original(location, outputs)
+
+
+def state_frame(spark: Any, location: str, name: str, **options: Any) -> Any:
+    reader = spark.read.format("dstl-state").option("stateVarName", name).option("batchId", 2)
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    return reader.load(location)
+
+
+def write(frame: Any, path: str, name: str, mode: str = "append", **options: Any) -> None:
+    writer = frame.write.format("dstl-state").mode(mode).option("operatorId", "keeper").option("stateVarName", name)
+    for key, value in {"maxParallelism": MAX_PARALLELISM, **options}.items():
+        writer = writer.option(key, value)
+    writer.save(path)
+
+
+TTL = {"ttlDurationMs": TTL_MS}
+
+
+def test_a_state_read_transformed_and_written_restores_the_query(spark: Any, original: Original, tmp_path: Path) -> None:
+    """The round trip, locally, restored at parallelism 3; the transformation adds 100 to u1's
+    total, which the restored query's reports show and nothing else."""
+    from pyspark.sql import functions as F
+
+    savepoint = str(tmp_path / "savepoint")
+    total = state_frame(spark, original.location, "total")
+    bumped = F.when(F.col("key.id") == "u1", F.col("value.n") + 100).otherwise(F.col("value.n"))
+    write(total.select("key", F.struct(bumped.alias("n")).alias("value"), "partition_id"), savepoint, "total")
+    write(state_frame(spark, original.location, "first"), savepoint, "first", **TTL)
+    write(state_frame(spark, original.location, "events"), savepoint, "events")
+    write(state_frame(spark, original.location, "by_kind"), savepoint, "by_kind", **TTL)
+    outputs: dict[int, dict[str, Any]] = {}
+    with no_data_batches_off(spark):
+        location = run_keeper(spark, tmp_path, range(3, 5), 3, outputs, restore_from=savepoint)
+    expected = {b: {k: dict(r) for k, r in original.outputs[b].items()} for b in (3, 4)}
+    for batch in expected.values():
+        batch["u1"]["total"] += 100
+    assert outputs == expected
+    # the TTL values written once keep the expiry the original's first batch gave them
+    assert _rows(read(spark, location, stateVarName="first")) == _rows(read(spark, original.location, stateVarName="first"))
+
+
+def _rows(rows: list[Any]) -> list[tuple[Any, ...]]:
+    return sorted((r.key.id, tuple(r.value.value), r.value.ttlExpirationMs) for r in rows)
+
+
+def test_the_round_trip_through_s3(spark: Any, original: Original, tmp_path: Path, moto_server: S3Server) -> None:
+    """The savepoint on S3 (written with the ``s3.*`` options), a query with its state on S3
+    restored from it at parallelism 1; collections written nested (``flattenCollectionTypes``
+    false) this time."""
+    from dstl import ChangelogConfig
+    from dstl.config import S3Options
+
+    bucket = new_bucket(moto_server, "bootstrap")
+    savepoint = f"s3://{bucket}/savepoints/keeper"
+    s3 = {
+        "s3.endpoint_url": moto_server.endpoint_url, "s3.region": REGION, "s3.access_key_id": ACCESS_KEY,
+        "s3.secret_access_key": SECRET_KEY,
+    }  # fmt: skip
+    nested = {"flattenCollectionTypes": False}
+    for name in STATES:
+        frame = state_frame(spark, original.location, name, **nested)
+        write(frame, savepoint, name, **s3, **(TTL if name in ("first", "by_kind") else {}))
+    location = f"s3://{bucket}/state"
+    options = S3Options(
+        endpoint_url=moto_server.endpoint_url, region=REGION, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY
+    )
+    outputs: dict[int, dict[str, Any]] = {}
+    with no_data_batches_off(spark):
+        run_keeper(
+            spark, tmp_path, range(3, 5), 1, outputs, restore_from=savepoint, checkpoint_location=location,
+            changelog_config=ChangelogConfig(base_path=location, s3=options),
+        )  # fmt: skip
+    assert outputs == {b: original.outputs[b] for b in (3, 4)}
+
+
+@contextlib.contextmanager
+def session_time_zone(spark: Any, zone: str) -> Iterator[None]:
+    saved = spark.conf.get("spark.sql.session.timeZone")
+    spark.conf.set("spark.sql.session.timeZone", zone)
+    try:
+        yield
+    finally:
+        spark.conf.set("spark.sql.session.timeZone", saved)
