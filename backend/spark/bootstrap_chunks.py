@@ -1,29 +1,29 @@
 """A task of a bootstrap write: the rows of one Spark partition into chunks of the savepoint.
 
-The rows arrive as Arrow record batches in the state data source's columns (``state_writer``
-checked them against the state). Each row's key is stored as the drop-in stores it
-(``backend.spark.keys``: the tuple of the grouping values, a ``timestamp`` column as the API the
-query runs hands it over: an instant to ``transformWithState``, a wall time in the session's time
-zone to the pandas APIs) in the key group the drop-in's query computes for it, Spark's
-``pmod(hash(grouping columns), max parallelism)`` (``spark_hash``). The values go in through the
+The rows arrive as Arrow record batches in the state data source's columns (``state_writer`` checked
+them against the state). Each row's key is stored as the drop-in stores it (``backend.spark.keys``:
+the tuple of the grouping values as the API the query runs hands them over: a ``timestamp`` a wall
+time in the session's time zone to the pandas APIs, that wall time made aware in the zone to
+``transformWithState``, whose rows also turn a NaN into None, both as ``backend.spark.batch``
+converts them) in the key group the drop-in's query computes for it, Spark's ``pmod(hash(grouping
+columns), max parallelism)`` of the values themselves (``spark_hash``). The values go in through the
 same handle and state objects a processor uses (``backend.spark.handle``, strict types), into a
-scratch backend without a log covering every key group, so that the stored bytes, the serializer
-ids and the recorded schemas are exactly the drop-in's; a TTL value keeps the expiry its row
-gives (the scratch backend's clock is set to the expiry minus the TTL for each write).
+scratch backend without a log covering every key group, so that the stored bytes, the serializer ids
+and the recorded schemas are exactly the drop-in's; a TTL value keeps the expiry its row gives (the
+scratch backend's clock is set to the expiry minus the TTL for each write).
 
-Then, per run of consecutive key groups the partition holds, one chunk (``materializer.chunks``,
-as a materialization writes it), packed back to back into files of at most ``PACK_BYTES`` under the
+Then, per run of consecutive key groups the partition holds, one chunk (``materializer.chunks``, as
+a materialization writes it), packed back to back into files of at most ``PACK_BYTES`` under the
 write's directory of the savepoint (``bootstrap.write_dir``); the task returns the files' entries
 and its key groups for the commit (``bootstrap``).
 
-Refused, naming the state and the key: a null key or value, a null TTL expiry, a key twice in
-a value state, a user key twice in one key's map state. A list's elements keep the order of the
+Refused, naming the state and the key: a null key or value, a null TTL expiry, a key twice in a
+value state, a user key twice in one key's map state. A list's elements keep the order of the
 partition's rows.
 """
 
 from __future__ import annotations
 
-import datetime
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -48,7 +48,6 @@ __all__ = ["PACK_BYTES", "StateRows", "TaskOutput", "WritePlan", "python_values"
 PACK_BYTES = 16 << 20
 #: the processor APIs, as the ``processorApi`` option names them: how each hands a timestamp key over
 PANDAS_API, ROW_API = "transformWithStateInPandas", "transformWithState"
-_UTC_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 #: the column layouts of a written state (``state_writer``): its kind and how its rows hold values
 LAYOUTS = {"value": "value", "list_element": "list", "list_value": "list", "user_map": "map", "map_value": "map"}
 
@@ -149,24 +148,27 @@ class StateRows:
 
     def _keys(self, column: Any) -> Iterator[tuple[tuple[Any, ...], int]]:
         """(the grouping values, the key group) of each row of the ``key`` column."""
+        import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
         import pyarrow.compute as pc  # type: ignore[import-untyped, unused-ignore]
 
         if column.null_count:
             raise StateSourceError(f"state {self.plan.state!r}: a row has a null key (column key)")
         hashed, stored = [], []
+        rows_api = self.plan.api == ROW_API
         for i, dtype in enumerate(self.key_types):
             child = column.field(i)
             if dtype.name == "timestamp":
-                micros = child.cast("int64").to_pylist()
-                hashed.append(micros)
-                if self.plan.api == PANDAS_API:  # a wall time in the session time zone, as pandas gets it
-                    stored.append(pc.local_timestamp(child).to_pylist())
-                else:  # an instant, as the Row API gets it (an aware datetime)
-                    stored.append([None if m is None else _UTC_EPOCH + datetime.timedelta(microseconds=m)
-                                   for m in micros])  # fmt: skip
+                hashed.append(child.cast("int64").to_pylist())
+                walls = pc.local_timestamp(child).to_pylist()  # the session's wall time, as pandas gets it
+                if rows_api:  # made aware in the session's zone again, as the Row API's conversion does
+                    zone = pa.scalar(0, type=child.type).as_py().tzinfo
+                    walls = [None if w is None else w.replace(tzinfo=zone) for w in walls]
+                stored.append(walls)
             else:
                 values = child.to_pylist()
                 hashed.append(values)
+                if rows_api and dtype.name in ("float", "double"):  # the Row API's rows pass through pandas
+                    values = [None if v != v else v for v in values]  # a NaN: None, as there
                 stored.append(values)
         mp, hashers = self.plan.max_parallelism, self.hashers
         for inputs, values in zip(zip(*hashed, strict=True), zip(*stored, strict=True), strict=True):

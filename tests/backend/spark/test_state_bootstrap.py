@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from backend.checkpointing.metadata import SnapshotMetadata, metadata_path
 from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server
 from tests.backend.spark.bootstrap_queries import MAX_PARALLELISM, TTL_MS, run_keeper
 from tests.backend.spark.test_state_source import no_data_batches_off, read
@@ -66,9 +67,11 @@ def write(frame: Any, path: str, name: str, mode: str = "append", **options: Any
 TTL = {"ttlDurationMs": TTL_MS}
 
 
-def test_a_state_read_transformed_and_written_restores_the_query(spark: Any, original: Original, tmp_path: Path) -> None:
-    """The round trip, locally, restored at parallelism 3; the transformation adds 100 to u1's
-    total, which the restored query's reports show and nothing else."""
+def test_a_state_read_transformed_and_written_restores_the_query(
+    spark: Any, original: Original, tmp_path: Path
+) -> None:  # noqa: E501
+    """The round trip, locally, restored at parallelism 3 (every subtask from the savepoint); the
+    transformation adds 100 to u1's total, which the restored query's reports show and nothing else."""
     from pyspark.sql import functions as F
 
     savepoint = str(tmp_path / "savepoint")
@@ -85,8 +88,11 @@ def test_a_state_read_transformed_and_written_restores_the_query(spark: Any, ori
     for batch in expected.values():
         batch["u1"]["total"] += 100
     assert outputs == expected
+    first = SnapshotMetadata.loads((Path(location) / metadata_path(0)).read_bytes(), "chk-0")
+    assert first.properties["restored_from"] == {"savepoint": 3}
     # the TTL values written once keep the expiry the original's first batch gave them
-    assert _rows(read(spark, location, stateVarName="first")) == _rows(read(spark, original.location, stateVarName="first"))
+    restored = _rows(read(spark, location, stateVarName="first"))
+    assert restored == _rows(read(spark, original.location, stateVarName="first"))
 
 
 def _rows(rows: list[Any]) -> list[tuple[Any, ...]]:
@@ -131,3 +137,83 @@ def session_time_zone(spark: Any, zone: str) -> Iterator[None]:
         yield
     finally:
         spark.conf.set("spark.sql.session.timeZone", saved)
+
+
+#: raw input columns, and the grouping columns of every type the drop-in groups by, cast from them
+RAW = "s string, i long, t string, d string, dec string, x double, h string"
+KEYED = [
+    "s", "CAST(i AS INT) i", "CAST(i AS TINYINT) i8", "CAST(i AS SMALLINT) i16", "i AS l", "CAST(t AS TIMESTAMP) ts",
+    "CAST(t AS TIMESTAMP_NTZ) tn", "CAST(d AS DATE) d", "CAST(dec AS DECIMAL(12,3)) dec",
+    "CAST(dec AS DECIMAL(30,4)) big", "CAST(x AS FLOAT) f", "x", "unhex(h) bin", "i > 1 AS bo",
+]  # fmt: skip
+KEYS = ["s", "i", "i8", "i16", "l", "ts", "tn", "d", "dec", "big", "f", "x", "bin", "bo"]
+KEY_ROWS = [
+    {"s": "a", "i": 1, "t": "2024-01-02 03:04:05.000006", "d": "2024-01-02", "dec": "1.5", "x": 0.5, "h": "CAFE"},
+    {"s": "b", "i": -2, "t": "2024-11-03 01:30:00", "d": "1969-12-31", "dec": "-2.25", "x": 0.0, "h": "00"},
+    {"s": "c", "i": 100, "t": "1960-07-01 12:00:00", "d": None, "dec": "0", "x": float("nan"), "h": ""},
+    {"s": "日本", "i": 7, "t": None, "d": "2024-03-10", "dec": None, "x": -1.25, "h": "FFEE0102030405"},
+]  # fmt: skip
+
+
+def seer(use_pandas: bool) -> Any:
+    """A processor reporting, per key, the value of state ``n`` it finds (None: nothing)."""
+    import pandas as pd
+    from pyspark.sql import Row
+    from pyspark.sql.streaming.stateful_processor import StatefulProcessor
+
+    class Seer(StatefulProcessor):  # type: ignore[misc]
+        def init(self, handle: Any) -> None:
+            self.n = handle.getValueState("n", "n bigint")
+
+        def handleInputRows(self, key: Any, rows: Any, timerValues: Any) -> Any:
+            for _ in rows:
+                pass
+            stored = self.n.get()
+            found = None if stored is None else int(stored[0])
+            if use_pandas:
+                yield pd.DataFrame({"s": [str(key[0])], "n": [found]})
+            else:
+                yield Row(s=str(key[0]), n=found)
+
+        def close(self) -> None:
+            return None
+
+    return Seer()
+
+
+@pytest.mark.parametrize("api", ["transformWithStateInPandas", "transformWithState"])
+def test_every_key_type_is_found_where_the_query_looks(spark: Any, tmp_path: Path, api: str) -> None:
+    """State written for keys of every grouping type (a session time zone other than UTC; a
+    timestamp stored as each API hands it over; -0.0 and NaN doubles, nulls) is found by a query
+    grouping by those columns: its key group and key bytes are the query's own. The DataFrame is
+    repartitioned by its key, as the write asks of one not read from the state source."""
+    import json
+
+    from pyspark.sql import functions as F
+
+    from backend.spark.api import register_state_source, transform_with_state, transform_with_state_in_pandas
+    from tests.backend.spark.queries import publish
+
+    register_state_source(spark)
+    savepoint = str(tmp_path / "savepoint")
+    with session_time_zone(spark, "America/Los_Angeles"):
+        keyed = spark.createDataFrame(KEY_ROWS, RAW).selectExpr(*KEYED)
+        state = keyed.select(F.struct(*KEYS).alias("key"), F.struct((F.col("l") * 10).alias("n")).alias("value"))
+        writer = state.repartition(16, "key").write.format("dstl-state").mode("append")
+        writer.option("operatorId", "seer").option("stateVarName", "n").option("processorApi", api).save(savepoint)
+        (tmp_path / "in").mkdir()
+        stream = spark.readStream.schema(RAW).json(str(tmp_path / "in")).selectExpr(*KEYED)
+        run = transform_with_state_in_pandas if api == "transformWithStateInPandas" else transform_with_state
+        out = run(stream.groupBy(*KEYS), seer(api == "transformWithStateInPandas"), "s string, n long", "Update",
+                  "None", checkpoint_location=str(tmp_path / "state"), operator_uid="seer", parallelism=3,
+                  restore_from=savepoint)  # fmt: skip
+        seen: list[Any] = []
+        query = out.writeStream.foreachBatch(lambda frame, _: seen.extend(frame.collect()))
+        started = query.option("checkpointLocation", str(tmp_path / "spark")).start()
+        try:
+            rows = [dict(r, x=-0.0) if r["x"] == 0.0 else r for r in KEY_ROWS]  # -0.0 groups with 0.0
+            publish(tmp_path / "in" / "0000.json", "".join(json.dumps(r) + "\n" for r in rows))
+            started.processAllAvailable()
+        finally:
+            started.stop()
+    assert sorted((r.s, r.n) for r in seen) == sorted((r["s"], 10 * r["i"]) for r in KEY_ROWS)
