@@ -38,7 +38,8 @@ of another state directory) is honoured while the operator's state directory hol
 Flink's ``execution.savepoint.path`` is ignored once a job has checkpoints. The driver checks it
 when the operator is bound (``check_restore_from``): the savepoint exists and holds the operator's
 uid, with the same max parallelism and grouping key types (else the state would sit in key groups
-no task looks in), and lies outside the state directory. The tasks of the first batch that runs
+no task looks in), and, before the state directory is even opened (its recovery deletes every file
+there no checkpoint names: ``check_restore_location``), that it lies outside it. The tasks of the first batch that runs
 restore their key groups of it (``restore_savepoint``: eagerly, through the savepoint's storage)
 and materialize them fully into the state directory before their first snapshot (NO_CLAIM: no
 checkpoint ever names a file of the savepoint, which may be deleted once the first checkpoint is
@@ -76,6 +77,7 @@ from materializer.periodic import PeriodicMaterializer, restore
 __all__ = [
     "BOOTSTRAP_DIR",
     "check_restore_from",
+    "check_restore_location",
     "check_savepoint_directory",
     "commit_state",
     "delete_write",
@@ -247,16 +249,24 @@ def savepoint_location(url: str) -> tuple[str, str]:
     return (base if local is None else local), where
 
 
+def check_restore_location(cfg: OperatorConfig) -> None:
+    """Before the driver opens the operator's state directory (whose recovery deletes every file
+    there no checkpoint names): refuse a ``restore_from`` inside it, or around it."""
+    if cfg.restore_from is None:
+        return
+    base, _ = savepoint_location(cfg.restore_from)
+    if is_inside(base, cfg.job_dir) or is_inside(cfg.job_dir, base):
+        raise CheckpointError(
+            f"restore_from {cfg.restore_from} and the state directory {cfg.job_dir} of operator {cfg.uid!r} overlap: "
+            "the operator's cleanup deletes every file there no checkpoint names; keep the savepoint elsewhere"
+        )
+
+
 def check_restore_from(cfg: OperatorConfig) -> None:
     """On the driver, when the operator is bound and its state directory holds no state: refuse a
     ``restore_from`` the tasks could not start from (module docstring), naming the problem."""
     assert cfg.restore_from is not None
     base, where = savepoint_location(cfg.restore_from)
-    if is_inside(base, cfg.job_dir) or is_inside(cfg.job_dir, base):
-        raise CheckpointError(
-            f"restore_from {cfg.restore_from} and the state directory {cfg.job_dir} of operator {cfg.uid!r} overlap: "
-            "the operator's cleanup would delete the savepoint's files; keep the savepoint elsewhere"
-        )
     with open_directory(cfg.changelog, base) as storage:
         meta = read_snapshot(storage.files, where)
     if cfg.uid not in meta.operators:

@@ -45,6 +45,7 @@ import mmh3
 from backend.checkpointing.savepoints import check_state_loading
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
 from backend.spark.batch import coalesced
+from backend.spark.bootstrap import check_restore_location
 from backend.spark.config import OperatorConfig, Watermarks
 from backend.spark.driver import coordinator_for
 from backend.spark.schema import input_type, simple_string
@@ -257,6 +258,7 @@ def build(
     operator = make_operator(keys)
 
     def bind(bound: OperatorConfig) -> None:
+        check_restore_location(bound)
         coordinator_for(spark, bound, num_retained)
         if operator.prepare is not None:
             operator.prepare(bound)

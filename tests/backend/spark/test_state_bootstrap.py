@@ -69,7 +69,7 @@ TTL = {"ttlDurationMs": TTL_MS}
 
 def test_a_state_read_transformed_and_written_restores_the_query(
     spark: Any, original: Original, tmp_path: Path
-) -> None:  # noqa: E501
+) -> None:
     """The round trip, locally, restored at parallelism 3 (every subtask from the savepoint); the
     transformation adds 100 to u1's total, which the restored query's reports show and nothing else."""
     from pyspark.sql import functions as F
