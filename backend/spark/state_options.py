@@ -17,8 +17,9 @@ where the files are: ``s3.<field>`` for each field of ``dstl.S3Options`` (``s3.e
 them, ``AWS_*`` and botocore's chain, as for the drop-in). ``operatorId`` may also be an operator's
 uid. Option names are case-insensitive (pyspark hands a data source its options lower-cased).
 
-A writer (bootstrap) added to the same data source later reads these options too: ``stateVarName``,
-``flattenCollectionTypes`` and the storage options mean the same there.
+The writer of the same data source (bootstrap, ``backend.spark.state_writer``) reads ``path``,
+``stateVarName``, ``operatorId`` (there: the operator's uid) and the storage options with
+``Options`` and ``storage_config``, and options of its own.
 """
 
 from __future__ import annotations
