@@ -24,7 +24,8 @@ A failed write changes nothing a reader trusts: the first write's ``_metadata`` 
 commit, so a directory without one is no savepoint (``read_snapshot`` refuses it), and a later
 write leaves the ``_metadata`` as it was. Its files are deleted by ``abort`` (Spark calls it after
 a task or the commit failed; what it cannot delete is named by no ``_metadata`` and is harmless),
-and the commit deletes the files of failed task attempts.
+unless the commit had begun the ``_metadata`` put (a put the client saw fail may land later and
+name them: ``discard_write``), and the commit deletes the files of failed task attempts.
 
 Every key group comes from one task: the commit refuses a write whose tasks wrote the same key
 group (a list's elements or a map's entries split over two tasks, or a key twice, cannot be told
@@ -81,6 +82,7 @@ __all__ = [
     "check_savepoint_directory",
     "commit_state",
     "delete_write",
+    "discard_write",
     "open_directory",
     "restore_savepoint",
     "write_dir",
@@ -94,6 +96,8 @@ BOOTSTRAP_DIR = "bootstrap"
 STATE_FIELD = "state"
 #: the operator part's field recording its grouping columns (name, Spark type)
 GROUPING_KEY_FIELD = "grouping_key"
+#: put in a write's directory before its ``_metadata`` put: from then on the put may land
+COMMITTING = "_committing"
 
 
 def write_dir(write_id: str) -> str:
@@ -181,6 +185,7 @@ def _columns(key: Sequence[Sequence[str]]) -> str:
 def commit_state(
     files: DfsFiles,
     *,
+    write_id: str,
     uid: str,
     max_parallelism: int,
     key: Sequence[tuple[str, str]],
@@ -189,9 +194,11 @@ def commit_state(
     written: Sequence[Mapping[str, Any]],
     overwrite: bool,
 ) -> SnapshotMetadata:
-    """Add ``state`` of operator ``uid`` (its metadata and the file entries ``written``) to the
-    savepoint at ``files`` and put its ``_metadata``; then delete the files the state had there
-    before (``overwrite``). Checks the directory again: another write may have committed since."""
+    """Add ``state`` of operator ``uid`` (its metadata and the file entries ``written`` of write
+    ``write_id``) to the savepoint at ``files`` and put its ``_metadata``; then delete the files the
+    state had there before (``overwrite``). Checks the directory again: another write may have
+    committed since. A marker put first (``COMMITTING``) tells ``discard_write`` that the put may
+    land, whatever the client saw."""
     where = files.base_path
     meta = check_savepoint_directory(files)
     check_operator(meta, where, uid, max_parallelism, key, state, overwrite)
@@ -211,6 +218,7 @@ def commit_state(
         properties=properties,
     )  # fmt: skip
     new.referenced_files()  # every path checked before anything is written
+    files.put(f"{write_dir(write_id)}/{COMMITTING}", b"")
     files.put(METADATA_NAME, new.dumps())
     still = new.referenced_files()
     _delete_quietly(files, sorted({str(f["path"]) for f in replaced} - still))
@@ -229,6 +237,23 @@ def delete_write(files: DfsFiles, write_id: str, keep: Sequence[str] = ()) -> No
     with contextlib.suppress(Exception):
         if files.remove_empty_directory(write_dir(write_id)):
             files.remove_empty_directory(BOOTSTRAP_DIR)
+
+
+def discard_write(files: DfsFiles, write_id: str) -> None:
+    """Delete the files of a failed write, unless its commit began the ``_metadata`` put
+    (``COMMITTING``): a put the client saw fail may land later and name them, so they stay (named
+    then, else harmless). Also when the directory cannot be listed. Never raises."""
+    try:
+        found = files.list(write_dir(write_id))
+    except Exception as exc:
+        _log.warning("state write %s in %s: its files stay, the directory cannot be listed: %s",
+                     write_id, files.base_path, exc)  # fmt: skip
+        return
+    if f"{write_dir(write_id)}/{COMMITTING}" in found:
+        _log.warning("state write %s in %s failed after its metadata put began: its files stay (the put may land)",
+                     write_id, files.base_path)  # fmt: skip
+        return
+    delete_write(files, write_id)
 
 
 def _delete_quietly(files: DfsFiles, paths: Sequence[str]) -> None:

@@ -50,11 +50,13 @@ from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
 
 from backend.core.errors import ChangelogError
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
+from backend.spark.apply_in_pandas import GROUP_STATE_NAME
 from backend.spark.bootstrap import (
     check_operator,
     check_savepoint_directory,
     commit_state,
     delete_write,
+    discard_write,
     open_directory,
     write_dir,
 )
@@ -135,18 +137,18 @@ class StateWriter(DataSourceArrowWriter):
             try:
                 _check_disjoint(plan, parts)
                 commit_state(
-                    storage.files, uid=plan.uid, max_parallelism=plan.max_parallelism, key=plan.key,
-                    state=plan.state, state_meta=plan.state_meta, written=[f for m in parts for f in m.files],
-                    overwrite=plan.overwrite,
+                    storage.files, write_id=plan.write_id, uid=plan.uid, max_parallelism=plan.max_parallelism,
+                    key=plan.key, state=plan.state, state_meta=plan.state_meta,
+                    written=[f for m in parts for f in m.files], overwrite=plan.overwrite,
                 )  # fmt: skip
             except BaseException:
-                delete_write(storage.files, plan.write_id)
+                discard_write(storage.files, plan.write_id)
                 raise
             delete_write(storage.files, plan.write_id, keep=[str(f["path"]) for m in parts for f in m.files])
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         with open_directory(self.plan.storage, self.plan.savepoint) as storage:
-            delete_write(storage.files, self.plan.write_id)
+            discard_write(storage.files, self.plan.write_id)
 
 
 def _check_disjoint(plan: WritePlan, parts: Sequence[WrittenPart]) -> None:
@@ -191,6 +193,8 @@ def plan_write(given: Mapping[str, Any], schema: Any, overwrite: bool) -> WriteP
     state = (options.text(STATE_VAR_NAME) or "").strip()
     if not state:
         raise required(STATE_VAR_NAME)
+    if state == GROUP_STATE_NAME:
+        raise invalid(STATE_VAR_NAME, "applyInPandasWithState's GroupState is not written, transformWithState's are")
     uid = (options.text(OPERATOR_ID) or "").strip()
     if not uid:
         raise required(OPERATOR_ID)

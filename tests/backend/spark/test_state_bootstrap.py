@@ -95,6 +95,15 @@ def test_a_state_read_transformed_and_written_restores_the_query(
     assert restored == _rows(read(spark, original.location, stateVarName="first"))
 
 
+def test_a_query_starts_from_another_querys_checkpoint(spark: Any, original: Original, tmp_path: Path) -> None:
+    """``restore_from`` a retained ``chk-<b>`` of another state directory (a copy of a query's
+    state, rescaled from 2 to 3) restores as a savepoint does."""
+    outputs: dict[int, dict[str, Any]] = {}
+    with no_data_batches_off(spark):
+        run_keeper(spark, tmp_path, range(3, 5), 3, outputs, restore_from=f"{original.location}/chk-2")
+    assert outputs == {b: original.outputs[b] for b in (3, 4)}
+
+
 def _rows(rows: list[Any]) -> list[tuple[Any, ...]]:
     return sorted((r.key.id, tuple(r.value.value), r.value.ttlExpirationMs) for r in rows)
 

@@ -49,6 +49,8 @@ TTL_VALUE = "key struct<id: string>, value struct<value: struct<n: bigint>, ttlE
 #: (case, the DataFrame's rows and schema, the write's options, what the error says)
 PLANNING = [
     ("no-state-name", ([(("u",), (1,))], TOTAL), {"stateVarName": None}, r"'stateVarName' must be specified"),
+    ("group-state", ([(("u",), (1,))], TOTAL), {"stateVarName": "__group_state__"},
+     r"'stateVarName'.*applyInPandasWithState's GroupState is not written"),
     ("no-operator", ([(("u",), (1,))], TOTAL), {"operatorId": None}, r"'operatorId' must be specified"),
     ("bad-operator", ([(("u",), (1,))], TOTAL), {"operatorId": "a/b"}, r"'operatorId'.*operator uid 'a/b' must be"),
     ("bad-max-parallelism", ([(("u",), (1,))], TOTAL), {"maxParallelism": 0}, r"'maxParallelism'.*at least 1"),
@@ -243,3 +245,40 @@ def test_a_processor_declaring_another_schema_fails_naming_the_state_and_field(s
     finally:
         started.stop()
     assert not list(location.glob("chk-*"))
+
+
+@pytest.mark.s3
+def test_a_metadata_put_landing_after_the_write_failed_names_files_that_exist(
+    spark: Any, tmp_path: Path, moto_server: Any
+) -> None:
+    """The proxy holds the commit's ``_metadata`` PUT until the client gives up, the retries are
+    refused: the write fails, yet its files stay; the held PUT lands afterwards and the savepoint
+    it makes names only files that are there."""
+    from backend.checkpointing.metadata import SnapshotMetadata
+    from benchmarks.support.fault_plan import Fault
+    from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY
+    from tests.support.s3 import botocore_client, faulted_bucket
+
+    direct = botocore_client(moto_server.endpoint_url)
+    with faulted_bucket(moto_server, "bootstrap-late") as (bucket, proxy, plan):
+
+        def stored() -> set[str]:
+            listed = direct.list_objects_v2(Bucket=bucket, Prefix="sp/").get("Contents", [])
+            return {obj["Key"].removeprefix("sp/") for obj in listed}
+
+        options = {
+            "s3.endpoint_url": proxy.url, "s3.region": REGION, "s3.access_key_id": ACCESS_KEY,
+            "s3.secret_access_key": SECRET_KEY, "s3.read_timeout_ms": 10_000, "dfs_timeout_ms": 2000,
+            "max_attempts": 3, "retry_delay_ms": 10,
+        }  # fmt: skip
+        plan.add(Fault(op="put", path="sp/_metadata", action="late", times=1))
+        plan.add(Fault(op="put", path="sp/_metadata", action="fail"))
+        with pytest.raises(Exception, match=r"_metadata"):
+            write(totals(spark, [("u", 1), ("v", 2)]), f"s3://{bucket}/sp", **options)
+        left = stored()
+        assert "_metadata" not in left and any(p.endswith(".chunk") for p in left)
+        assert plan.land_late() == 1
+        data = direct.get_object(Bucket=bucket, Key="sp/_metadata")["Body"].read()
+        meta = SnapshotMetadata.loads(data, f"s3://{bucket}/sp/_metadata")
+        assert meta.operators["ops"]["states"].keys() == {"total"}
+        assert meta.referenced_files() <= stored()
