@@ -11,6 +11,7 @@ change the transformation made. A TTL value restored keeps its expiry."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,11 @@ def write(frame: Any, path: str, name: str, mode: str = "append", **options: Any
 TTL = {"ttlDurationMs": TTL_MS}
 
 
+def ttl_of(state: str) -> dict[str, Any]:
+    """The keeper's TTL of ``state``, as the write's option."""
+    return TTL if state in ("first", "by_kind") else {}
+
+
 def test_a_state_read_transformed_and_written_restores_the_query(
     spark: Any, original: Original, tmp_path: Path
 ) -> None:
@@ -104,6 +110,40 @@ def test_a_query_starts_from_another_querys_checkpoint(spark: Any, original: Ori
     assert outputs == {b: original.outputs[b] for b in (3, 4)}
 
 
+def test_a_routed_query_starts_from_a_savepoint(spark: Any, original: Original, tmp_path: Path) -> None:
+    """``use_for_session(restore_from=...)``: Spark's own ``transformWithStateInPandas`` call,
+    routed, starts from the savepoint when its query starts (its state under the query's
+    ``checkpointLocation``), at parallelism 2."""
+    from backend.spark.api import use_for_session
+    from backend.spark.driver import coordinator_at
+    from tests.backend.spark.bootstrap_queries import OUTPUT, keeper
+    from tests.backend.spark.state_source_queries import run_batches, stream
+    from tests.support.polling import wait_until
+
+    savepoint = str(tmp_path / "savepoint")
+    for name in STATES:
+        write(state_frame(spark, original.location, name), savepoint, name, **ttl_of(name))
+    outputs: dict[int, dict[str, Any]] = {}
+
+    def collect(rows: list[Any]) -> None:
+        for row in rows:
+            outputs.setdefault(int(row["batch"]), {})[row["id"]] = json.loads(row["report"])
+
+    restore = use_for_session(
+        restore_from=savepoint, operator_uid="keeper", parallelism=2, max_parallelism=MAX_PARALLELISM
+    )
+    try:
+        grouped = stream(spark, tmp_path).groupBy("id")
+        out = grouped.transformWithStateInPandas(keeper(), OUTPUT, "Update", "ProcessingTime")
+        with no_data_batches_off(spark):
+            run_batches(out, tmp_path, range(3, 5), collect)
+    finally:
+        restore()
+    state = str(tmp_path / "spark" / "dstl" / "keeper")
+    wait_until(lambda: 1 in getattr(coordinator_at(state), "completed_batches", ()), "checkpoint 1")
+    assert outputs == {b: original.outputs[b] for b in (3, 4)}
+
+
 def _rows(rows: list[Any]) -> list[tuple[Any, ...]]:
     return sorted((r.key.id, tuple(r.value.value), r.value.ttlExpirationMs) for r in rows)
 
@@ -124,7 +164,7 @@ def test_the_round_trip_through_s3(spark: Any, original: Original, tmp_path: Pat
     nested = {"flattenCollectionTypes": False}
     for name in STATES:
         frame = state_frame(spark, original.location, name, **nested)
-        write(frame, savepoint, name, **s3, **(TTL if name in ("first", "by_kind") else {}))
+        write(frame, savepoint, name, **s3, **ttl_of(name))
     location = f"s3://{bucket}/state"
     options = S3Options(
         endpoint_url=moto_server.endpoint_url, region=REGION, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY
@@ -196,7 +236,6 @@ def test_every_key_type_is_found_where_the_query_looks(spark: Any, tmp_path: Pat
     timestamp stored as each API hands it over; -0.0 and NaN doubles, nulls) is found by a query
     grouping by those columns: its key group and key bytes are the query's own. The DataFrame is
     repartitioned by its key, as the write asks of one not read from the state source."""
-    import json
 
     from pyspark.sql import functions as F
 
