@@ -4,7 +4,8 @@ What users call is exported here (``__all__``), from ``backend.spark.api``: Spar
 operators with this backend's checkpoints (``transform_with_state_in_pandas``,
 ``transform_with_state``, ``apply_in_pandas_with_state``), ``use_for_session``, which routes
 ``GroupedData``'s own methods here, and ``register_state_source``, which lets ``spark.read`` read
-the checkpoints' state (and ``df.write`` write a savepoint's); with the two errors that are Spark's own, which a user may catch.
+the checkpoints' state (and ``df.write`` write a savepoint's); with the two errors that are
+Spark's own, which a user may catch.
 Everything else is an internal of its module, imported from there. Underneath, by layer:
 
 - inside one partition of one micro-batch, with no SparkSession: ``handle`` implements Spark's

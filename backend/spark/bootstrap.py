@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -82,8 +83,9 @@ __all__ = [
     "check_savepoint_directory",
     "commit_state",
     "delete_write",
+    "directory_url",
     "discard_write",
-    "open_directory",
+    "open_storage",
     "restore_savepoint",
     "write_dir",
 ]
@@ -100,14 +102,23 @@ GROUPING_KEY_FIELD = "grouping_key"
 COMMITTING = "_committing"
 
 
+def directory_url(url: str) -> str:
+    """A directory as every process reads it: a local one absolute (the tasks' working directory
+    is not the driver's), a URL as given, without a trailing slash."""
+    url = url.strip()
+    local = local_path(url)
+    return url.rstrip("/") if local is None else os.path.abspath(local)
+
+
 def write_dir(write_id: str) -> str:
     """Where the tasks of one write put their files, relative to the savepoint."""
     return f"{BOOTSTRAP_DIR}/{write_id}"
 
 
 @contextlib.contextmanager
-def open_directory(config: ChangelogConfig, base: str) -> Iterator[StateChangelogStorage]:
-    """A storage on ``base`` with ``config``'s DFS settings that deletes nothing by itself."""
+def open_storage(config: ChangelogConfig, base: str) -> Iterator[StateChangelogStorage]:
+    """A storage on ``base`` with ``config``'s DFS settings that never deletes a file by itself
+    (the state data source's reads and writes, a restore from a savepoint)."""
     storage = StateChangelogStorage(replace(config, base_path=base), owns_files=False)
     try:
         yield storage
@@ -267,19 +278,12 @@ def _delete_quietly(files: DfsFiles, paths: Sequence[str]) -> None:
 # -- starting a query from a savepoint ---------------------------------------------------------------
 
 
-def savepoint_location(url: str) -> tuple[str, str]:
-    """(the directory a snapshot's paths are relative to, its ``_metadata`` path there)."""
-    base, where = snapshot_location(url)
-    local = local_path(base)
-    return (base if local is None else local), where
-
-
 def check_restore_location(cfg: OperatorConfig) -> None:
     """Before the driver opens the operator's state directory (whose recovery deletes every file
     there no checkpoint names): refuse a ``restore_from`` inside it, or around it."""
     if cfg.restore_from is None:
         return
-    base, _ = savepoint_location(cfg.restore_from)
+    base, _ = snapshot_location(cfg.restore_from)
     if is_inside(base, cfg.job_dir) or is_inside(cfg.job_dir, base):
         raise CheckpointError(
             f"restore_from {cfg.restore_from} and the state directory {cfg.job_dir} of operator {cfg.uid!r} overlap: "
@@ -291,8 +295,8 @@ def check_restore_from(cfg: OperatorConfig) -> None:
     """On the driver, when the operator is bound and its state directory holds no state: refuse a
     ``restore_from`` the tasks could not start from (module docstring), naming the problem."""
     assert cfg.restore_from is not None
-    base, where = savepoint_location(cfg.restore_from)
-    with open_directory(cfg.changelog, base) as storage:
+    base, where = snapshot_location(cfg.restore_from)
+    with open_storage(cfg.changelog, base) as storage:
         meta = read_snapshot(storage.files, where)
     if cfg.uid not in meta.operators:
         held = ", ".join(repr(u) for u in sorted(meta.operators)) or "none"
@@ -325,8 +329,8 @@ def restore_savepoint(
     """In a task, on a fresh backend: load its key groups of ``cfg.restore_from`` and materialize
     them into the state directory, so that its first snapshot names files of its own only."""
     assert cfg.restore_from is not None
-    base, where = savepoint_location(cfg.restore_from)
-    with open_directory(cfg.changelog, base) as storage:
+    base, where = snapshot_location(cfg.restore_from)
+    with open_storage(cfg.changelog, base) as storage:
         meta = read_snapshot(storage.files, where)
         if cfg.uid not in meta.operators:
             raise CheckpointError(f"restore_from {cfg.restore_from} holds no state of operator {cfg.uid!r}")

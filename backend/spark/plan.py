@@ -45,14 +45,14 @@ import mmh3
 from backend.checkpointing.savepoints import check_state_loading
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
 from backend.spark.batch import coalesced
-from backend.spark.bootstrap import check_restore_location
+from backend.spark.bootstrap import check_restore_location, directory_url
 from backend.spark.config import OperatorConfig, Watermarks
 from backend.spark.driver import coordinator_for
 from backend.spark.schema import input_type, simple_string
 from backend.spark.tasks import run_subtasks
 from backend.spark.ticks import TICK, register_tick_source
 from dstl import ChangelogConfig, ConfigurationError
-from dstl.paths import check_name, local_path
+from dstl.paths import check_name
 from materializer.options import MaterializationOptions
 
 KEY_GROUP = "__dstl_key_group"
@@ -253,7 +253,7 @@ def build(
         max_bytes_per_batch=_max_bytes_per_batch(spark),
         changelog_service=changelog_service, route=route, state_loading=loading,
         grouping_key=tuple((k, simple_string(input_type(df.schema[k].dataType))) for k in keys),
-        restore_from=None if restore_from is None else _location(restore_from),
+        restore_from=None if restore_from is None else directory_url(restore_from),
     )  # fmt: skip
     operator = make_operator(keys)
 
@@ -295,13 +295,6 @@ def build(
     if event_time_column is not None and watermark is not None:
         out = _with_event_time(out, event_time_column, watermark[1])
     return out
-
-
-def _location(url: str) -> str:
-    """A directory as every process reads it: a local one absolute (the tasks' working directory
-    is not the driver's), a URL as given."""
-    local = local_path(url.strip())
-    return url.strip().rstrip("/") if local is None else os.path.abspath(local)
 
 
 def routed_task_name(route: str) -> str:

@@ -39,7 +39,6 @@ naming the option, the column, the state and the field.
 
 from __future__ import annotations
 
-import os
 import tempfile
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -56,8 +55,9 @@ from backend.spark.bootstrap import (
     check_savepoint_directory,
     commit_state,
     delete_write,
+    directory_url,
     discard_write,
-    open_directory,
+    open_storage,
     write_dir,
 )
 from backend.spark.bootstrap_chunks import PANDAS_API, ROW_API, StateRows, WritePlan, plan_state_meta
@@ -77,7 +77,7 @@ from backend.spark.state_options import (
 )
 from backend.spark.state_schemas import ddl
 from dstl import ConfigurationError
-from dstl.paths import check_name, local_path
+from dstl.paths import check_name
 
 __all__ = ["StateWriter", "WrittenPart", "plan_write"]
 
@@ -119,7 +119,7 @@ class StateWriter(DataSourceArrowWriter):
         plan = self.plan
         with (
             tempfile.TemporaryDirectory(prefix="dstl-bootstrap-") as scratch,
-            open_directory(plan.storage, plan.savepoint) as storage,
+            open_storage(plan.storage, plan.savepoint) as storage,
         ):
             rows = StateRows(plan, scratch)
             try:
@@ -133,7 +133,7 @@ class StateWriter(DataSourceArrowWriter):
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         plan = self.plan
         parts = [m for m in messages if isinstance(m, WrittenPart)]
-        with open_directory(plan.storage, plan.savepoint) as storage:
+        with open_storage(plan.storage, plan.savepoint) as storage:
             try:
                 _check_disjoint(plan, parts)
                 commit_state(
@@ -147,7 +147,7 @@ class StateWriter(DataSourceArrowWriter):
             delete_write(storage.files, plan.write_id, keep=[str(f["path"]) for m in parts for f in m.files])
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        with open_directory(self.plan.storage, self.plan.savepoint) as storage:
+        with open_storage(self.plan.storage, self.plan.savepoint) as storage:
             discard_write(storage.files, self.plan.write_id)
 
 
@@ -173,11 +173,6 @@ def _check_disjoint(plan: WritePlan, parts: Sequence[WrittenPart]) -> None:
 
 
 # -- planning ----------------------------------------------------------------------------------------
-
-
-def _savepoint_path(path: str) -> str:
-    local = local_path(path)
-    return path.rstrip("/") if local is None else os.path.abspath(local)
 
 
 def plan_write(given: Mapping[str, Any], schema: Any, overwrite: bool) -> WritePlan:
@@ -209,7 +204,7 @@ def plan_write(given: Mapping[str, Any], schema: Any, overwrite: bool) -> WriteP
     api = None if api_text is None else _APIS.get(api_text.strip().lower())
     if api_text is not None and api is None:
         raise invalid(PROCESSOR_API, f"{api_text!r} is not {PANDAS_API} or {ROW_API}")
-    savepoint = _savepoint_path(path.strip())
+    savepoint = directory_url(path)
     layout, key, value_schema, user_key_schema = _columns(
         state, schema, ttl_ms, options.text(VALUE_SCHEMA), options.text(USER_KEY_SCHEMA)
     )
@@ -228,7 +223,7 @@ def plan_write(given: Mapping[str, Any], schema: Any, overwrite: bool) -> WriteP
         plan = replace(plan, state_meta=plan_state_meta(plan))
     except (ChangelogError, ValueError) as exc:
         raise StateSourceError(f"state {state!r}: {exc}") from None
-    with open_directory(plan.storage, savepoint) as storage:
+    with open_storage(plan.storage, savepoint) as storage:
         meta = check_savepoint_directory(storage.files)
         check_operator(meta, savepoint, uid, max_parallelism, key, state, overwrite)
     return plan
