@@ -10,7 +10,9 @@ and it still restores.
   (chunk format of ``materializer.chunks``: per state, sorted ``(key group | key | user key,
   value)`` records) and the state metadata; no log, no materialization history, nothing of the
   backend's incremental structure: any backend that reads the chunk format can load it, at any
-  parallelism.
+  parallelism. A file entry may also name a chunk at an ``offset`` of a file holding several, and
+  entries may cover the same key groups where they hold other keys or states (the state data
+  source writes one state at a time, ``backend.spark.bootstrap``).
 
 Restore modes (Flink's ``execution.savepoint-restore-mode``), for a snapshot outside the job
 directory:
@@ -181,6 +183,8 @@ def handles_of(meta: SnapshotMetadata, uid: str) -> list[KeyedStateHandle]:
                      "size": int(f["size"]), "entries": int(f["entries"])}  # fmt: skip
             if CHUNK_HASH in f:  # savepoints written before the hash: bound by size and entries only
                 chunk[CHUNK_HASH] = f[CHUNK_HASH]
+            if "offset" in f:  # a chunk inside a file of several (the state data source's bootstrap writes)
+                chunk["offset"] = f["offset"]
             check_chunk_entry(chunk, HANDLE_VERSION if CHUNK_HASH in f else OLDEST_HANDLE_VERSION)
             handles.append(KeyedStateHandle(uid, max_parallelism, rng, states, (), (chunk,)))
     except (KeyError, TypeError, ValueError) as exc:

@@ -4,7 +4,8 @@ What users call is exported here (``__all__``), from ``backend.spark.api``: Spar
 operators with this backend's checkpoints (``transform_with_state_in_pandas``,
 ``transform_with_state``, ``apply_in_pandas_with_state``), ``use_for_session``, which routes
 ``GroupedData``'s own methods here, and ``register_state_source``, which lets ``spark.read`` read
-the checkpoints' state; with the two errors that are Spark's own, which a user may catch.
+the checkpoints' state (and ``df.write`` write a savepoint's); with the two errors that are
+Spark's own, which a user may catch.
 Everything else is an internal of its module, imported from there. Underneath, by layer:
 
 - inside one partition of one micro-batch, with no SparkSession: ``handle`` implements Spark's
@@ -21,6 +22,10 @@ Everything else is an internal of its module, imported from there. Underneath, b
 - reading state back: ``state_source`` is the data source (``format("dstl-state")``), planned on
   the driver by ``state_plan`` (with ``state_options`` and ``state_columns``) and read on the
   executors by ``state_scan``;
+- writing state (bootstrap): the same data source's writer, ``state_writer``, checks a write on
+  the driver; ``bootstrap_chunks`` turns a task's rows into chunks, each key in the key group
+  ``spark_hash`` computes as Spark's ``hash`` does; ``bootstrap`` commits the savepoint and starts
+  an operator from one (``restore_from``);
 - ``errors`` holds the two errors that are Spark's own; ``session`` and ``demo`` are for running it
   locally.
 

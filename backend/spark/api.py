@@ -7,8 +7,10 @@ positional or keyword) plus, keyword-only, where the state lives and the operato
 returns a streaming DataFrame for any sink. ``use_for_session()`` routes the ``GroupedData``
 methods themselves here, for code that cannot be changed (``backend.spark.routing``).
 ``register_state_source(spark)`` lets ``spark.read.format("dstl-state")`` and
-``format("dstl-state-metadata")`` read the state of the checkpoints (``backend.spark.state_source``);
-``use_for_session`` registers them on the active session too.
+``format("dstl-state-metadata")`` read the state of the checkpoints (``backend.spark.state_source``),
+and ``df.write.format("dstl-state")`` write a state into a savepoint a query starts from
+(``restore_from``, ``backend.spark.bootstrap``); ``use_for_session`` registers them on the active
+session too.
 
 Every call first builds Spark's own operator from the same arguments, so that what Spark refuses
 is refused here with Spark's own error (its error class: an unknown output or time mode, an
@@ -24,8 +26,9 @@ the state), ``local_dir`` (the host's LMDB directories), ``changelog_config``
 (``dstl.ChangelogConfig``: S3 options, hedging, ...), ``num_retained`` (2),
 ``materialization_interval_ms`` (600000), ``size_trigger_bytes`` (64 MiB),
 ``strict_state_types`` (False: a wrongly typed state field is stored as Spark stores it, with a
-warning; True: it raises ``StateValueError``) and ``state_loading`` ("lazy": a subtask restored
-from the DFS serves a batch's keys before its whole state is local; "eager": all of it first).
+warning; True: it raises ``StateValueError``), ``state_loading`` ("lazy": a subtask restored from
+the DFS serves a batch's keys before its whole state is local; "eager": all of it first) and
+``restore_from`` (a savepoint the operator starts from while its state directory holds no state).
 
 ``eventTimeColumnName`` marks that output column as the event time of the operators after this one,
 with the input's watermark delay, as Spark does; a row the processor emits at or behind the
@@ -302,7 +305,9 @@ def register_state_source(spark: Any) -> None:
     ``spark.read.format("dstl-state").option("stateVarName", name).load(checkpoint_location)``
     reads a checkpoint's state (options ``batchId``, ``operatorId``, ``readChangeFeed``, ... as
     Spark's ``statestore`` source), ``format("dstl-state-metadata")`` its operators and batches
-    (``backend.spark.state_source``)."""
+    (``backend.spark.state_source``); ``df.write.format("dstl-state").option("operatorId", uid)
+    .option("stateVarName", name).mode("append").save(savepoint)`` writes a state of the same
+    columns into a savepoint (``backend.spark.state_writer``)."""
     from backend.spark.state_source import register
 
     register(spark)

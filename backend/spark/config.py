@@ -101,6 +101,9 @@ class OperatorConfig:
     #: hash of the typed columns, so the driver refuses a restart under other types
     #: (``driver.DriverCoordinator.register``)
     grouping_key: tuple[tuple[str, str], ...] = ()
+    #: a savepoint (or another directory's ``chk-<b>``) the operator starts from while its state
+    #: directory holds no state (``backend.spark.bootstrap``); None: it starts empty
+    restore_from: str | None = None
 
     def bound(self, job_dir: str) -> OperatorConfig:
         """This operator with its state in ``job_dir`` (a routed one, bound to its query). A routed

@@ -35,6 +35,7 @@ from backend.checkpointing.metadata import PENDING_DIR, SnapshotMetadata, parse_
 from backend.checkpointing.ownership import Ownership
 from backend.core.errors import CheckpointError
 from backend.core.handles import KeyedStateHandle
+from backend.spark.bootstrap import check_restore_from
 from backend.spark.committed import latest_per_subtask, read_pending, read_pending_file
 from backend.spark.config import OperatorConfig
 from backend.spark.errors import GroupingKeyChangedError
@@ -87,9 +88,12 @@ class DriverCoordinator:
     def register(self, cfg: OperatorConfig) -> None:
         """The operator's batches complete at ``cfg.parallelism`` from now on: a query restarted in
         the same session at another parallelism builds its operator again (a state directory
-        is bound to one query, ``committed.claim_directory``, so the last build is the running one)."""
+        is bound to one query, ``committed.claim_directory``, so the last build is the running one).
+        A ``restore_from`` is checked here while the directory holds no state (``bootstrap``)."""
         with self.lock:
             self._check_grouping_key(cfg)
+            if cfg.restore_from is not None and not self._holds_state():
+                check_restore_from(cfg)
             known = self.operators.get(cfg.uid)
             if known is not None and known != cfg.parallelism:
                 _log.info("operator %s: parallelism %s -> %s", cfg.uid, known, cfg.parallelism)

@@ -59,7 +59,9 @@ class StateSourceError(ConfigurationError):
     """A read of the state data source (``backend.spark.state_source``) that cannot be served: an
     option Spark's state source would refuse (with Spark's error class first in the message,
     ``STDS_...``), a path that is not a checkpoint location, an unknown operator, state or batch,
-    a batch whose checkpoint is not retained. Names the option, path, operator, state or batch."""
+    a batch whose checkpoint is not retained; or a write (bootstrap, ``backend.spark.state_writer``)
+    it refuses: columns that are not a state's, a schema that does not match, rows a state cannot
+    hold, a target that is not a savepoint. Names the option, path, operator, state, field or key."""
 
 
 class StateValueError(SerializationError, TypeError):

@@ -45,6 +45,7 @@ import mmh3
 from backend.checkpointing.savepoints import check_state_loading
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
 from backend.spark.batch import coalesced
+from backend.spark.bootstrap import check_restore_location, directory_url
 from backend.spark.config import OperatorConfig, Watermarks
 from backend.spark.driver import coordinator_for
 from backend.spark.schema import input_type, simple_string
@@ -173,6 +174,7 @@ def build(
     tasks: int | None = None,
     changelog_service: bool = True,
     state_loading: str = "lazy",
+    restore_from: str | None = None,
 ) -> Any:
     """The streaming DataFrame running ``make_operator(key columns)`` per subtask and batch.
 
@@ -191,7 +193,9 @@ def build(
     changelog service process (``dstl.service``), so the tasks an executor runs at once share one
     file per flush. ``state_loading``: how a task restoring a subtask from the DFS loads its state
     (``backend.checkpointing.savepoints.StateLoading``: "lazy", the default: the keys of a batch
-    when the batch reads them, the rest a few key groups after each batch; or "eager")."""
+    when the batch reads them, the rest a few key groups after each batch; or "eager").
+    ``restore_from``: a savepoint the operator starts from while its state directory holds no state
+    (``backend.spark.bootstrap``)."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import StructType
 
@@ -204,6 +208,8 @@ def build(
     check_name(operator_uid, "operator_uid")  # here on the driver, not first on an executor
     check_max_parallelism(max_parallelism)
     loading = check_state_loading(state_loading)
+    if restore_from is not None and (not isinstance(restore_from, str) or not restore_from.strip()):
+        raise ConfigurationError(f"restore_from must name a savepoint directory, or be None; got {restore_from!r}")
     try:
         materialization = MaterializationOptions(
             interval_ms=materialization_interval_ms, size_trigger_bytes=size_trigger_bytes
@@ -247,10 +253,12 @@ def build(
         max_bytes_per_batch=_max_bytes_per_batch(spark),
         changelog_service=changelog_service, route=route, state_loading=loading,
         grouping_key=tuple((k, simple_string(input_type(df.schema[k].dataType))) for k in keys),
+        restore_from=None if restore_from is None else directory_url(restore_from),
     )  # fmt: skip
     operator = make_operator(keys)
 
     def bind(bound: OperatorConfig) -> None:
+        check_restore_location(bound)
         coordinator_for(spark, bound, num_retained)
         if operator.prepare is not None:
             operator.prepare(bound)

@@ -17,8 +17,9 @@ where the files are: ``s3.<field>`` for each field of ``dstl.S3Options`` (``s3.e
 them, ``AWS_*`` and botocore's chain, as for the drop-in). ``operatorId`` may also be an operator's
 uid. Option names are case-insensitive (pyspark hands a data source its options lower-cased).
 
-A writer (bootstrap) added to the same data source later reads these options too: ``stateVarName``,
-``flattenCollectionTypes`` and the storage options mean the same there.
+The writer of the same data source (bootstrap, ``backend.spark.state_writer``) reads ``path``,
+``stateVarName``, ``operatorId`` (there: the operator's uid) and the storage options with
+``Options`` and ``storage_config``, and options of its own.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from backend.spark.errors import StateSourceError
 from dstl import ChangelogConfig, ConfigurationError
 from dstl.config import S3Options
 
-__all__ = ["SourceOptions", "conflict", "invalid", "parse_options", "required"]
+__all__ = ["Options", "SourceOptions", "conflict", "invalid", "parse_options", "required", "storage_config"]
 
 PATH = "path"
 BATCH_ID = "batchId"
@@ -98,7 +99,7 @@ def conflict(*options: str) -> StateSourceError:
     return StateSourceError(f"[STDS_CONFLICT_OPTIONS] The options {listed} cannot be specified together: specify one.")
 
 
-class _Options:
+class Options:
     """Case-insensitive lookup of the given options, converting and naming the option on a bad value."""
 
     def __init__(self, given: Mapping[str, Any]) -> None:
@@ -132,7 +133,7 @@ class _Options:
 def parse_options(given: Mapping[str, Any]) -> SourceOptions:
     """The options of one read (a data source's options: case-insensitive, values as text), checked
     as Spark checks its own; a refusal is a ``StateSourceError`` naming the option."""
-    options = _Options(given)
+    options = Options(given)
     path = options.text(PATH)
     if not path or not path.strip():
         raise required(PATH)
@@ -172,14 +173,14 @@ def parse_options(given: Mapping[str, Any]) -> SourceOptions:
             if value is not None:
                 raise invalid(name, f"only specify this option when {READ_CHANGE_FEED} is set to true.")
     return SourceOptions(
-        path=path.strip(), storage=_storage(options, path.strip()), batch_id=batch_id,
+        path=path.strip(), storage=storage_config(options, path.strip()), batch_id=batch_id,
         operator=operator.strip() if operator is not None else None, state_var=state_var, read_timers=read_timers,
         flatten=options.boolean(FLATTEN_COLLECTION_TYPES, True), change_feed=change_feed, change_start=start,
         change_end=end, partitions=options.integer(NUM_PARTITIONS, low=1),
     )  # fmt: skip
 
 
-def _storage(options: _Options, path: str) -> ChangelogConfig:
+def storage_config(options: Options, path: str) -> ChangelogConfig:
     """The DFS settings the options give (``s3.<field>``, ``dfs_timeout_ms``, ...)."""
     s3: dict[str, Any] = {}
     config: dict[str, Any] = {}
@@ -199,7 +200,7 @@ def _storage(options: _Options, path: str) -> ChangelogConfig:
         raise StateSourceError(f"{exc} (a storage option of the state data source)") from None
 
 
-def _typed(options: _Options, key: str, annotation: str) -> Any:
+def _typed(options: Options, key: str, annotation: str) -> Any:
     """An S3 option's value as its field's type (``annotation``: the field's annotation text)."""
     if annotation.startswith("int"):
         return options.integer(key)

@@ -35,10 +35,9 @@ inside the range is refused, naming the batch: read the ranges before and after 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -55,6 +54,7 @@ from backend.core.handles import KeyedStateHandle, intersect
 from backend.core.keygroups import key_group_range_for_subtask
 from backend.core.serializers import Int64Serializer, OptionalSerializer, TupleSerializer
 from backend.spark.apply_in_pandas import GROUP_STATE_NAME
+from backend.spark.bootstrap import open_storage
 from backend.spark.codecs import struct_codec
 from backend.spark.driver import KEYS_DIR
 from backend.spark.errors import StateSourceError
@@ -71,7 +71,7 @@ from backend.spark.state_options import (
 )
 from backend.state import versions
 from backend.state.restore import merge_metadata
-from dstl import ChangelogConfig, KeyGroupRange, StateChangelogStorage
+from dstl import ChangelogConfig, KeyGroupRange
 from dstl.api import DfsFiles
 from dstl.paths import local_path
 from dstl.types import ChangelogHandle, SegmentRef
@@ -147,16 +147,6 @@ class ChangePart:
     start: int
     end: int
     batches: tuple[BatchChanges, ...]
-
-
-@contextlib.contextmanager
-def open_storage(config: ChangelogConfig, base: str) -> Iterator[StateChangelogStorage]:
-    """A storage on ``base`` with ``config``'s DFS settings that never deletes a file (it writes none)."""
-    storage = StateChangelogStorage(replace(config, base_path=base), owns_files=False)
-    try:
-        yield storage
-    finally:
-        storage.close()
 
 
 def _normalize(path: str) -> str:

@@ -16,8 +16,9 @@ nothing is put, and the checkpoints' own recovery (which cleans up) is not run. 
 an operator, a state or a batch the source cannot serve raises ``StateSourceError`` naming it,
 before any partition runs.
 
-The write side (bootstrapping a query from DataFrames) is meant to join the same data source class
-(``DataSource.writer``) with the same options and columns; it is not here yet.
+The same ``format("dstl-state")`` writes: ``df.write.format("dstl-state")...save(savepoint)`` turns a
+DataFrame of one state, in the columns a read gives, into a savepoint a query starts from
+(``DataSource.writer``: ``backend.spark.state_writer``, ``backend.spark.bootstrap``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceWriter, InputPartition
 
 from backend.spark.apply_in_pandas import GROUP_STATE_NAME
 from backend.spark.errors import StateSourceError
@@ -64,7 +65,8 @@ _SPARK_KINDS = {"value": "ValueState", "list": "ListState", "map": "MapState"}
 
 class StateDataSource(DataSource):
     """``format("dstl-state")``: the state of one state variable (or the timers) of one operator at
-    one retained checkpoint, or the change feed between two (module docstring)."""
+    one retained checkpoint, or the change feed between two (module docstring); written, one state
+    of a savepoint."""
 
     @classmethod
     def name(cls) -> str:
@@ -82,6 +84,12 @@ class StateDataSource(DataSource):
     def reader(self, schema: Any) -> DataSourceReader:
         plan, parts = self._planned()
         return _StateReader(plan, parts, schema)
+
+    def writer(self, schema: Any, overwrite: bool) -> DataSourceWriter:
+        """A bootstrap write of one state into a savepoint (``backend.spark.state_writer``)."""
+        from backend.spark.state_writer import StateWriter, plan_write
+
+        return StateWriter(plan_write(self.options, schema, overwrite))
 
 
 class _StateReader(DataSourceReader):

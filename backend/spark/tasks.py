@@ -14,8 +14,10 @@ another in tasks of their own would each flush alone. The task:
    state (left by another Python worker of this host: ``adopt_local``), or else a restore from
    the DFS (``chk-<b-1>/_metadata``, or the subtask handles of batch ``b - 1`` the tasks left
    under ``pending/`` if the driver has not completed that checkpoint yet; at any old
-   parallelism). A retried task, a batch evaluated twice, a batch re-run after a driver restart,
-   a dead Python worker and a deleted local directory all land in one of these cases. With
+   parallelism; before any batch left state, the operator's ``restore_from`` savepoint, fully
+   materialized into the state directory at once: ``backend.spark.bootstrap``). A retried task, a
+   batch evaluated twice, a batch re-run after a driver restart, a dead Python worker and a deleted
+   local directory all land in one of these cases. With
    ``cfg.state_loading == "lazy"`` (the default) the restore reads only the chunks' indexes, the
    timers and the log (``backend.state.lazy``); local tables of a lazy restore that had not ended
    are adopted partly loaded and the lazy restore goes on in this worker (the tables keep what is
@@ -60,6 +62,7 @@ from typing import Any
 from backend.checkpointing.metadata import pending_dir
 from backend.core.errors import StateRestoreError
 from backend.core.handles import KeyedStateHandle
+from backend.spark.bootstrap import restore_savepoint
 from backend.spark.committed import BatchState, claim_directory, committed_handles, read_pending, state_after
 from backend.spark.config import OperatorConfig, Watermarks
 from backend.spark.handover import result_writer, take_results
@@ -201,14 +204,18 @@ def acquire(
         if fresh is not None:
             return fresh, "local"
     fresh = _fresh(cfg, storage, subtask, directory)
+    source = "dfs"
     try:
         handles = previous.state.handles
         if handles:
             restore(fresh.backend, handles, mode=cfg.state_loading)
+        elif cfg.restore_from is not None and previous.state.batch < 0:  # no batch left state yet
+            restore_savepoint(cfg, fresh.backend, fresh.materializer)
+            source = "savepoint"
     except BaseException:
         _discard(fresh)
         raise
-    return fresh, "dfs"
+    return fresh, source
 
 
 def _adopt(
@@ -368,7 +375,7 @@ def _run_batch(
     stats: dict[int, dict[str, Any]] = {}
     for subtask, (kept, source, restore_ms) in acquired.items():
         stats[subtask] = {
-            "source": source,  # where the state came from: kept | local | dfs
+            "source": source,  # where the state came from: kept | local | dfs | savepoint
             "restore_ms": restore_ms,
             "run_ms": round(run_ms[subtask], 2),
             # after a lazy restore: key groups loaded after the work, and whether all are now
