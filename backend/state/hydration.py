@@ -10,9 +10,9 @@ groups) and its entries put but those of the keys already local (loaded on acces
 changed since: their entries in LMDB are newer than the chunk's; they are cut out of the part's
 sorted entries by a binary search per local key, not by a test of every entry), then the pending
 changes of the unit's key groups (all of keys not local: a key's are deleted when it is loaded) are
-applied in log order and deleted, and the key groups are marked hydrated. A step's units go in one
-transaction (a new one after ``TXN_ENTRIES`` entries), so that none of its key groups is visible
-before all of them are, and a crash leaves the tables as before the step.
+applied in log order and deleted, and the key groups are marked hydrated. A step's units go in
+one transaction (a new one after ``TXN_ENTRIES`` entries or ``TXN_BYTES`` of chunks), so that none
+of its key groups is visible before all of them are, and a crash leaves the tables as before it.
 
 How the entries are put: LMDB's sorted appends (``MDB_APPEND``, as the eager restore's bulk load)
 fill every page and cost about half of plain puts of sorted keys into a table holding keys after
@@ -57,13 +57,14 @@ from backend.state.restore import SPAN_BYTES
 from backend.state.timers import TIMERS_DB
 from dstl.types import KeyGroupRange
 
-__all__ = ["HYDRATION_BYTES", "MOVE_ALWAYS", "MOVE_FRACTION", "TXN_ENTRIES", "Hydration"]
+__all__ = ["HYDRATION_BYTES", "MOVE_ALWAYS", "MOVE_FRACTION", "TXN_BYTES", "TXN_ENTRIES", "Hydration"]
 
 #: the most bytes of chunks the hydration has read ahead and not loaded yet
 HYDRATION_BYTES = 64 << 20
-#: the units one transaction loads hold at most this many entries (by their chunks' entry counts),
-#: but for a first unit holding more
-TXN_ENTRIES = 1 << 19
+#: the units one transaction loads hold at most this many entries (by their chunks' entry counts)
+#: and bytes of chunks, but for a first unit holding more: a bound on the pages a transaction
+#: keeps in memory until it commits, and on how long it holds the backend's lock
+TXN_ENTRIES, TXN_BYTES = 1 << 21, 32 << 20
 #: a table's entries at and after a transaction's first key are moved out of the way of its sorted
 #: appends if at most this fraction of the entries the transaction loads (module doc) ...
 MOVE_FRACTION = 0.25
@@ -148,16 +149,16 @@ class Hydration:
         return done
 
     def _group(self, max_key_groups: int) -> list[_Unit]:
-        """The next units one transaction loads: at least one, up to ``max_key_groups`` key groups
-        and ``TXN_ENTRIES`` entries."""
+        """The next units one transaction loads: at least one, up to ``max_key_groups`` key groups,
+        ``TXN_ENTRIES`` entries and ``TXN_BYTES`` bytes of chunks."""
         group: list[_Unit] = []
-        key_groups = entries = 0
+        key_groups = entries = size = 0
         for unit in self._units[self._next :]:
-            if group and (key_groups >= max_key_groups or entries + unit.entries > TXN_ENTRIES):
+            entries, size = entries + unit.entries, size + sum(part.size for part in unit.parts)
+            if group and (key_groups >= max_key_groups or entries > TXN_ENTRIES or size > TXN_BYTES):
                 break
             group.append(unit)
             key_groups += len(unit.rng)
-            entries += unit.entries
         return group
 
     def close(self) -> None:
