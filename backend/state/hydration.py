@@ -6,40 +6,73 @@ is read whole, as the eager restore reads it: a run of parts lying back to back 
 ranged read (``SPAN_BYTES`` at most), read ahead on the reader's pool with at most
 ``HYDRATION_BYTES`` read and not loaded yet, so the reads overlap the owner's work between steps.
 A part is checked as the eager restore checks it (``ChunkSource.load``: size, hash, footer, key
-groups) and bulk-put skipping the keys already local (loaded on access, and maybe changed since:
-their entries in LMDB are newer than the chunk's; they are cut out of the part's sorted entries by
-a binary search per local key, not by a test of every entry), then the pending changes of the unit's key
-groups (all of keys not local: a key's are deleted when it is loaded) are applied in log order
-and deleted, in the same transaction, and the key groups are marked hydrated.
+groups) and its entries put but those of the keys already local (loaded on access, and maybe
+changed since: their entries in LMDB are newer than the chunk's; they are cut out of the part's
+sorted entries by a binary search per local key, not by a test of every entry), then the pending
+changes of the unit's key groups (all of keys not local: a key's are deleted when it is loaded) are
+applied in log order and deleted, and the key groups are marked hydrated. A step's units go in
+one transaction (a new one after ``TXN_ENTRIES`` entries or ``TXN_BYTES`` of chunks), so that none
+of its key groups is visible before all of them are, and a crash leaves the tables as before it.
+
+How the entries are put: LMDB's sorted appends (``MDB_APPEND``, as the eager restore's bulk load)
+fill every page and cost about half of plain puts of sorted keys into a table holding keys after
+them, which split pages in the middle and leave them half full. An append takes only keys after
+the table's last one, while the keys loaded on access lie in the unit and in the key groups after
+it (and keys written since may lie in key groups the checkpoint has nothing of). So the entries of
+a table at and after a transaction's first key (few: a batch's keys) are *moved* (``_Moved``): read
+and deleted at the start of the transaction, merged back into each unit's appends where they lie in
+it, and appended after the last unit; all of it in the transaction, so the owner never sees the
+table without them. Moving costs a few puts per entry, so where more entries lie there than a
+fraction of what the transaction loads (``MOVE_FRACTION``; ``MOVE_ALWAYS`` are always moved), the
+table's entries are put with plain puts instead. The pending changes are applied per key: a key
+with only SETs comes down to the last SET of each state, put with the others of that state in one
+sorted ``putmulti``; a key with any other change has its records applied one by one, in log order,
+as the eager replay does (``restore.apply_record``).
 
 The owner's thread calls ``step``: a write renews the LMDB read view that the hot read path uses
 without a lock (``lmdb_tables``), so no other thread may write; the pool only reads the DFS.
-A failed read or check fails the step with nothing written; the next step reads the unit again.
+A failed read or check fails the step with nothing of its transaction written; the next step reads
+those key groups again (a part read ahead is dropped once loaded or refused).
 """
 
 from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import itertools
 import operator
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.core import records as rec
 from backend.core.handles import CHUNK_HASH, chunk_digest
+from backend.core.records import Op
 from backend.core.tablekeys import key_group_prefix
 from backend.state import restore as restoring
-from backend.state.chunk_parts import ChunkSource, LocalKeys, Part, PartReader, apply_pending, intersection, named
+from backend.state.chunk_parts import ChunkSource, LocalKeys, Part, PartReader, intersection, named
 from backend.state.lmdb_tables import LmdbTables
 from backend.state.restore import SPAN_BYTES
 from backend.state.timers import TIMERS_DB
 from dstl.types import KeyGroupRange
 
-__all__ = ["HYDRATION_BYTES", "Hydration"]
+__all__ = ["HYDRATION_BYTES", "MOVE_ALWAYS", "MOVE_FRACTION", "TXN_BYTES", "TXN_ENTRIES", "Hydration"]
 
 #: the most bytes of chunks the hydration has read ahead and not loaded yet
 HYDRATION_BYTES = 64 << 20
+#: the units one transaction loads hold at most this many entries (by their chunks' entry counts)
+#: and bytes of chunks, but for a first unit holding more: a bound on the pages a transaction
+#: keeps in memory until it commits, and on how long it holds the backend's lock
+TXN_ENTRIES, TXN_BYTES = 1 << 21, 32 << 20
+#: a table's entries at and after a transaction's first key are moved out of the way of its sorted
+#: appends if at most this fraction of the entries the transaction loads (module doc) ...
+MOVE_FRACTION = 0.25
+#: ... or at most this many
+MOVE_ALWAYS = 1024
+#: the pending changes' keys are ``ckey | seq:u64be`` (``backend.state.lazy``)
+_SEQ_BYTES = 8
+_FIRST = operator.itemgetter(0)
 
 Sections = Mapping[str, Sequence[tuple[bytes, bytes]]]
 
@@ -50,6 +83,8 @@ class _Unit:
 
     rng: KeyGroupRange
     parts: list[Part] = field(default_factory=list)
+    #: about how many entries it loads: its chunks' entry counts (of every key group of theirs)
+    entries: int = 0
 
 
 class Hydration:
@@ -74,6 +109,8 @@ class Hydration:
         self._in_flight = 0
         #: ``local.keys`` sorted (keys are only added while lazy: a new length means new keys)
         self._sorted_keys: list[bytes] = []
+        #: the head of a SET record of each state -> its state id
+        self._set_heads = {rec.record_prefix(Op.SET, sid): sid for sid in kinds}
 
     @property
     def done(self) -> bool:
@@ -89,6 +126,7 @@ class Hydration:
             end = max([kg, *(min(p.rng.end, owned.end) for p in parts if kg in p.rng)])
             unit = _Unit(KeyGroupRange(kg, end))
             unit.parts = [p for p in parts if p.rng.intersects(kg, end)]
+            unit.entries = sum(int(p.entry.get("entries", 0)) for p in unit.parts)
             units.append(unit)
         self._units = units
 
@@ -97,22 +135,36 @@ class Hydration:
         how many were."""
         done = 0
         while done < max_key_groups and not self.done:
-            unit = self._units[self._next]
+            group = self._group(max_key_groups - done)
             self._prefetch()
-            loaded = [self._load(part, intersection(part.rng, unit.rng)) for part in unit.parts]
-            self._write(unit.rng, loaded)
-            for part in unit.parts:  # a part reaching past the unit is read again by the next one
-                self._drop_prefetched(part)
-            self._next += 1
-            done += len(unit.rng)
+            try:
+                self._write(group, {part.number: self._part_bytes(part) for unit in group for part in unit.parts})
+            finally:  # loaded or refused: read again if needed (a part reaching past the group is)
+                for unit in group:
+                    for part in unit.parts:
+                        self._drop_prefetched(part)
+            self._next += len(group)
+            done += sum(len(unit.rng) for unit in group)
         self._prefetch()
         return done
+
+    def _group(self, max_key_groups: int) -> list[_Unit]:
+        """The next units one transaction loads: at least one, up to ``max_key_groups`` key groups,
+        ``TXN_ENTRIES`` entries and ``TXN_BYTES`` bytes of chunks."""
+        group: list[_Unit] = []
+        key_groups = entries = size = 0
+        for unit in self._units[self._next :]:
+            entries, size = entries + unit.entries, size + sum(part.size for part in unit.parts)
+            if group and (key_groups >= max_key_groups or entries > TXN_ENTRIES or size > TXN_BYTES):
+                break
+            group.append(unit)
+            key_groups += len(unit.rng)
+        return group
 
     def close(self) -> None:
         self._prefetched.clear()
 
-    def _load(self, part: Part, rng: KeyGroupRange) -> Sections:
-        data = self._part_bytes(part)
+    def _load(self, part: Part, data: bytes, rng: KeyGroupRange) -> Sections:
         assert self.chunks is not None
         chunks = self.chunks
         sections: Sections = named(f"key groups {rng.to_json()}", lambda: chunks.load(part.path, data, part.entry, rng))
@@ -121,26 +173,66 @@ class Hydration:
             part.entry[CHUNK_HASH] = chunk_digest(data)
         return sections
 
-    def _write(self, rng: KeyGroupRange, loaded: list[Sections]) -> None:
-        local = self.local
+    def _write(self, group: list[_Unit], datas: Mapping[int, bytes]) -> None:
+        """Load the units of ``group``, their parts' bytes ``datas``, in one transaction (module doc)."""
+        what = KeyGroupRange(group[0].rng.start, group[-1].rng.end).to_json()
         with self.lock:
-            keys = self._local_keys(rng) if any(kg in local.key_groups for kg in rng) else []
-            with self.tables.write(f"the hydration of key groups {rng.to_json()}") as txn:
-                for sections in loaded:
-                    for name, entries in sections.items():
-                        if name == TIMERS_DB:
-                            continue  # loaded at restore, and changed since
-                        if keys:
-                            entries = _without(entries, keys)
-                        if entries:
-                            restoring.bulk_put(txn, self.tables.database_in(txn, name), entries)
-                # a KeyGroupRange ends at MAX_KEY_GROUP, so end + 1 still fits the prefix
-                start, end = key_group_prefix(rng.start), key_group_prefix(rng.end + 1)
-                apply_pending(txn, self.tables, self.pending, self.kinds, start, end)
-                local.record_hydrated(txn, rng)
-            for kg in rng:
-                local.cold[kg] = False
-                local.key_groups.discard(kg)
+            with self.tables.write(f"the hydration of key groups {what}") as txn:
+                moved = _Moved(txn)
+                for i, unit in enumerate(group):
+                    self._write_unit(txn, moved, unit, datas, sum(u.entries for u in group[i:]))
+                moved.put_back(None)
+            for unit in group:
+                for kg in unit.rng:
+                    self.local.cold[kg] = False
+                    self.local.key_groups.discard(kg)
+
+    def _write_unit(self, txn: Any, moved: _Moved, unit: _Unit, datas: Mapping[int, bytes], coming: int) -> None:
+        """Load ``unit`` in ``txn``: its entries, then its pending changes."""
+        rng = unit.rng
+        # a KeyGroupRange ends at MAX_KEY_GROUP, so end + 1 still fits the prefix
+        start, end = key_group_prefix(rng.start), key_group_prefix(rng.end + 1)
+        keys = self._local_keys(rng) if any(kg in self.local.key_groups for kg in rng) else []
+        loaded = [self._load(part, datas[part.number], intersection(part.rng, rng)) for part in unit.parts]
+        for name, entries in _by_table(loaded).items():
+            moved.put(name, self.tables.database_in(txn, name), entries, keys, start, end, coming)
+        moved.put_back(end)
+        self._apply_pending(txn, start, end)
+        self.local.record_hydrated(txn, rng)  # in the same transaction: an adopting process sees both or neither
+
+    def _apply_pending(self, txn: Any, start: bytes, end: bytes) -> None:
+        """Apply and delete the pending changes of the keys in ``[start, end)`` (module doc)."""
+        cursor = txn.cursor(db=self.pending)
+        if not cursor.set_range(start):
+            return
+        records = list(itertools.takewhile((end,).__gt__, cursor.iternext()))  # the keys below ``end``
+        if not records:
+            return
+        cursor.set_range(start)
+        for _ in records:
+            cursor.delete()
+        set_heads, head = self._set_heads, len(next(iter(self._set_heads)))
+        last_sets: dict[int, dict[bytes, bytes]] = {sid: {} for sid in self.kinds}  # sid -> ckey -> value
+        others: set[bytes] = set()  # the keys with a change other than a SET
+        for key, data in records:
+            sid = set_heads.get(data[:head])
+            if sid is None:
+                others.add(key[:-_SEQ_BYTES])
+            else:
+                last_sets[sid][key[:-_SEQ_BYTES]] = data[head + len(key) - _SEQ_BYTES :]
+        if others:
+            for values in last_sets.values():
+                for ck in others.intersection(values):
+                    del values[ck]
+            for key, data in records:  # a key's records lie together, in log order
+                if key[:-_SEQ_BYTES] in others:
+                    op, sid, ck, rest = rec.parse_record(data)
+                    name, kind = self.kinds[sid]
+                    restoring.apply_record(txn, self.tables.database_in(txn, name), kind, op, ck, rest)
+        for sid, values in last_sets.items():
+            if values:
+                db = self.tables.database_in(txn, self.kinds[sid][0])
+                txn.cursor(db=db).putmulti(list(values.items()))
 
     def _local_keys(self, rng: KeyGroupRange) -> list[bytes]:
         """The keys of ``rng`` loaded one by one (on access), sorted."""
@@ -191,21 +283,129 @@ class Hydration:
         return out
 
 
-def _without(entries: Sequence[tuple[bytes, bytes]], cks: list[bytes]) -> list[tuple[bytes, bytes]]:
-    """``entries`` (sorted by table key) without those of the keys ``cks`` (sorted): a key's
-    entries are the table keys starting with its ckey, and no ckey is a prefix of another one."""
-    first = operator.itemgetter(0)
-    kept: list[tuple[bytes, bytes]] = []
-    at = 0
+def _by_table(loaded: list[Sections]) -> dict[str, Sequence[tuple[bytes, bytes]]]:
+    """The entries of the unit's parts per table, sorted (the parts of a unit hold different key
+    groups); the timers are left out: they were loaded at restore, and changed since."""
+    tables: dict[str, list[Sequence[tuple[bytes, bytes]]]] = {}
+    for sections in loaded:
+        for name, entries in sections.items():
+            if name != TIMERS_DB and entries:
+                tables.setdefault(name, []).append(entries)
+    return {name: runs[0] if len(runs) == 1 else sorted(itertools.chain(*runs)) for name, runs in tables.items()}
+
+
+@dataclass
+class _Held:
+    """A table's entries a transaction took out: ``entries[at:]`` are not put back yet."""
+
+    db: Any
+    entries: list[tuple[bytes, bytes]]
+    at: int = 0
+
+    def below(self, end: bytes | None) -> list[tuple[bytes, bytes]]:
+        """Those not put back yet below ``end`` (None: all), now counted as put back."""
+        at = self.at
+        self.at = len(self.entries) if end is None else bisect.bisect_left(self.entries, end, at, key=_FIRST)
+        return self.entries[at : self.at]
+
+
+class _Moved:
+    """The entries a transaction of the hydration took out of the way of its sorted appends, per
+    table: those at and after the first key it loads in the table (module doc)."""
+
+    def __init__(self, txn: Any) -> None:
+        self.txn = txn
+        self.held: dict[str, _Held] = {}
+        #: the tables with too many entries after the transaction's first key to move: plain puts
+        self.plain: set[str] = set()
+
+    def put(
+        self,
+        name: str,
+        db: Any,
+        entries: Sequence[tuple[bytes, bytes]],
+        cks: list[bytes],
+        start: bytes,
+        end: bytes,
+        coming: int,
+    ) -> None:
+        """Put a unit's ``entries`` (sorted, in ``[start, end)``) but those of the keys ``cks`` (the
+        unit's keys loaded on access: the table's are newer) into table ``name``: appended, what
+        lies at and after ``start`` taken out first if at most ``MOVE_FRACTION`` of ``coming``
+        entries (the transaction's, from this unit on); else with plain puts."""
+        held = self.held.get(name)
+        if held is None and name not in self.plain:
+            cursor = self.txn.cursor(db=db)
+            most = max(int(max(coming, len(entries)) * MOVE_FRACTION), MOVE_ALWAYS)
+            taken = list(itertools.islice(cursor.iternext(), most + 1)) if cursor.set_range(start) else []
+            if len(taken) > most:
+                self.plain.add(name)
+            else:
+                if taken:
+                    cursor.set_range(start)
+                    while cursor.delete():  # every entry from ``start`` to the end of the table
+                        pass
+                held = self.held[name] = _Held(db, taken)
+        cursor = self.txn.cursor(db=db)
+        if held is None:
+            for run in _spliced(entries, cks, []):
+                cursor.putmulti(run)
+            return
+        inside = held.below(end)
+        refused = 0
+        for run in _spliced(entries, cks, inside):
+            consumed, added = cursor.putmulti(run, append=True)
+            refused += consumed - added
+        if refused:  # a key of the table's was in the chunk's too: plain puts, the table's last
+            for run in _spliced(entries, cks, inside):
+                cursor.putmulti(run)
+
+    def put_back(self, end: bytes | None) -> None:
+        """Put back what was taken out below ``end`` (None: all of it): it appends."""
+        for held in self.held.values():
+            inside = held.below(end)
+            if inside:
+                restoring.bulk_put(self.txn, held.db, inside)
+
+
+def _spliced(
+    entries: Sequence[tuple[bytes, bytes]], cks: list[bytes], extra: list[tuple[bytes, bytes]]
+) -> Iterator[Iterable[tuple[bytes, bytes]]]:
+    """``entries`` (sorted by table key) without those of the keys ``cks`` (sorted) and with the
+    ``extra`` entries (sorted), in order, an extra entry after an entry of the same table key: as
+    runs that slice one iterator over ``entries`` (no copy of them), so each run must be consumed
+    whole before the next is taken. A key's entries are the table keys starting with its ckey (no
+    ckey is a prefix of another one): found by a binary search per key and per extra entry, not a
+    test of every entry."""
+    if not cks and not extra:
+        yield entries
+        return
+    source = iter(entries)
+    taken = 0  # the entries ``source`` has given so far
+
+    def ahead(upto: int) -> Iterable[tuple[bytes, bytes]]:
+        nonlocal taken
+        run, taken = itertools.islice(source, upto - taken), upto
+        return run
+
+    x = 0
     for ck in cks:
-        lo = bisect.bisect_left(entries, ck, at, key=first)
+        lo = bisect.bisect_left(entries, (ck,), taken)
+        while x < len(extra) and extra[x][0] < ck:  # the extra entries before this key's
+            yield ahead(bisect.bisect_right(entries, extra[x], taken))
+            yield extra[x : x + 1]
+            x += 1
+        if lo > taken:
+            yield ahead(lo)
         hi = lo
         while hi < len(entries) and entries[hi][0].startswith(ck):
             hi += 1
-        kept += entries[at:lo]
-        at = hi
-    kept += entries[at:]
-    return kept
+        for _ in ahead(hi):  # the key's entries: left out
+            pass
+    for item in extra[x:]:
+        yield ahead(bisect.bisect_right(entries, item, taken))
+        yield (item,)
+    yield source
 
 
 def _follows(run: list[Part], part: Part) -> bool:
