@@ -392,7 +392,7 @@ def _spliced(
     for ck in cks:
         lo = bisect.bisect_left(entries, (ck,), taken)
         while x < len(extra) and extra[x][0] < ck:  # the extra entries before this key's
-            yield ahead(bisect.bisect_right(entries, extra[x], taken))
+            yield ahead(bisect.bisect_right(entries, extra[x][0], taken, key=_FIRST))
             yield extra[x : x + 1]
             x += 1
         if lo > taken:
@@ -403,7 +403,7 @@ def _spliced(
         for _ in ahead(hi):  # the key's entries: left out
             pass
     for item in extra[x:]:
-        yield ahead(bisect.bisect_right(entries, item, taken))
+        yield ahead(bisect.bisect_right(entries, item[0], taken, key=_FIRST))
         yield (item,)
     yield source
 

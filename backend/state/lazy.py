@@ -261,21 +261,30 @@ class LazyRestore:
                     elif key not in need:
                         need[key] = (part, offset, length, key_group_of(ck))
         runs = self._runs(need)
-        pool = self.reader.pool()
-        reads = [pool.submit(self._read_run, run) for run in runs]
-        by_part: dict[int, list[concurrent.futures.Future[dict[tuple[int, int], bytes]]]] = {}
-        for run, read in zip(runs, reads, strict=True):
-            by_part.setdefault(run[0][0].number, []).append(read)
+        reads: list[concurrent.futures.Future[dict[tuple[int, int], bytes]]] = []
         entries: dict[str, list[tuple[bytes, bytes]]] = {}
         try:
+            if len(runs) == 1:  # one read: on this thread, not queued behind the hydration's reads ahead
+                done: concurrent.futures.Future[dict[tuple[int, int], bytes]] = concurrent.futures.Future()
+                done.set_result(self._read_run(runs[0]))  # a failure raises before any future is pending
+                reads.append(done)
+            else:
+                pool = self.reader.pool()
+                reads.extend(pool.submit(self._read_run, run) for run in runs)
+            by_part: dict[int, list[concurrent.futures.Future[dict[tuple[int, int], bytes]]]] = {}
+            for run, read in zip(runs, reads, strict=True):
+                by_part.setdefault(run[0][0].number, []).append(read)
+            datas = dict(have)
             for number, plan in plans.items():  # decoded part by part, while the later parts' reads go on
-                datas = dict(have)
                 for read in by_part.get(number, ()):
                     datas.update(read.result())
                 for table, found in _decode_part(parts[number], plan, datas).items():
                     entries.setdefault(table, []).extend(found)
-        finally:  # a failure waits for the other reads: none runs on once the load raised
+        except BaseException:  # the reads not started yet are dropped, the others waited for:
+            for read in reads:  # none runs on once the load raised
+                read.cancel()
             concurrent.futures.wait(reads)
+            raise
         self._cache([item for read in reads for item in read.result().items()])
         with self.lock:
             with self.tables.write(f"the lazy load of {len(cks)} keys") as txn:
