@@ -3,7 +3,9 @@
 Batching is what makes one changelog file per flush per process possible (FLIP-158): changesets
 of all writers wait in one queue, and the queue is flushed as ONE file when
 
-(a) ``persist_delay`` has passed since the first pending entry was queued,
+(a) ``persist_delay`` has passed since the first pending entry was queued, and since the last
+    writer that joined the batch did, if it was not the first: writers still arriving are waited
+    for (below),
 (b) the pending bytes reach ``persist_size_threshold``, or
 (c) every registered writer has a persist request pending: nobody else will contribute soon,
     so waiting longer would only add latency; or, where writers said they will persist soon
@@ -13,6 +15,18 @@ of all writers wait in one queue, and the queue is flushed as ONE file when
     micro-batch finish at different times, and the batch ends with the slowest anyway, so a fast
     task waiting for the others costs the batch nothing and saves a file. A writer that lets
     that wait pass is not waited for again until it says so again.
+
+*Writers still arriving.* A writer *joins* a batch with its first persist request waiting on it.
+The writers of one process persist one after another at a checkpoint (Flink's subtasks, the
+benchmark's 64 writers on one thread), and their requests can take longer than ``persist_delay``
+in all: timed from the first entry alone, the flush would leave with the writers that made it
+and the rest would follow in a second file. So when the delay has passed and a second or later
+writer joined less than ``persist_delay`` ago, the flush waits until ``persist_delay`` after the
+last join: one file for writers that keep arriving, whatever their requests cost, and rule (c)
+still sends it the moment the last registered writer joins (no wait added when all of them come).
+The wait is bounded: each extension needs a writer that had not joined yet, so a batch waits at
+most ``persist_delay`` per registered writer. A writer alone keeps the plain delay (no later
+writer joined), and a pre-emptive persist joins nobody.
 
 A persist may carry a ``Note`` (``PendingNote``): the flush that makes its changes durable writes
 the note into its file, under the note's directory instead of ``dstl/<xx>/``, by one name for
@@ -127,7 +141,9 @@ class BatchingScheduler:
         on_uploaded: Callable[[str, list[UploadEntry], bool], None],
         on_failed: Callable[[list[UploadEntry]], None],
         in_flight: InFlightAccount,
+        encoder: concurrent.futures.Executor | None = None,
     ) -> None:
+        """``encoder`` runs ``encode_file``; None: a thread of the scheduler's own (module doc)."""
         self._config = config
         self._persist_delay = config.persist_delay_ms / 1000  # call_later takes seconds
         self._executor = executor
@@ -144,8 +160,11 @@ class BatchingScheduler:
         self._arrived: set[str] = set()  # were expected and have persisted since the last flush
         self._expected_wait = config.expected_persist_wait_ms / 1000
         self._timer: asyncio.TimerHandle | None = None
+        #: loop time of the last writer joining the pending batch (module doc, writers still arriving)
+        self._last_join = 0.0
         self._uploads: set[asyncio.Task[None]] = set()
-        self._encoder: concurrent.futures.ThreadPoolExecutor | None = None
+        self._encoder = encoder
+        self._owns_encoder = encoder is None
 
     # All methods below run on the loop thread.
 
@@ -188,10 +207,9 @@ class BatchingScheduler:
         self._in_flight.encoded(queued)
         # Rule (c) counts writers blocked on the pending batch; a request answered by earlier or
         # in-flight uploads waits for nothing here and must not stay marked until the next flush.
-        if persist_request and (
-            note is not None or any(e.changeset is not None and e.changeset.log_id == log_id for e in self._pending)
-        ):
+        if persist_request and log_id not in self._waiting and (note is not None or self._queued_for(log_id)):
             self._waiting.add(log_id)
+            self._last_join = loop.time()
         if persist_request and log_id in self._expected:
             self._expected.discard(log_id)
             self._arrived.add(log_id)
@@ -201,11 +219,22 @@ class BatchingScheduler:
             delay = self._expected_wait if waits_for_expected else self._persist_delay
             self._timer = loop.call_later(delay, self._flush_on_time, waits_for_expected)
 
+    def _queued_for(self, log_id: str) -> bool:
+        """Whether a changeset of ``log_id`` waits in the pending batch."""
+        return any(e.changeset is not None and e.changeset.log_id == log_id for e in self._pending)
+
     def _flush_on_time(self, waited_for_expected: bool) -> None:
-        """Rule (a): the wait is over; writers it waited for are not waited for again."""
+        """Rule (a): the wait is over; writers it waited for are not waited for again. Unless
+        writers are still arriving: then the flush waits for the next (module doc)."""
         self._timer = None
         if waited_for_expected:
             self._expected.clear()
+        else:
+            until = self._last_join + self._persist_delay
+            loop = asyncio.get_running_loop()
+            if len(self._waiting) > 1 and until > loop.time():
+                self._timer = loop.call_at(until, self._flush_on_time, False)
+                return
         self.flush()
 
     def _maybe_flush_now(self) -> bool:
@@ -264,6 +293,7 @@ class BatchingScheduler:
             changesets = [e.changeset for e in batch if e.changeset is not None]
             if self._encoder is None:
                 self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dstl-encode")
+                self._owns_encoder = True
             in_batch = {id(e) for e in batch}
             specs = [
                 NoteSpec(
@@ -341,8 +371,8 @@ class BatchingScheduler:
         self.flush()
         while self._uploads:
             await asyncio.wait(list(self._uploads))
-        encoder, self._encoder = self._encoder, None  # idle now; the next upload starts another
-        if encoder is not None:
+        if self._owns_encoder and self._encoder is not None:  # idle now; the next upload starts another
+            encoder, self._encoder = self._encoder, None
             encoder.shutdown(wait=False)
         await self._executor.drain()
 

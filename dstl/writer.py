@@ -1,8 +1,8 @@
 """The per-operator changelog writer: a one-operation append path and SQN bookkeeping.
 
 ``append`` is on the hot path of every state mutation, so it extends the writer's
-``AppendBuffer`` (``dstl.append_buffer``, whose ``Appender`` gives the writer its ``append``): one
-list extend, no size check, lock or validation per call. The writer numbers what the buffer cuts
+``AppendBuffer`` (``dstl.append_buffer``, whose ``Appender`` gives the writer its ``append``): two
+list appends, no size check, lock or validation per call. The writer numbers what the buffer cuts
 and hands it to its storage:
 
 - *Memory bound (pre-emptive persist).* The storage's loop thread looks at every writer every few
@@ -97,7 +97,15 @@ class ChangelogWriter(Appender):
             return None
         sqn = self._active_sqn
         entry = UploadEntry(
-            changeset=ChangeSet(self.log_id, sqn, cut.key_groups, cut.payloads, cut.size),
+            changeset=ChangeSet(
+                self.log_id,
+                sqn,
+                cut.key_groups,
+                cut.payloads,
+                cut.size,
+                lengths=cut.lengths,
+                bounds=(cut.min_key_group, cut.max_key_group),
+            ),
             sqn=sqn,
             size=cut.size,
             scheduled=scheduled,
