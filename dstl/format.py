@@ -244,8 +244,28 @@ def encode_file(
     changesets: Sequence[ChangeSet], compression_level: int = 1, notes: Sequence[NoteSpec] = ()
 ) -> tuple[bytes, list[EncodedSegment]]:
     """Encode one flush; returns the file bytes and where each changeset's segment went."""
+    return encode_files([(changesets, notes)], compression_level)[0]
+
+
+def encode_files(
+    files: Sequence[tuple[Sequence[ChangeSet], Sequence[NoteSpec]]], compression_level: int = 1
+) -> list[tuple[bytes, list[EncodedSegment]]]:
+    """Encode several flushes (their changesets and notes) at once, their segments compressed
+    together (module doc); returns ``encode_file``'s result for each."""
     compressor = zstandard.ZstdCompressor(level=compression_level)
-    encoded = _encode_segments(changesets, compressor)
+    encoded = _encode_segments([cs for changesets, _ in files for cs in changesets], compressor)
+    results = []
+    start = 0
+    for changesets, notes in files:
+        results.append(_file(changesets, encoded[start : start + len(changesets)], notes))
+        start += len(changesets)
+    return results
+
+
+def _file(
+    changesets: Sequence[ChangeSet], encoded: list[tuple[bytes, Any]], notes: Sequence[NoteSpec]
+) -> tuple[bytes, list[EncodedSegment]]:
+    """One file of encoded segments (``encoded``: a header and a compressed payload each)."""
     sizes = [len(head) + len(payload) for head, payload in encoded]
     relative = [0, *accumulate(sizes)]  # offsets after the header (and notes)
     notes_part = b""

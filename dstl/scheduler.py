@@ -36,10 +36,8 @@ changesets are durable already (their handles go into the note); the others ride
 started as soon as the upload ends, with no changesets if none are left.
 
 Entries are the writer's closed changesets (``UploadEntry``). The scheduler encodes a batch into a
-file in a worker thread of its own (zstd releases the GIL), one batch at a time: encoding holds
-a few copies of a batch at once, and one thread keeps those multi-MiB buffers to one batch and to
-one allocator arena (several encoding threads left their freed buffers spread over as many glibc
-arenas, memory the process kept). It hands the bytes to the ``UploadExecutor`` and
+file on the encoder's thread (``dstl.encoder``: one thread, the files queued while it works
+encoded together in its next session). It hands the bytes to the ``UploadExecutor`` and
 resolves each entry's future with its ``SegmentRef`` (or the upload's error). Every entry it is
 given was counted as not yet durable (``InFlightAccount``); it hands the bytes back when the
 upload ends: released when the file is durable, kept counted as failed when it is not (the
@@ -59,8 +57,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dstl.config import ChangelogConfig
+from dstl.encoder import FileEncoder
 from dstl.errors import UploadFailedError
-from dstl.format import ChangeSet, NoteSpec, encode_file
+from dstl.format import ChangeSet, NoteSpec
 from dstl.hedging import UploadExecutor, unpin
 from dstl.metrics import ChangelogMetrics
 from dstl.types import KeyGroupRange, Note, SegmentRef
@@ -143,7 +142,7 @@ class BatchingScheduler:
         in_flight: InFlightAccount,
         encoder: concurrent.futures.Executor | None = None,
     ) -> None:
-        """``encoder`` runs ``encode_file``; None: a thread of the scheduler's own (module doc)."""
+        """``encoder`` runs the encoder's sessions (``dstl.encoder``); None: a thread of its own."""
         self._config = config
         self._persist_delay = config.persist_delay_ms / 1000  # call_later takes seconds
         self._executor = executor
@@ -163,8 +162,7 @@ class BatchingScheduler:
         #: loop time of the last writer joining the pending batch (module doc, writers still arriving)
         self._last_join = 0.0
         self._uploads: set[asyncio.Task[None]] = set()
-        self._encoder = encoder
-        self._owns_encoder = encoder is None
+        self._encoder = FileEncoder(config.compression_level, encoder)
 
     # All methods below run on the loop thread.
 
@@ -291,9 +289,6 @@ class BatchingScheduler:
         encoded = size  # counted by submit until the file exists
         try:
             changesets = [e.changeset for e in batch if e.changeset is not None]
-            if self._encoder is None:
-                self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dstl-encode")
-                self._owns_encoder = True
             in_batch = {id(e) for e in batch}
             specs = [
                 NoteSpec(
@@ -302,9 +297,7 @@ class BatchingScheduler:
                 )
                 for n in notes
             ]  # fmt: skip
-            data, segments = await asyncio.get_running_loop().run_in_executor(
-                self._encoder, encode_file, changesets, self._config.compression_level, specs
-            )
+            data, segments = await self._encoder.encode(changesets, specs)
             self._in_flight.encoded(len(data) - encoded)
             encoded = len(data)
             self._metrics.upload_sizes.observe(len(data))
@@ -371,9 +364,7 @@ class BatchingScheduler:
         self.flush()
         while self._uploads:
             await asyncio.wait(list(self._uploads))
-        if self._owns_encoder and self._encoder is not None:  # idle now; the next upload starts another
-            encoder, self._encoder = self._encoder, None
-            encoder.shutdown(wait=False)
+        self._encoder.close()  # idle now; the next upload starts another thread
         await self._executor.drain()
 
 
