@@ -1,4 +1,4 @@
-"""The append buffer of a writer: changes not yet cut, and the one-operation path that adds them.
+"""The append buffer of a writer: changes not yet cut, and the two-append path that adds them.
 
 Every writer, local (``dstl.writer.ChangelogWriter``) or remote (``dstl.service.client``), owns
 one ``AppendBuffer``; whoever drives it (the storage's loop thread for a local writer, the
@@ -8,22 +8,25 @@ connection's sender for a remote one) calls only the public methods below. Why i
   list: two ``list.append`` calls, which CPython runs inline without a call of their own (a pair
   appended as ``+= (key_group, data)`` builds a tuple and takes the generic in-place path: half
   again the cost of the whole append). No size check, lock or validation runs per call (each
-  would cost as much as the append itself). A writer inherits ``append`` and ``append_many`` from
-  ``Appender``: methods of its own class, because CPython calls ``writer.append(...)`` fastest
-  that way (a bound method kept in an attribute, such as the buffer's own, is measurably slower
-  to call, whether looked up each time or bound once).
+  would cost as much as the append itself). A writer's ``append`` and ``append_many`` are
+  closures the buffer gives it (``Appender``), which find the list in their cell: CPython calls a
+  plain function kept in an instance attribute and reads a cell faster than it calls a method
+  and reads ``self._records`` (and a bound method kept in an attribute, such as the buffer's
+  own, is slower still).
 - *Pairs, even when cut halfway.* The list holds ``key_group, data, key_group, data, ...``. A
   thread switch may fall between the two appends of one change, so whoever reads the list takes
   an even number of items: ``cut`` and ``measure`` leave a lone key group for the next time, when
   its payload has followed. A stand-in (below) sees the same halves: the gate waits before a key
   group only (a change is held back whole, never split around a wait), the waker wakes its
-  driver after a payload only.
-- *Everything else swaps what appends extend.* ``append`` appends to the writer's ``_records``,
-  which the buffer points at its list or at a stand-in whose ``append`` and ``+=`` do more: the
-  *gate* (backpressure: the appending thread waits in the owner's ``wait``, then appends), the
-  *waker* (the driver sleeps: append, then ``wake`` it), or the *refusal* (the buffer is failed,
-  fenced, lost or closed: raise that status's error). Only this module touches ``_records``.
-  Swapping is an attribute store, so the driver can gate, park or kill a writer between two
+  driver after a payload only. Each append reads the cell anew, so a swap between the two sends
+  the key group to one target and the payload to the next; both lead to the same list, and the
+  rules above keep the pair whole.
+- *Everything else swaps what appends extend.* The buffer points the appenders' cell (and the
+  writer's ``_records``, which mirrors it) at its list or at a stand-in whose ``append`` and
+  ``+=`` do more: the *gate* (backpressure: the appending thread waits in the owner's ``wait``,
+  then appends), the *waker* (the driver sleeps: append, then ``wake`` it), or the *refusal*
+  (the buffer is failed, fenced, lost or closed: raise that status's error). Only this module
+  points them. Swapping is a store, so the driver can gate, park or kill a writer between two
   appends without the appending thread taking a lock.
 - *Cut-then-delete.* ``cut`` copies the first ``n`` items and deletes exactly those, atomic list
   operations, so an append racing with it lands in the next cut: nothing is lost or duplicated,
@@ -118,23 +121,39 @@ def _lengths(lengths: list[int]) -> array[int]:
 
 
 class Appender:
-    """The hot path of a writer that owns an ``AppendBuffer``: ``append`` extends what the buffer
-    points ``_records`` at (module doc). Only the buffer sets ``_records``."""
+    """The hot path of a writer that owns an ``AppendBuffer``: its ``append`` and ``append_many``
+    are functions the buffer gives it, closures over what the buffer points ``_records`` at
+    (module doc). Only the buffer sets them and ``_records``."""
 
     _records: Any
+    #: append one change of a key group; in memory, never does I/O
+    append: Callable[[int, bytes], None]
+    #: append many changes at once: ``[key_group, data, key_group, data, ...]``, in order
+    append_many: Callable[[list[Any]], None]
 
-    def append(self, key_group: int, data: bytes) -> None:
-        """Append one change of ``key_group``; in memory, never does I/O (see module doc)."""
-        records = self._records
-        records.append(key_group)
-        records.append(data)
 
-    def append_many(self, pairs: list[Any]) -> None:
+def _appenders() -> tuple[Callable[[int, bytes], None], Callable[[list[Any]], None], Callable[[Any], None]]:
+    """``append`` and ``append_many`` of one writer, and ``point``, which re-points both at another
+    list or stand-in: a closure's cell is read faster than an attribute of ``self`` (module doc)."""
+    records: Any = None
+
+    def append(key_group: int, data: bytes) -> None:
+        """Append one change of ``key_group``; in memory, never does I/O (``dstl.append_buffer``)."""
+        records.append(key_group)  # the cell read twice: cheaper than a local, and re-pointing
+        records.append(data)  # between the two is safe (module doc, pairs)
+
+    def append_many(pairs: list[Any]) -> None:
         """Append many changes at once: ``[key_group, data, key_group, data, ...]``, in order."""
         if len(pairs) % 2:
             raise ConfigurationError(f"append_many(pairs): {len(pairs)} items are not key group and data pairs")
-        records = self._records
-        records += pairs
+        target = records
+        target += pairs
+
+    def point(target: Any) -> None:
+        nonlocal records
+        records = target
+
+    return append, append_many, point
 
 
 class AppendBuffer:
@@ -162,7 +181,8 @@ class AppendBuffer:
         self._active: list[Any] = []
         #: whose ``append`` extends ``_records``: ``_active`` or one of the stand-ins
         self._owner = owner
-        owner._records = self._active
+        owner.append, owner.append_many, self._point_appenders = _appenders()
+        self._point(self._active)
         self._gate = _Gate(self)
         self._waker = _Waker(self)
         self._refusal = _Refusal(self)
@@ -174,8 +194,13 @@ class AppendBuffer:
         self._failure: ChangelogError | None = None
         self._death: Callable[[str], ChangelogError] | None = None
         if not _GIL_ENABLED:  # pragma: no cover - free-threaded builds only
-            owner.append = self._append_locked  # type: ignore[method-assign]
-            owner.append_many = self._append_many_locked  # type: ignore[method-assign]
+            owner.append = self._append_locked
+            owner.append_many = self._append_many_locked
+
+    def _point(self, target: Any) -> None:
+        """Make appends go to ``target``: the list, or a stand-in (module doc)."""
+        self._owner._records = target
+        self._point_appenders(target)
 
     # -- the appending thread: stand-ins and free-threaded builds ------------------------------
 
@@ -263,7 +288,7 @@ class AppendBuffer:
 
     def _end_locked(self, status: BufferStatus) -> None:
         self._status = status
-        self._owner._records = self._refusal
+        self._point(self._refusal)
         del self._active[:]
         self._measured = self._measured_bytes = 0
         self._measured_lengths = []
@@ -344,7 +369,7 @@ class AppendBuffer:
             return
         with self._lock:
             if owner._records is self._active or owner._records is self._waker:
-                owner._records = self._gate
+                self._point(self._gate)
 
     def ungate(self) -> bool:
         """Let appends go straight to the list again; True if they were gated."""
@@ -354,14 +379,14 @@ class AppendBuffer:
         with self._lock:
             if owner._records is not self._gate:
                 return False
-            owner._records = self._active
+            self._point(self._active)
             return True
 
     def park(self) -> None:
         """The driver sleeps: the next append wakes it (``wake``), if the buffer is open and not gated."""
         with self._lock:
             if self._owner._records is self._active:
-                self._owner._records = self._waker
+                self._point(self._waker)
 
     def unpark(self) -> None:
         """The driver is awake: appends go straight to the list again (unless gated)."""
@@ -369,7 +394,7 @@ class AppendBuffer:
             return
         with self._lock:
             if self._owner._records is self._waker:
-                self._owner._records = self._active
+                self._point(self._active)
 
 
 class _Gate:

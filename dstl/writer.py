@@ -64,7 +64,8 @@ _EVERY_SQN = 1 << 62
 class ChangelogWriter(Appender):
     """The ``dstl.api.StateChangelogWriter`` of one operator subtask, on a ``WriterStorage``.
 
-    ``append`` and ``append_many`` (from ``Appender``) extend its buffer (module doc)."""
+    ``append`` and ``append_many`` (``Appender``: closures its buffer gives it) extend its buffer
+    (module doc)."""
 
     def __init__(self, storage: WriterStorage, log_id: str, key_group_range: KeyGroupRange) -> None:
         self.log_id = log_id

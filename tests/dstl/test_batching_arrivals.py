@@ -87,7 +87,7 @@ class Batches:
 
 @pytest.mark.parametrize("writers", [2, 16, 64])
 def test_writers_joining_one_after_another_share_one_file_however_long_they_take(writers: int) -> None:
-    """Each writer joins 0.9 persist delays after the one before: in all 57.6 delays at 64
+    """Each writer joins 0.9 persist delays after the one before: in all 56.7 delays at 64
     writers, yet nothing leaves before the last joins, and then everything leaves at once."""
 
     async def scenario() -> None:
