@@ -104,8 +104,10 @@ def _check_payloads_and_key_groups(key_groups: list[Any], payloads: list[Any]) -
     if list(map(type, payloads)).count(bytes) != len(payloads):  # cheaper than a set of the types
         bad = next(p for p in payloads if type(p) is not bytes)
         raise ConfigurationError(f"changes must be bytes, got {type(bad).__name__}")
+    column = array("H")
     try:
-        return array("H", key_groups)
+        column.fromlist(key_groups)  # a little cheaper than the constructor
+        return column
     except (TypeError, OverflowError) as exc:
         bad = next((k for k in key_groups if type(k) is not int or not 0 <= k <= 0xFFFF), None)
         raise ConfigurationError(f"key group {bad!r} is not an integer in [0, 65535] ({exc})") from None

@@ -133,11 +133,18 @@ class ChangelogWriter(Appender):
         return last
 
     def check_preemptive(self) -> UploadEntry | None:
-        """Loop thread: cut the active changeset if it passed the pre-emptive threshold."""
-        with self._cut_lock:
-            if self.buffer.measure() < self._threshold:
+        """Loop thread: cut the active changeset if it passed the pre-emptive threshold. Measuring
+        needs only the buffer's lock; a cut under way on the operator's thread takes the changes
+        itself, so the loop thread does not wait for its ``_cut_lock`` (it would stop every other
+        task of the loop for the length of that cut)."""
+        if self.buffer.measure() < self._threshold or not self._cut_lock.acquire(blocking=False):
+            return None
+        try:
+            if self.buffer.measure() < self._threshold:  # the operator cut meanwhile
                 return None
             return self._cut_locked(scheduled=True)
+        finally:
+            self._cut_lock.release()
 
     def last_appended_sqn(self) -> SequenceNumber:
         """Close the active changeset; every change appended so far has an SQN <= the result."""
