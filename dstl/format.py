@@ -43,8 +43,9 @@ All integers are little endian. Why this shape:
   ``multi_compress_to_buffer``, in groups of ``COMPRESS_GROUP_BYTES`` raw bytes, the memory a
   group holds at once), and checksums in slices short enough that zlib keeps the GIL (crc32 runs
   at several GB/s: the slices cost less than one wait). What the writer's cut computed already
-  (the key groups as an array, their bounds, the payloads' lengths, the payloads joined into one
-  buffer) rides in the ``ChangeSet``: the encoder's own Python work is a few joins per segment.
+  (the key groups as an array, their bounds, the payloads' lengths, and the segment's columns,
+  joined on the thread that holds the GIL anyway) rides in the ``ChangeSet``: the encoder's own
+  Python work is the framing of each file.
 - Nothing is unpickled: the only structured metadata is JSON, validated field by field.
 - Every size is bounded before it is used: a segment's frame must state the header's raw length
   before it is decompressed (python-zstandard allocates what a frame states), and JSON nested past
@@ -101,8 +102,8 @@ def log_crc(log_id: str) -> int:
 class ChangeSet:
     """The closed changes of one writer with one SQN, in append order. ``lengths`` (the payloads'
     lengths, ``array('I')``) and ``bounds`` (the smallest and largest key group) are what the
-    writer's cut computed; the encoder computes them when they are None. ``joined``: the
-    payloads joined into one buffer by the writer's cut (``payloads`` is then empty)."""
+    writer's cut computed; the encoder computes them when they are None. ``columns``: the
+    segment's uncompressed columns, joined by the writer's cut (``payloads`` is then empty)."""
 
     log_id: str
     sqn: int
@@ -111,7 +112,7 @@ class ChangeSet:
     size: int  # payload bytes
     lengths: array[int] | None = None
     bounds: tuple[int, int] | None = None
-    joined: bytes | None = None
+    columns: bytes | None = None
 
     @property
     def records(self) -> int:
@@ -151,17 +152,20 @@ def array_from_le(typecode: str, data: bytes | memoryview) -> array[int]:
     return values
 
 
+def columns_head(key_groups: array[int], lengths: array[int]) -> bytes:
+    """The columns of a segment before its payloads: ``count:u32 key_groups:u16[count]
+    lengths:u32[count]``; the payloads follow back to back (``columns := head payloads``)."""
+    return b"".join((struct.pack("<I", len(key_groups)), le_bytes(key_groups), le_bytes(lengths)))
+
+
 def _columns(changeset: ChangeSet) -> bytes:
-    """The segment's uncompressed columns: ``count:u32 key_groups:u16[count] lengths:u32[count] payloads``."""
+    """The segment's uncompressed columns (module doc)."""
+    if changeset.columns is not None:
+        return changeset.columns
     lengths = changeset.lengths
     if lengths is None:
         lengths = array("I", map(len, changeset.payloads))
-    parts = [struct.pack("<I", changeset.records), le_bytes(changeset.key_groups), le_bytes(lengths)]
-    if changeset.joined is not None:
-        parts.append(changeset.joined)
-    else:  # a list joined, not a tuple built by unpacking the payloads: several times faster
-        parts += changeset.payloads
-    return b"".join(parts)
+    return b"".join([columns_head(changeset.key_groups, lengths), *changeset.payloads])
 
 
 def _segment(changeset: ChangeSet, raw_len: int, payload: Any) -> tuple[bytes, Any]:

@@ -20,12 +20,12 @@ and hands it to its storage:
 A cut and the SQN it gets are one step (``_cut_lock``): the loop thread's pre-emptive cut and the
 operator's ``last_appended_sqn`` must number changesets in the order they were cut.
 
-The cut also joins the changeset's payloads into one buffer (the payload objects are let go).
-It is the one part of encoding that touches every change while holding the GIL, and the thread
-that cuts holds the GIL anyway: in the encoder thread the same join ran time-sliced against a
-busy operator thread (5 ms turns of the GIL), so the encoder, and every persist behind it, waited
-several times its length. The encoder thread is left with a few joins per segment, compression,
-which releases the GIL, and the file's framing (``dstl.format``).
+The cut also joins the changeset's segment columns (``dstl.format``: key groups, lengths and
+payloads in one buffer; the payload objects are let go). It is the one part of encoding that
+touches every change while holding the GIL, and the thread that cuts holds the GIL anyway: in the
+encoder thread the same join ran time-sliced against a busy operator thread (5 ms turns of the
+GIL), so the encoder, and every persist behind it, waited several times its length. The encoder
+thread is left with compression, which releases the GIL, and the framing of each file.
 
 Handles are the writer's too: once a persist's segments are durable it builds the handle and
 holds it (a reference per segment in the storage's file registry) until ``confirm`` or
@@ -51,7 +51,7 @@ from dstl.api import StateChangelogWriter
 from dstl.append_buffer import AppendBuffer, Appender, BufferStatus
 from dstl.config import ChangelogConfig
 from dstl.errors import ChangelogError, ConfigurationError, WriterClosedError
-from dstl.format import ChangeSet
+from dstl.format import ChangeSet, columns_head
 from dstl.scheduler import UploadEntry
 from dstl.types import ChangelogHandle, KeyGroupRange, Note, SegmentRef, SequenceNumber
 
@@ -113,7 +113,7 @@ class ChangelogWriter(Appender):
                 cut.size,
                 lengths=cut.lengths,
                 bounds=(cut.min_key_group, cut.max_key_group),
-                joined=b"".join(cut.payloads),
+                columns=b"".join([columns_head(cut.key_groups, cut.lengths), *cut.payloads]),
             ),
             sqn=sqn,
             size=cut.size,
