@@ -1,31 +1,43 @@
-"""The append buffer of a writer: changes not yet cut, and the one-operation path that adds them.
+"""The append buffer of a writer: changes not yet cut, and the two-append path that adds them.
 
 Every writer, local (``dstl.writer.ChangelogWriter``) or remote (``dstl.service.client``), owns
 one ``AppendBuffer``; whoever drives it (the storage's loop thread for a local writer, the
 connection's sender for a remote one) calls only the public methods below. Why it is shaped so:
 
-- *The hot path is one list operation.* ``append`` extends a list with the pair
-  ``(key_group, data)``: a single C-level operation, atomic under the GIL. No size check, lock
-  or validation runs per call (each would cost as much as the append itself). A writer inherits
-  ``append`` and ``append_many`` from ``Appender``: methods of its own class, because CPython
-  calls ``writer.append(...)`` fastest that way (a bound method kept in an attribute, such as
-  the buffer's own, is measurably slower to call, whether looked up each time or bound once).
-- *Everything else swaps what appends extend.* ``append`` extends the writer's ``_records``, which
-  the buffer points at its list or at a stand-in whose ``+=`` does more: the *gate* (backpressure:
-  the appending thread waits in the owner's ``wait``, then appends), the *waker* (the driver
-  sleeps: append, then ``wake`` it), or the *refusal* (the buffer is failed, fenced, lost or
-  closed: raise that status's error). Only this module touches ``_records``. Swapping is an
-  attribute store, so the driver can gate, park or kill a writer between two appends without
-  the appending thread taking a lock.
-- *Cut-then-delete.* ``cut`` copies the first ``n`` items and deletes exactly those, two atomic
-  list operations, so an append racing with it lands in the next cut: nothing is lost or
-  duplicated, and the list ``append`` extends never changes.
+- *The hot path is two list appends.* ``append`` appends the key group, then the payload, to a
+  list: two ``list.append`` calls, which CPython runs inline without a call of their own (a pair
+  appended as ``+= (key_group, data)`` builds a tuple and takes the generic in-place path: half
+  again the cost of the whole append). No size check, lock or validation runs per call (each
+  would cost as much as the append itself). A writer's ``append`` and ``append_many`` are
+  closures the buffer gives it (``Appender``), which find the list in their cell: CPython calls a
+  plain function kept in an instance attribute and reads a cell faster than it calls a method
+  and reads ``self._records`` (and a bound method kept in an attribute, such as the buffer's
+  own, is slower still).
+- *Pairs, even when cut halfway.* The list holds ``key_group, data, key_group, data, ...``. A
+  thread switch may fall between the two appends of one change, so whoever reads the list takes
+  an even number of items: ``cut`` and ``measure`` leave a lone key group for the next time, when
+  its payload has followed. A stand-in (below) sees the same halves: the gate waits before a key
+  group only (a change is held back whole, never split around a wait), the waker wakes its
+  driver after a payload only. Each append reads the cell anew, so a swap between the two sends
+  the key group to one target and the payload to the next; both lead to the same list, and the
+  rules above keep the pair whole.
+- *Everything else swaps what appends extend.* The buffer points the appenders' cell (and the
+  writer's ``_records``, which mirrors it) at its list or at a stand-in whose ``append`` and
+  ``+=`` do more: the *gate* (backpressure: the appending thread waits in the owner's ``wait``,
+  then appends), the *waker* (the driver sleeps: append, then ``wake`` it), or the *refusal*
+  (the buffer is failed, fenced, lost or closed: raise that status's error). Only this module
+  points them. Swapping is a store, so the driver can gate, park or kill a writer between two
+  appends without the appending thread taking a lock.
+- *Cut-then-delete.* ``cut`` copies the first ``n`` items and deletes exactly those, atomic list
+  operations, so an append racing with it lands in the next cut: nothing is lost or duplicated,
+  and the list ``append`` extends never changes.
 - *Measured, then checked, once per cut.* ``measure`` adds up the bytes appended since it last
   looked (the driver's bound on memory; a change without a length counts as past every bound,
   so the next cut fails the writer instead of the driver). ``cut`` checks payload types
-  (``bytes``), key groups (integers in the writer's range) vectorized, and a bad change fails
-  the buffer: status ``FAILED``, its next append or SQN request raises an error naming the writer
-  and the change.
+  (``bytes``), key groups (integers in the writer's range) and lengths (32 bits), vectorized, and
+  a bad change fails the buffer: status ``FAILED``, its next append or SQN request raises an
+  error naming the writer and the change. What the check computes (the key groups as an array,
+  their bounds, the payloads' lengths) goes with the cut, so the encoder never computes it again.
 - *One status.* ``OPEN``, then at most one of ``FAILED`` (a bad change; control calls still
   work), ``FENCED`` (a newer attempt took the writer over), ``LOST`` (its changelog service is
   gone), ``CLOSED``. A failed buffer may still be fenced, lost or closed; a fenced or lost one
@@ -70,46 +82,80 @@ class BufferStatus(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Cut:
-    """The changes of one cut, checked: key groups and payloads as columns, and their bytes."""
+    """The changes of one cut, checked: key groups and payloads as columns, the payloads' lengths,
+    their bytes and the smallest and largest key group."""
 
     key_groups: array[int]
     payloads: list[bytes]
+    lengths: array[int]
     size: int
+    min_key_group: int
+    max_key_group: int
 
 
 def check_changes(pairs: list[Any]) -> tuple[array[int], list[bytes]]:
     """``[key_group, data, ...]`` as columns; ``ConfigurationError`` saying what is wrong with a
     payload that is not ``bytes`` or a key group that is not an integer in [0, 65535]."""
-    key_groups = pairs[0::2]
     payloads = pairs[1::2]
-    if not set(map(type, payloads)) <= {bytes}:
+    return _check_payloads_and_key_groups(pairs[0::2], payloads), payloads
+
+
+def _check_payloads_and_key_groups(key_groups: list[Any], payloads: list[Any]) -> array[int]:
+    if list(map(type, payloads)).count(bytes) != len(payloads):  # cheaper than a set of the types
         bad = next(p for p in payloads if type(p) is not bytes)
         raise ConfigurationError(f"changes must be bytes, got {type(bad).__name__}")
+    column = array("H")
     try:
-        kgs = array("H", key_groups)
+        column.fromlist(key_groups)  # a little cheaper than the constructor
+        return column
     except (TypeError, OverflowError) as exc:
         bad = next((k for k in key_groups if type(k) is not int or not 0 <= k <= 0xFFFF), None)
         raise ConfigurationError(f"key group {bad!r} is not an integer in [0, 65535] ({exc})") from None
-    return kgs, payloads
+
+
+def _lengths(lengths: list[int]) -> array[int]:
+    """The payloads' ``lengths`` as ``array('I')`` (the changelog format's 32-bit lengths)."""
+    try:
+        return array("I", lengths)
+    except OverflowError:
+        longest = max(lengths)
+        raise ConfigurationError(f"a change of {longest} bytes is longer than a change may be (4 GiB - 1)") from None
 
 
 class Appender:
-    """The hot path of a writer that owns an ``AppendBuffer``: ``append`` extends what the buffer
-    points ``_records`` at (module doc). Only the buffer sets ``_records``."""
+    """The hot path of a writer that owns an ``AppendBuffer``: its ``append`` and ``append_many``
+    are functions the buffer gives it, closures over what the buffer points ``_records`` at
+    (module doc). Only the buffer sets them and ``_records``."""
 
     _records: Any
+    #: append one change of a key group; in memory, never does I/O
+    append: Callable[[int, bytes], None]
+    #: append many changes at once: ``[key_group, data, key_group, data, ...]``, in order
+    append_many: Callable[[list[Any]], None]
 
-    def append(self, key_group: int, data: bytes) -> None:
-        """Append one change of ``key_group``; in memory, never does I/O (see module doc)."""
-        records = self._records
-        records += (key_group, data)
 
-    def append_many(self, pairs: list[Any]) -> None:
+def _appenders() -> tuple[Callable[[int, bytes], None], Callable[[list[Any]], None], Callable[[Any], None]]:
+    """``append`` and ``append_many`` of one writer, and ``point``, which re-points both at another
+    list or stand-in: a closure's cell is read faster than an attribute of ``self`` (module doc)."""
+    records: Any = None
+
+    def append(key_group: int, data: bytes) -> None:
+        """Append one change of ``key_group``; in memory, never does I/O (``dstl.append_buffer``)."""
+        records.append(key_group)  # the cell read twice: cheaper than a local, and re-pointing
+        records.append(data)  # between the two is safe (module doc, pairs)
+
+    def append_many(pairs: list[Any]) -> None:
         """Append many changes at once: ``[key_group, data, key_group, data, ...]``, in order."""
         if len(pairs) % 2:
             raise ConfigurationError(f"append_many(pairs): {len(pairs)} items are not key group and data pairs")
-        records = self._records
-        records += pairs
+        target = records
+        target += pairs
+
+    def point(target: Any) -> None:
+        nonlocal records
+        records = target
+
+    return append, append_many, point
 
 
 class AppendBuffer:
@@ -137,18 +183,26 @@ class AppendBuffer:
         self._active: list[Any] = []
         #: whose ``append`` extends ``_records``: ``_active`` or one of the stand-ins
         self._owner = owner
-        owner._records = self._active
+        owner.append, owner.append_many, self._point_appenders = _appenders()
+        self._point(self._active)
         self._gate = _Gate(self)
         self._waker = _Waker(self)
         self._refusal = _Refusal(self)
         self._measured = 0  # items of _active whose bytes are counted in _measured_bytes
         self._measured_bytes = 0
+        #: the lengths of the payloads measured, for the cut (complete unless UNMEASURABLE)
+        self._measured_lengths: list[int] = []
         self._status = BufferStatus.OPEN
         self._failure: ChangelogError | None = None
         self._death: Callable[[str], ChangelogError] | None = None
         if not _GIL_ENABLED:  # pragma: no cover - free-threaded builds only
-            owner.append = self._append_locked  # type: ignore[method-assign]
-            owner.append_many = self._append_many_locked  # type: ignore[method-assign]
+            owner.append = self._append_locked
+            owner.append_many = self._append_many_locked
+
+    def _point(self, target: Any) -> None:
+        """Make appends go to ``target``: the list, or a stand-in (module doc)."""
+        self._owner._records = target
+        self._point_appenders(target)
 
     # -- the appending thread: stand-ins and free-threaded builds ------------------------------
 
@@ -165,7 +219,7 @@ class AppendBuffer:
                 return
         records += pairs  # a stand-in: it may wait, and takes the lock itself to append
 
-    def _extend(self, items: tuple[int, bytes] | list[Any]) -> list[Any]:
+    def _extend(self, items: list[Any]) -> list[Any]:
         """A stand-in's append, once it may go on: raises if the buffer stopped taking changes
         meanwhile (failed, fenced, lost or closed while the append waited)."""
         with self._lock:
@@ -173,6 +227,11 @@ class AppendBuffer:
                 self._active += items
                 return self._active
         raise self._refused("append")
+
+    def _completes_a_pair(self) -> bool:
+        """Whether the next item appended is the payload of a key group appended already (the
+        appending thread asks: only it appends, and cuts take pairs, so the parity is its own)."""
+        return len(self._active) % 2 == 1
 
     def _refused(self, op: str) -> ChangelogError:
         error = self.error(op)
@@ -231,30 +290,36 @@ class AppendBuffer:
 
     def _end_locked(self, status: BufferStatus) -> None:
         self._status = status
-        self._owner._records = self._refusal
+        self._point(self._refusal)
         del self._active[:]
         self._measured = self._measured_bytes = 0
+        self._measured_lengths = []
 
     # -- the driver: measure, cut, gate, park ------------------------------------------------
 
     @property
     def empty(self) -> bool:
-        """Whether nothing is waiting to be cut."""
-        return not self._active
+        """Whether no whole change is waiting to be cut."""
+        return len(self._active) < 2
 
     def measure(self) -> int:
         """The bytes of the changes waiting to be cut; counts only what was appended since the
-        last call (``UNMEASURABLE`` once a change has no length)."""
-        if len(self._active) == self._measured:  # nothing new: the common case, without the lock
+        last call (``UNMEASURABLE`` once a change has no length). The lengths it takes are kept
+        for the cut, which then takes only those of the changes appended since."""
+        if len(self._active) & ~1 == self._measured:  # nothing new: the common case, without the lock
             return self._measured_bytes
         with self._lock:
             active = self._active
-            n = len(active)
+            n = len(active) & ~1  # whole pairs only (module doc)
             if n > self._measured:
-                try:
-                    self._measured_bytes += sum(map(len, active[self._measured + 1 : n : 2]))
-                except TypeError:  # not bytes: the next cut fails the writer
-                    self._measured_bytes = UNMEASURABLE
+                if self._measured_bytes < UNMEASURABLE:
+                    try:
+                        lengths = list(map(len, active[self._measured + 1 : n : 2]))
+                    except TypeError:  # not bytes: the next cut fails the writer
+                        self._measured_bytes = UNMEASURABLE
+                    else:
+                        self._measured_lengths += lengths
+                        self._measured_bytes += sum(lengths)
                 self._measured = n
             return self._measured_bytes
 
@@ -264,22 +329,26 @@ class AppendBuffer:
         doc). A caller that numbers cuts serializes its calls with the numbering."""
         with self._lock:
             active = self._active
-            n = len(active)
+            n = len(active) & ~1  # a key group whose payload is still coming stays (module doc)
             if not n:
                 return None
-            chunk = active[:n]
+            key_groups = active[0:n:2]
+            payloads = active[1:n:2]
             del active[:n]
-            measured, size = self._measured, self._measured_bytes
+            lengths, self._measured_lengths = self._measured_lengths, []
             self._measured = self._measured_bytes = 0
             if self._status is not BufferStatus.OPEN:
                 return None
         try:
-            key_groups, payloads = check_changes(chunk)
+            kgs = _check_payloads_and_key_groups(key_groups, payloads)
+            lengths += map(len, payloads[len(lengths) :])  # all bytes now: the measured ones are whole
+            lengths_column = _lengths(lengths)
         except ConfigurationError as exc:
             self.fail(ConfigurationError(f"changelog writer {self.log_id}: bad change appended: {exc}"))
             return None
         rng = self.key_group_range
-        lo, hi = min(key_groups), max(key_groups)
+        distinct = set(key_groups)  # a few per changeset: cheaper than min and max of every change
+        lo, hi = min(distinct), max(distinct)
         if lo < rng.start or hi > rng.end:
             self.fail(
                 ConfigurationError(
@@ -288,8 +357,7 @@ class AppendBuffer:
                 )
             )
             return None
-        size += sum(map(len, chunk[measured + 1 :: 2]))
-        return Cut(key_groups, payloads, size)
+        return Cut(kgs, payloads, lengths_column, sum(lengths), lo, hi)
 
     @property
     def gated(self) -> bool:
@@ -303,7 +371,7 @@ class AppendBuffer:
             return
         with self._lock:
             if owner._records is self._active or owner._records is self._waker:
-                owner._records = self._gate
+                self._point(self._gate)
 
     def ungate(self) -> bool:
         """Let appends go straight to the list again; True if they were gated."""
@@ -313,14 +381,14 @@ class AppendBuffer:
         with self._lock:
             if owner._records is not self._gate:
                 return False
-            owner._records = self._active
+            self._point(self._active)
             return True
 
     def park(self) -> None:
         """The driver sleeps: the next append wakes it (``wake``), if the buffer is open and not gated."""
         with self._lock:
             if self._owner._records is self._active:
-                self._owner._records = self._waker
+                self._point(self._waker)
 
     def unpark(self) -> None:
         """The driver is awake: appends go straight to the list again (unless gated)."""
@@ -328,7 +396,7 @@ class AppendBuffer:
             return
         with self._lock:
             if self._owner._records is self._waker:
-                self._owner._records = self._active
+                self._point(self._active)
 
 
 class _Gate:
@@ -337,7 +405,13 @@ class _Gate:
     def __init__(self, buffer: AppendBuffer) -> None:
         self._buffer = buffer
 
-    def __iadd__(self, items: tuple[int, bytes] | list[Any]) -> list[Any]:
+    def append(self, item: Any) -> None:
+        buffer = self._buffer
+        if not buffer._completes_a_pair():  # a payload follows its key group without waiting
+            buffer._wait()
+        buffer._extend([item])
+
+    def __iadd__(self, items: list[Any]) -> list[Any]:
         buffer = self._buffer
         buffer._wait()
         return buffer._extend(items)
@@ -349,7 +423,14 @@ class _Waker:
     def __init__(self, buffer: AppendBuffer) -> None:
         self._buffer = buffer
 
-    def __iadd__(self, items: tuple[int, bytes] | list[Any]) -> list[Any]:
+    def append(self, item: Any) -> None:
+        buffer = self._buffer
+        whole = buffer._completes_a_pair()
+        buffer._extend([item])
+        if whole:
+            buffer._wake()
+
+    def __iadd__(self, items: list[Any]) -> list[Any]:
         buffer = self._buffer
         active = buffer._extend(items)
         buffer._wake()
@@ -361,6 +442,9 @@ class _Refusal:
 
     def __init__(self, buffer: AppendBuffer) -> None:
         self._buffer = buffer
+
+    def append(self, item: object) -> None:
+        raise self._buffer._refused("append")
 
     def __iadd__(self, items: object) -> Any:
         raise self._buffer._refused("append")

@@ -3,7 +3,9 @@
 Batching is what makes one changelog file per flush per process possible (FLIP-158): changesets
 of all writers wait in one queue, and the queue is flushed as ONE file when
 
-(a) ``persist_delay`` has passed since the first pending entry was queued,
+(a) ``persist_delay`` has passed since the first pending entry was queued, and since the last
+    writer that joined the batch did, if it was not the first: writers still arriving are waited
+    for (below),
 (b) the pending bytes reach ``persist_size_threshold``, or
 (c) every registered writer has a persist request pending: nobody else will contribute soon,
     so waiting longer would only add latency; or, where writers said they will persist soon
@@ -14,6 +16,18 @@ of all writers wait in one queue, and the queue is flushed as ONE file when
     task waiting for the others costs the batch nothing and saves a file. A writer that lets
     that wait pass is not waited for again until it says so again.
 
+*Writers still arriving.* A writer *joins* a batch with its first persist request waiting on it.
+The writers of one process persist one after another at a checkpoint (Flink's subtasks, the
+benchmark's 64 writers on one thread), and their requests can take longer than ``persist_delay``
+in all: timed from the first entry alone, the flush would leave with the writers that made it
+and the rest would follow in a second file. So when the delay has passed and a second or later
+writer joined less than ``persist_delay`` ago, the flush waits until ``persist_delay`` after the
+last join: one file for writers that keep arriving, whatever their requests cost, and rule (c)
+still sends it the moment the last registered writer joins (no wait added when all of them come).
+The wait is bounded: each extension needs a writer that had not joined yet, so a batch waits at
+most ``persist_delay`` per registered writer. A writer alone keeps the plain delay (no later
+writer joined), and a pre-emptive persist joins nobody.
+
 A persist may carry a ``Note`` (``PendingNote``): the flush that makes its changes durable writes
 the note into its file, under the note's directory instead of ``dstl/<xx>/``, by one name for
 every attempt (a reader that lists the directory must never see the file twice). A flush
@@ -22,10 +36,8 @@ changesets are durable already (their handles go into the note); the others ride
 started as soon as the upload ends, with no changesets if none are left.
 
 Entries are the writer's closed changesets (``UploadEntry``). The scheduler encodes a batch into a
-file in a worker thread of its own (zstd releases the GIL), one batch at a time: encoding holds
-a few copies of a batch at once, and one thread keeps those multi-MiB buffers to one batch and to
-one allocator arena (several encoding threads left their freed buffers spread over as many glibc
-arenas, memory the process kept). It hands the bytes to the ``UploadExecutor`` and
+file on the encoder's thread (``dstl.encoder``: one thread, the files queued while it works
+encoded together in its next session). It hands the bytes to the ``UploadExecutor`` and
 resolves each entry's future with its ``SegmentRef`` (or the upload's error). Every entry it is
 given was counted as not yet durable (``InFlightAccount``); it hands the bytes back when the
 upload ends: released when the file is durable, kept counted as failed when it is not (the
@@ -45,8 +57,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dstl.config import ChangelogConfig
+from dstl.encoder import FileEncoder
 from dstl.errors import UploadFailedError
-from dstl.format import ChangeSet, NoteSpec, encode_file
+from dstl.format import ChangeSet, NoteSpec
 from dstl.hedging import UploadExecutor, unpin
 from dstl.metrics import ChangelogMetrics
 from dstl.types import KeyGroupRange, Note, SegmentRef
@@ -127,7 +140,9 @@ class BatchingScheduler:
         on_uploaded: Callable[[str, list[UploadEntry], bool], None],
         on_failed: Callable[[list[UploadEntry]], None],
         in_flight: InFlightAccount,
+        encoder: concurrent.futures.Executor | None = None,
     ) -> None:
+        """``encoder`` runs the encoder's sessions (``dstl.encoder``); None: a thread of its own."""
         self._config = config
         self._persist_delay = config.persist_delay_ms / 1000  # call_later takes seconds
         self._executor = executor
@@ -144,8 +159,10 @@ class BatchingScheduler:
         self._arrived: set[str] = set()  # were expected and have persisted since the last flush
         self._expected_wait = config.expected_persist_wait_ms / 1000
         self._timer: asyncio.TimerHandle | None = None
+        #: loop time of the last writer joining the pending batch (module doc, writers still arriving)
+        self._last_join = 0.0
         self._uploads: set[asyncio.Task[None]] = set()
-        self._encoder: concurrent.futures.ThreadPoolExecutor | None = None
+        self._encoder = FileEncoder(config.compression_level, encoder)
 
     # All methods below run on the loop thread.
 
@@ -188,10 +205,9 @@ class BatchingScheduler:
         self._in_flight.encoded(queued)
         # Rule (c) counts writers blocked on the pending batch; a request answered by earlier or
         # in-flight uploads waits for nothing here and must not stay marked until the next flush.
-        if persist_request and (
-            note is not None or any(e.changeset is not None and e.changeset.log_id == log_id for e in self._pending)
-        ):
+        if persist_request and log_id not in self._waiting and (note is not None or self._queued_for(log_id)):
             self._waiting.add(log_id)
+            self._last_join = loop.time()
         if persist_request and log_id in self._expected:
             self._expected.discard(log_id)
             self._arrived.add(log_id)
@@ -201,11 +217,22 @@ class BatchingScheduler:
             delay = self._expected_wait if waits_for_expected else self._persist_delay
             self._timer = loop.call_later(delay, self._flush_on_time, waits_for_expected)
 
+    def _queued_for(self, log_id: str) -> bool:
+        """Whether a changeset of ``log_id`` waits in the pending batch."""
+        return any(e.changeset is not None and e.changeset.log_id == log_id for e in self._pending)
+
     def _flush_on_time(self, waited_for_expected: bool) -> None:
-        """Rule (a): the wait is over; writers it waited for are not waited for again."""
+        """Rule (a): the wait is over; writers it waited for are not waited for again. Unless
+        writers are still arriving: then the flush waits for the next (module doc)."""
         self._timer = None
         if waited_for_expected:
             self._expected.clear()
+        else:
+            until = self._last_join + self._persist_delay
+            loop = asyncio.get_running_loop()
+            if len(self._waiting) > 1 and until > loop.time():
+                self._timer = loop.call_at(until, self._flush_on_time, False)
+                return
         self.flush()
 
     def _maybe_flush_now(self) -> bool:
@@ -262,8 +289,6 @@ class BatchingScheduler:
         encoded = size  # counted by submit until the file exists
         try:
             changesets = [e.changeset for e in batch if e.changeset is not None]
-            if self._encoder is None:
-                self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dstl-encode")
             in_batch = {id(e) for e in batch}
             specs = [
                 NoteSpec(
@@ -272,9 +297,7 @@ class BatchingScheduler:
                 )
                 for n in notes
             ]  # fmt: skip
-            data, segments = await asyncio.get_running_loop().run_in_executor(
-                self._encoder, encode_file, changesets, self._config.compression_level, specs
-            )
+            data, segments = await self._encoder.encode(changesets, specs)
             self._in_flight.encoded(len(data) - encoded)
             encoded = len(data)
             self._metrics.upload_sizes.observe(len(data))
@@ -341,9 +364,7 @@ class BatchingScheduler:
         self.flush()
         while self._uploads:
             await asyncio.wait(list(self._uploads))
-        encoder, self._encoder = self._encoder, None  # idle now; the next upload starts another
-        if encoder is not None:
-            encoder.shutdown(wait=False)
+        self._encoder.close()  # idle now; the next upload starts another thread
         await self._executor.drain()
 
 

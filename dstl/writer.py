@@ -1,8 +1,8 @@
 """The per-operator changelog writer: a one-operation append path and SQN bookkeeping.
 
 ``append`` is on the hot path of every state mutation, so it extends the writer's
-``AppendBuffer`` (``dstl.append_buffer``, whose ``Appender`` gives the writer its ``append``): one
-list extend, no size check, lock or validation per call. The writer numbers what the buffer cuts
+``AppendBuffer`` (``dstl.append_buffer``, whose ``Appender`` gives the writer its ``append``): two
+list appends, no size check, lock or validation per call. The writer numbers what the buffer cuts
 and hands it to its storage:
 
 - *Memory bound (pre-emptive persist).* The storage's loop thread looks at every writer every few
@@ -19,6 +19,13 @@ and hands it to its storage:
 
 A cut and the SQN it gets are one step (``_cut_lock``): the loop thread's pre-emptive cut and the
 operator's ``last_appended_sqn`` must number changesets in the order they were cut.
+
+The cut also joins the changeset's segment columns (``dstl.format``: key groups, lengths and
+payloads in one buffer; the payload objects are let go). It is the one part of encoding that
+touches every change while holding the GIL, and the thread that cuts holds the GIL anyway: in the
+encoder thread the same join ran time-sliced against a busy operator thread (5 ms turns of the
+GIL), so the encoder, and every persist behind it, waited several times its length. The encoder
+thread is left with compression, which releases the GIL, and the framing of each file.
 
 Handles are the writer's too: once a persist's segments are durable it builds the handle and
 holds it (a reference per segment in the storage's file registry) until ``confirm`` or
@@ -44,7 +51,7 @@ from dstl.api import StateChangelogWriter
 from dstl.append_buffer import AppendBuffer, Appender, BufferStatus
 from dstl.config import ChangelogConfig
 from dstl.errors import ChangelogError, ConfigurationError, WriterClosedError
-from dstl.format import ChangeSet
+from dstl.format import ChangeSet, columns_head
 from dstl.scheduler import UploadEntry
 from dstl.types import ChangelogHandle, KeyGroupRange, Note, SegmentRef, SequenceNumber
 
@@ -57,7 +64,8 @@ _EVERY_SQN = 1 << 62
 class ChangelogWriter(Appender):
     """The ``dstl.api.StateChangelogWriter`` of one operator subtask, on a ``WriterStorage``.
 
-    ``append`` and ``append_many`` (from ``Appender``) extend its buffer (module doc)."""
+    ``append`` and ``append_many`` (``Appender``: closures its buffer gives it) extend its buffer
+    (module doc)."""
 
     def __init__(self, storage: WriterStorage, log_id: str, key_group_range: KeyGroupRange) -> None:
         self.log_id = log_id
@@ -97,7 +105,16 @@ class ChangelogWriter(Appender):
             return None
         sqn = self._active_sqn
         entry = UploadEntry(
-            changeset=ChangeSet(self.log_id, sqn, cut.key_groups, cut.payloads, cut.size),
+            changeset=ChangeSet(
+                self.log_id,
+                sqn,
+                cut.key_groups,
+                (),
+                cut.size,
+                lengths=cut.lengths,
+                bounds=(cut.min_key_group, cut.max_key_group),
+                columns=b"".join([columns_head(cut.key_groups, cut.lengths), *cut.payloads]),
+            ),
             sqn=sqn,
             size=cut.size,
             scheduled=scheduled,
@@ -116,11 +133,18 @@ class ChangelogWriter(Appender):
         return last
 
     def check_preemptive(self) -> UploadEntry | None:
-        """Loop thread: cut the active changeset if it passed the pre-emptive threshold."""
-        with self._cut_lock:
-            if self.buffer.measure() < self._threshold:
+        """Loop thread: cut the active changeset if it passed the pre-emptive threshold. Measuring
+        needs only the buffer's lock; a cut under way on the operator's thread takes the changes
+        itself, so the loop thread does not wait for its ``_cut_lock`` (it would stop every other
+        task of the loop for the length of that cut)."""
+        if self.buffer.measure() < self._threshold or not self._cut_lock.acquire(blocking=False):
+            return None
+        try:
+            if self.buffer.measure() < self._threshold:  # the operator cut meanwhile
                 return None
             return self._cut_locked(scheduled=True)
+        finally:
+            self._cut_lock.release()
 
     def last_appended_sqn(self) -> SequenceNumber:
         """Close the active changeset; every change appended so far has an SQN <= the result."""

@@ -71,7 +71,7 @@ class RemoteChangelogWriter(Appender):
     future, not by raising; after the connection is lost every call raises
     ``ServiceUnavailableError``, after a newer attempt took the writer over ``FencedWriterError``.
     Its buffer's status says which (``dstl.append_buffer``); ``append`` and ``append_many``
-    (from ``Appender``) extend the buffer, as a local writer's do."""
+    (``Appender``: closures its buffer gives it) extend the buffer, as a local writer's do."""
 
     def __init__(self, conn: Connection, number: int, log_id: str, key_group_range: KeyGroupRange) -> None:
         self.number = number

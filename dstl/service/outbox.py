@@ -2,7 +2,7 @@
 
 Why it is shaped so:
 
-- *The hot path stays one list operation.* A remote writer's ``append`` is its
+- *The hot path stays two list appends.* A remote writer's ``append`` is its
   ``AppendBuffer``'s (``dstl.append_buffer``), as a local writer's is. The connection's sender
   thread cuts every writer's buffer every few milliseconds and queues the cut as APPEND frames of
   bounded size (``APPEND_FRAME_BYTES``). A bad change fails its writer's buffer at the cut, to be

@@ -9,7 +9,7 @@ or it is truncated, so leaving it out of the count (as Flink's ``UploadThrottle`
 fine there because a failed upload fails the task) would let a refusing DFS grow memory without
 bound; leaving the files out would let memory reach about twice the bound on a stalled one.
 
-Neither check may run per append (``ChangelogWriter.append`` is one list operation), so both are
+Neither check may run per append (``ChangelogWriter.append`` is two list appends), so both are
 driven from the loop thread: ``WriterMonitor`` looks at every writer every ``MONITOR_INTERVAL_S``,
 cuts and queues changesets past the threshold, and gates a writer's ``AppendBuffer``
 (``dstl.append_buffer``) while the bound is exceeded: its appends wait in

@@ -60,6 +60,35 @@ def test_measure_counts_what_was_appended_since_it_last_looked_and_the_cut_reuse
     assert w.buffer.measure() == 0
 
 
+def test_a_key_group_whose_payload_has_not_followed_yet_waits_for_the_next_cut() -> None:
+    """``append`` appends a change's key group, then its payload: a thread switch between the two
+    leaves a lone key group, which neither a measure nor a cut may take apart from its payload.
+    The test stands in for the appending thread stopped between its two appends."""
+    w = Writer()
+    w.append(1, b"whole")
+    w._records.append(2)  # the key group of the next change; its payload is still coming
+    assert w.buffer.measure() == 5
+    cut = w.buffer.cut()
+    assert cut is not None and list(cut.key_groups) == [1] and cut.payloads == [b"whole"]
+    assert w.buffer.empty and w.buffer.cut() is None and w.buffer.measure() == 0
+    w._records.append(b"late")  # the payload follows
+    w.append(3, b"next")
+    assert w.buffer.measure() == 8
+    cut = w.buffer.cut()
+    assert cut is not None and list(cut.key_groups) == [2, 3] and cut.payloads == [b"late", b"next"]
+
+
+def test_a_cut_carries_what_its_check_computed_for_the_encoder() -> None:
+    w = Writer()
+    w.append(7, b"abc")
+    assert w.buffer.measure() == 3  # the measured lengths are kept, the others taken at the cut
+    w.append_many([3, b"", 12, b"defgh"])
+    cut = w.buffer.cut()
+    assert cut is not None
+    assert list(cut.lengths) == [3, 0, 5] and cut.lengths.typecode == "I"
+    assert (cut.size, cut.min_key_group, cut.max_key_group) == (8, 3, 12)
+
+
 @pytest.mark.parametrize(
     ("pairs", "problem"),
     [
@@ -115,6 +144,7 @@ def test_a_fenced_or_lost_buffer_keeps_saying_why_it_died_once_closed(status: Bu
 
 
 def test_a_gated_append_waits_for_its_owner_then_lands() -> None:
+    """The gate waits once per change, before its key group: its payload follows without a wait."""
     may_go = threading.Event()
     waits: list[int] = []
 
@@ -132,6 +162,7 @@ def test_a_gated_append_waits_for_its_owner_then_lands() -> None:
     w.buffer.ungate()
     may_go.set()
     thread.join(WAIT_S)
+    assert waits == [1]
     cut = w.buffer.cut()
     assert cut is not None and cut.payloads == [b"held back"]
 

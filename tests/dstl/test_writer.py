@@ -245,6 +245,28 @@ def test_preemptive_persist_uploads_early_and_is_reused() -> None:
         storage.close()
 
 
+def test_a_preemptive_check_skips_a_writer_the_operator_is_cutting() -> None:
+    """The loop thread's pre-emptive check of a writer whose cut is under way on the operator's
+    thread (the test holds the writer's cut lock, as a ``persist_durably`` cut of many changes
+    does) returns at once: it used to wait for the cut, and nothing else ran on the loop
+    meanwhile. The changes are cut by the monitor once the operator's cut is over."""
+    uploader = MemoryUploader()
+    storage = fake_storage(uploader, preemptive_persist_threshold=1000)
+    try:
+        writer = storage.create_writer("op", RANGE)
+        checked: list[Any] = []
+        with writer._cut_lock:  # an operator's cut under way
+            writer.append(1, b"x" * 2000)  # past the threshold
+            checker = threading.Thread(target=lambda: checked.append(writer.check_preemptive()))
+            checker.start()
+            checker.join(WAIT)
+            assert not checker.is_alive() and checked == [None], "the check waited for the cut"
+        assert uploader.wait_for_puts(1, WAIT)  # the monitor cut and uploaded it afterwards
+        assert storage.metrics.preemptive_persists == 1
+    finally:
+        storage.close()
+
+
 def test_a_change_without_a_length_fails_its_writer_not_the_storage_s_monitor(make_storage: StorageFactory) -> None:
     """Regression: the loop thread measured every writer's new changes with ``len`` and a change
     without one (``None``) ended its monitor for good, silently: no writer of the storage had a
