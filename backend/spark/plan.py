@@ -45,7 +45,7 @@ import mmh3
 from backend.checkpointing.savepoints import check_state_loading
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
 from backend.spark.batch import coalesced
-from backend.spark.config import OperatorConfig, Watermarks
+from backend.spark.config import OperatorConfig, SparkOperator, Watermarks
 from backend.spark.driver import coordinator_for
 from backend.spark.schema import input_type, simple_string
 from backend.spark.tasks import run_subtasks
@@ -173,6 +173,7 @@ def build(
     tasks: int | None = None,
     changelog_service: bool = True,
     state_loading: str = "lazy",
+    spark_operator: SparkOperator | None = None,
 ) -> Any:
     """The streaming DataFrame running ``make_operator(key columns)`` per subtask and batch.
 
@@ -191,7 +192,9 @@ def build(
     changelog service process (``dstl.service``), so the tasks an executor runs at once share one
     file per flush. ``state_loading``: how a task restoring a subtask from the DFS loads its state
     (``backend.checkpointing.savepoints.StateLoading``: "lazy", the default: the keys of a batch
-    when the batch reads them, the rest a few key groups after each batch; or "eager")."""
+    when the batch reads them, the rest a few key groups after each batch; or "eager").
+    ``spark_operator``: the Spark operator the caller stands in for (``backend.spark.api``), recorded
+    in each checkpoint for the state data source's metadata."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import StructType
 
@@ -247,6 +250,7 @@ def build(
         max_bytes_per_batch=_max_bytes_per_batch(spark),
         changelog_service=changelog_service, route=route, state_loading=loading,
         grouping_key=tuple((k, simple_string(input_type(df.schema[k].dataType))) for k in keys),
+        spark_operator=spark_operator,
     )  # fmt: skip
     operator = make_operator(keys)
 
