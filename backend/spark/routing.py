@@ -80,8 +80,8 @@ _TASK_PREFIX = routed_task_name("")
 _RECORDED = "_dstl_options"
 #: where a DataFrameReader's format and options are recorded
 _READ = "_dstl_read"
-#: Spark's state sources' names, each with the name of ours that reads the drop-in's layout
-_SPARK_STATE_SOURCES = {"statestore": "dstl-state", "state-metadata": "dstl-state-metadata"}
+#: Spark's state sources' names (``_serve_state_read``: each is read by one of ours)
+_SPARK_STATE_SOURCES = ("statestore", "state-metadata")
 
 
 @dataclass
@@ -434,24 +434,23 @@ def _serve_state_read(reader: Any, path: Any, schema: Any, root: str | None) -> 
     """The DataFrame our source reads when ``reader`` names one of Spark's state sources and its
     path holds the drop-in's checkpoints (module docstring); else None."""
     recorded = reader.__dict__.get(_READ, {})
-    ours = _SPARK_STATE_SOURCES.get(str(recorded.get("format", "")).lower())
+    source = str(recorded.get("format", "")).lower()
     options = dict(recorded.get("options", {}))
     location = path if isinstance(path, str) else options.get("path") if path is None else None
-    if ours is None or not location:
+    if source not in _SPARK_STATE_SOURCES or not location:
         return None
     from backend.spark.state_plan import drop_in_location
+    from backend.spark.state_source import METADATA_FORMAT, STATE_FORMAT, register
 
     candidates = [location] if root is None else [_operators_dir(root, location), location]
     directory = drop_in_location(candidates, options)
     if directory is None:
         return None
     _catch_up(directory)
-    from backend.spark.state_source import register
-
     spark = reader._spark
     register(spark)  # a foreachBatch function's session may not have it yet
     options.pop("path", None)
-    served = spark.read.format(ours).options(**options)
+    served = spark.read.format(STATE_FORMAT if source == "statestore" else METADATA_FORMAT).options(**options)
     if schema is not None:
         served = served.schema(schema)
     return served.load(directory)
