@@ -155,7 +155,7 @@ def _transform(
         _SPARK_OUTPUT_MODES[str(output_mode).lower()], _SPARK_TIME_MODES[mode],
     )  # fmt: skip
     return build(grouped, schema, make_operator, no_data, mode == "eventtime", event_time_column or None, routing,
-                 spark_operator=spark_operator, **options)  # fmt: skip
+                 spark_operator, **options)  # fmt: skip
 
 
 def backend_subtask(backend: Any, cfg: OperatorConfig) -> int:
@@ -282,8 +282,8 @@ def apply_in_pandas_with_state(
     late = timeoutConf == GroupStateTimeout.EventTimeTimeout
     routing = options.pop("routing", None)
     spark_operator = SparkOperator("applyInPandasWithState", _SPARK_OUTPUT_MODES[str(outputMode).lower()])
-    return build(grouped, schema, make_operator, no_data.get(timeoutConf), late, None, routing,
-                 spark_operator=spark_operator, **options)  # fmt: skip
+    return build(grouped, schema, make_operator, no_data.get(timeoutConf), late, None, routing, spark_operator,
+                 **options)  # fmt: skip
 
 
 def use_for_session(checkpoint_root: str | None = None, **options: Any) -> Callable[[], None]:

@@ -159,6 +159,7 @@ def build(
     drop_late_rows: bool,
     event_time_column: str | None,
     routing: Routing | None,
+    spark_operator: SparkOperator | None,
     *,
     checkpoint_location: str | None = None,
     operator_uid: str | None = None,
@@ -173,7 +174,6 @@ def build(
     tasks: int | None = None,
     changelog_service: bool = True,
     state_loading: str = "lazy",
-    spark_operator: SparkOperator | None = None,
 ) -> Any:
     """The streaming DataFrame running ``make_operator(key columns)`` per subtask and batch.
 
