@@ -40,13 +40,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from backend.spark.config import EVENT, PROCESSING, OperatorConfig, Watermarks
+from backend.spark.config import EVENT, PROCESSING, OperatorConfig, SparkOperator, Watermarks
 from backend.spark.handle import TIME_MODES
 from backend.spark.plan import KEY_GROUP, Operator, build, find_watermark, output_column
 from backend.spark.routing import route_session, routed_uid
 from dstl import ConfigurationError
 
 _OUTPUT_MODES = {"append", "update"}
+#: Spark's names of the modes (its ``state-metadata`` source's), by the lower-case name a call gives
+_SPARK_OUTPUT_MODES = {"append": "Append", "update": "Update"}
+_SPARK_TIME_MODES = {"none": "NoTime", "processingtime": "ProcessingTime", "eventtime": "EventTime"}
 
 
 def _check_modes(output_mode: str, time_mode: str | None = None) -> None:
@@ -150,8 +153,12 @@ def _transform(
 
     no_data = {"processingtime": PROCESSING, "eventtime": EVENT}.get(mode)
     routing = options.pop("routing", None)
+    spark_operator = SparkOperator(
+        "transformWithStateInPandasExec" if use_pandas else "transformWithStateInPySparkExec",
+        _SPARK_OUTPUT_MODES[str(output_mode).lower()], _SPARK_TIME_MODES[mode],
+    )  # fmt: skip
     return build(grouped, schema, make_operator, no_data, mode == "eventtime", event_time_column or None, routing,
-                 **options)  # fmt: skip
+                 spark_operator, **options)  # fmt: skip
 
 
 def backend_subtask(backend: Any, cfg: OperatorConfig) -> int:
@@ -277,7 +284,9 @@ def apply_in_pandas_with_state(
     no_data = {GroupStateTimeout.ProcessingTimeTimeout: PROCESSING, GroupStateTimeout.EventTimeTimeout: EVENT}
     late = timeoutConf == GroupStateTimeout.EventTimeTimeout
     routing = options.pop("routing", None)
-    return build(grouped, schema, make_operator, no_data.get(timeoutConf), late, None, routing, **options)
+    spark_operator = SparkOperator("applyInPandasWithState", _SPARK_OUTPUT_MODES[str(outputMode).lower()])
+    return build(grouped, schema, make_operator, no_data.get(timeoutConf), late, None, routing, spark_operator,
+                 **options)  # fmt: skip
 
 
 def use_for_session(checkpoint_root: str | None = None, **options: Any) -> Callable[[], None]:

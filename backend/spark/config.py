@@ -29,7 +29,16 @@ from materializer.options import MaterializationOptions
 if TYPE_CHECKING:  # the tick source imports this module: nothing of the state layers at run time
     from backend.checkpointing.savepoints import StateLoading
 
-__all__ = ["EVENT", "PROCESSING", "ROUTE_PROPERTY", "OperatorConfig", "Watermarks", "route_file", "watermark_after"]
+__all__ = [
+    "EVENT",
+    "PROCESSING",
+    "ROUTE_PROPERTY",
+    "OperatorConfig",
+    "SparkOperator",
+    "Watermarks",
+    "route_file",
+    "watermark_after",
+]
 
 #: the kinds of batches without input Spark runs for an operator (``OperatorConfig.no_data_batches``):
 #: after every batch while processing-time timers or timeouts may be due, or after a batch that
@@ -39,6 +48,22 @@ EVENT = "event"
 
 #: the prefix of the local property carrying a routed operator's state directory to its tasks
 ROUTE_PROPERTY = "dstl.route."
+
+
+@dataclass(frozen=True)
+class SparkOperator:
+    """The Spark operator a drop-in operator stands in for, in the words of Spark's
+    ``state-metadata`` source: the driver records it in each checkpoint (``driver``) so that the
+    state data source's metadata names the operator and its modes as Spark's does."""
+
+    #: Spark's ``operatorName``: transformWithStateInPandasExec (pandas API),
+    #: transformWithStateInPySparkExec (Row API) or applyInPandasWithState
+    name: str
+    #: Spark's name of the output mode: Update or Append
+    output_mode: str
+    #: Spark's name of a transformWithState operator's time mode: NoTime, ProcessingTime or
+    #: EventTime (None: an applyInPandasWithState operator, which has none)
+    time_mode: str | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +129,8 @@ class OperatorConfig:
     #: a savepoint (or another directory's ``chk-<b>``) the operator starts from while its state
     #: directory holds no state (``backend.spark.bootstrap``); None: it starts empty
     restore_from: str | None = None
+    #: the Spark operator this one stands in for, recorded in each checkpoint (None: not known)
+    spark_operator: SparkOperator | None = None
 
     def bound(self, job_dir: str) -> OperatorConfig:
         """This operator with its state in ``job_dir`` (a routed one, bound to its query). A routed

@@ -6,6 +6,12 @@ left under ``pending/<b>/`` (the checkpoint id is the batch id), which registers
 subsumes checkpoints beyond ``num_retained`` (at least 2 under Spark: the next batch may still
 restore from the previous one) and deletes pending handles up to ``b``.
 
+A checkpoint's properties say what the state data source needs beside the state: the batch's
+timestamp (TTL is judged against it) and, per operator, the Spark operator it stands in for
+(``SPARK_OPERATORS``: Spark's operator name, time and output modes, for Spark's ``state-metadata``
+columns). A read by Spark's state sources' names may complete a committed batch's checkpoint before
+this listener does (``backend.spark.routing``): completing is idempotent, the later call does nothing.
+
 Only a *committed* batch may become a checkpoint: the listener acts on progress events of the
 query that wrote the handles (the task records ``sql.streaming.queryId``). If the driver dies
 between Spark's commit and our completion, the next batch restores from the pending handles
@@ -24,6 +30,7 @@ from it (``backend.spark.tasks.state_after`` ignores the fenced checkpoint too).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -44,6 +51,10 @@ from dstl.uploaders import make_uploader
 
 _log = logging.getLogger(__name__)
 
+#: the checkpoint property naming, per operator uid, the Spark operator it stands in for
+#: (``config.SparkOperator`` as a dict: name, output_mode, time_mode)
+SPARK_OPERATORS = "spark_operators"
+
 
 class DriverCoordinator:
     """One per checkpoint location in a driver process; every operator writing there registers."""
@@ -61,6 +72,8 @@ class DriverCoordinator:
             self.storage.files, job_id=cfg.job_dir, num_retained=num_retained, ownership=self.ownership
         )
         self.operators: dict[str, int] = {}
+        #: what each operator stands in for (Spark's operator name and modes), recorded per checkpoint
+        self.spark_operators: dict[str, dict[str, Any]] = {}
         self.lock = threading.Lock()
         self.completed_batches: list[int] = []
         self._pending_dirs: set[tuple[int, str]] = set()  # (b, uid) of pending/<b>/<uid> not removed yet
@@ -98,6 +111,8 @@ class DriverCoordinator:
             if known is not None and known != cfg.parallelism:
                 _log.info("operator %s: parallelism %s -> %s", cfg.uid, known, cfg.parallelism)
             self.operators[cfg.uid] = cfg.parallelism
+            if cfg.spark_operator is not None:
+                self.spark_operators[cfg.uid] = dataclasses.asdict(cfg.spark_operator)
 
     def _check_grouping_key(self, cfg: OperatorConfig) -> None:
         """Refuse an operator whose grouping columns' types differ from those its state directory
@@ -167,6 +182,9 @@ class DriverCoordinator:
                 "restored_from": dict(Counter(str(s.get("source")) for s in stats)),
             }
             now = [int(r["now_ms"]) for _, r in records if "now_ms" in r]
+            described = {uid: self.spark_operators[uid] for uid in self.operators if uid in self.spark_operators}
+            if described:  # the state data source's metadata names the operator as Spark does
+                properties[SPARK_OPERATORS] = described
             if now:  # the batch's timestamp: TTL counted from it (the state data source's reads too)
                 properties["batch_timestamp_ms"] = max(now)
             if any("event_time_basis_ms" in s for s in stats):

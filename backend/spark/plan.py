@@ -46,7 +46,7 @@ from backend.checkpointing.savepoints import check_state_loading
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
 from backend.spark.batch import coalesced
 from backend.spark.bootstrap import check_restore_location, directory_url
-from backend.spark.config import OperatorConfig, Watermarks
+from backend.spark.config import OperatorConfig, SparkOperator, Watermarks
 from backend.spark.driver import coordinator_for
 from backend.spark.schema import input_type, simple_string
 from backend.spark.tasks import run_subtasks
@@ -160,6 +160,7 @@ def build(
     drop_late_rows: bool,
     event_time_column: str | None,
     routing: Routing | None,
+    spark_operator: SparkOperator | None,
     *,
     checkpoint_location: str | None = None,
     operator_uid: str | None = None,
@@ -195,7 +196,9 @@ def build(
     (``backend.checkpointing.savepoints.StateLoading``: "lazy", the default: the keys of a batch
     when the batch reads them, the rest a few key groups after each batch; or "eager").
     ``restore_from``: a savepoint the operator starts from while its state directory holds no state
-    (``backend.spark.bootstrap``)."""
+    (``backend.spark.bootstrap``).
+    ``spark_operator``: the Spark operator the caller stands in for (``backend.spark.api``), recorded
+    in each checkpoint for the state data source's metadata."""
     from pyspark.sql import functions as F
     from pyspark.sql.types import StructType
 
@@ -254,6 +257,7 @@ def build(
         changelog_service=changelog_service, route=route, state_loading=loading,
         grouping_key=tuple((k, simple_string(input_type(df.schema[k].dataType))) for k in keys),
         restore_from=None if restore_from is None else directory_url(restore_from),
+        spark_operator=spark_operator,
     )  # fmt: skip
     operator = make_operator(keys)
 

@@ -30,6 +30,21 @@ local properties, and each of its tasks sees them); the no-data batch source thr
 driver's host (``config.route_file``). pyspark keeps the writer's options in the JVM only, so the
 wrapper also records them as they are set (``option``, ``options``, ``queryName``).
 
+**Reading its state by Spark's names.** Spark's state sources, ``format("statestore")`` and
+``format("state-metadata")``, read Spark's state store; a routed operator's state is in the drop-in's
+layout, so while routing is on a read by either name whose path holds that layout
+(``state_plan.drop_in_location``: the query's ``checkpointLocation`` with its ``dstl/``, or with a
+``checkpoint_root`` the directory under it that location names, or an operator's own checkpoint
+location) is served by this project's sources (``dstl-state``, ``dstl-state-metadata``) with the same
+options; any other path goes to Spark's source unchanged. pyspark keeps a ``DataFrameReader``'s format
+and options in the JVM only, so they are recorded as they are set (``format``, ``option``,
+``options``), and ``load`` chooses. Spark's source reads, by default, the last batch in the query's
+commit log; the driver completes a batch's checkpoint when the batch's progress event reaches its
+listener, which may come later (also while the next batch runs, so inside a ``foreachBatch`` function).
+Before such a read, the driver does at once what its listener will do for the batches the query has
+reported (``StreamingQuery.recentProgress``) and are not yet checkpoints, so the read sees the state
+of the last committed batch, as Spark's does.
+
 A routed DataFrame runs in one query at a time: starting it under another checkpoint while its last
 query is active is refused (its no-data batch source could not tell the two apart). Its operators
 may feed a union as its first input only (a union renumbers the partitions of the others, and a
@@ -42,6 +57,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 import tempfile
 import threading
 import uuid
@@ -54,7 +70,7 @@ from backend.spark.operator_ids import resolve_uids
 from backend.spark.plan import routed_task_name
 from dstl import ConfigurationError
 from dstl.atomic import write_atomically
-from dstl.paths import as_name
+from dstl.paths import as_name, local_path
 
 __all__ = ["SessionRouting", "route_session", "routed_uid"]
 
@@ -62,6 +78,10 @@ _ROUTED = ("transformWithStateInPandas", "transformWithState", "applyInPandasWit
 _TASK_PREFIX = routed_task_name("")
 #: where a DataStreamWriter's options are recorded (lower-case keys, as Spark reads them)
 _RECORDED = "_dstl_options"
+#: where a DataFrameReader's format and options are recorded
+_READ = "_dstl_read"
+#: Spark's state sources' names (``_serve_state_read``: each is read by one of ours)
+_SPARK_STATE_SOURCES = ("statestore", "state-metadata")
 
 
 @dataclass
@@ -140,6 +160,7 @@ def route_session(
         method.__doc__ = getattr(GroupedData, name).__doc__
         setattr(GroupedData, name, method)
     _hook_writer()
+    restore_reader = _route_reads(checkpoint_root)
 
     def restore() -> None:
         for name, method in saved.items():
@@ -147,6 +168,7 @@ def route_session(
                 delattr(GroupedData, name)  # pyspark's own, inherited from its mixin
             else:
                 setattr(GroupedData, name, method)
+        restore_reader()
 
     return restore
 
@@ -352,3 +374,113 @@ def _write_route_file(cfg: OperatorConfig, job_dir: str) -> None:
     path = route_file(cfg.local_root, str(cfg.route))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, json.dumps({"job_dir": job_dir}))
+
+
+# -- Spark's state sources on a routed query's checkpoint ----------------------------------------
+
+
+def _route_reads(root: str | None) -> Callable[[], None]:
+    """Wrap ``DataFrameReader``'s ``format``, ``option`` and ``options`` (to record them) and its
+    ``load`` (to serve Spark's state sources' names from our sources on the drop-in's layout);
+    returns the function that puts pyspark's methods back."""
+    from pyspark.sql.readwriter import DataFrameReader
+
+    saved = {name: DataFrameReader.__dict__[name] for name in ("format", "option", "options", "load")}
+    format_, option, options, load = saved["format"], saved["option"], saved["options"], saved["load"]
+
+    def hooked_format(self: Any, source: str) -> Any:
+        self.__dict__.setdefault(_READ, {})["format"] = source
+        return format_(self, source)
+
+    def hooked_option(self: Any, key: str, value: Any) -> Any:
+        _record_read(self, {key: value})
+        return option(self, key, value)
+
+    def hooked_options(self: Any, **given: Any) -> Any:
+        _record_read(self, given)
+        return options(self, **given)
+
+    def hooked_load(self: Any, path: Any = None, format: Any = None, schema: Any = None, **given: Any) -> Any:
+        if format is not None:
+            self.format(format)
+        self.options(**given)
+        served = _serve_state_read(self, path, schema, root)
+        return served if served is not None else load(self, path, None, schema)
+
+    for name, hooked in (
+        ("format", hooked_format), ("option", hooked_option), ("options", hooked_options), ("load", hooked_load),
+    ):  # fmt: skip
+        hooked.__doc__, hooked.__name__ = saved[name].__doc__, saved[name].__name__
+        setattr(DataFrameReader, name, hooked)
+
+    def restore() -> None:
+        for name, method in saved.items():
+            setattr(DataFrameReader, name, method)
+
+    return restore
+
+
+def _record_read(reader: Any, given: dict[str, Any]) -> None:
+    """Record options as pyspark sets them: text (``to_str``), a None value not set."""
+    from pyspark.sql.utils import to_str
+
+    recorded = reader.__dict__.setdefault(_READ, {}).setdefault("options", {})
+    for key, value in given.items():
+        if value is not None:
+            recorded[key.lower()] = to_str(value)
+
+
+def _serve_state_read(reader: Any, path: Any, schema: Any, root: str | None) -> Any:
+    """The DataFrame our source reads when ``reader`` names one of Spark's state sources and its
+    path holds the drop-in's checkpoints (module docstring); else None."""
+    recorded = reader.__dict__.get(_READ, {})
+    source = str(recorded.get("format", "")).lower()
+    options = dict(recorded.get("options", {}))
+    location = path if isinstance(path, str) else options.get("path") if path is None else None
+    if source not in _SPARK_STATE_SOURCES or not location:
+        return None
+    from backend.spark.state_plan import drop_in_location
+    from backend.spark.state_source import METADATA_FORMAT, STATE_FORMAT, register
+
+    candidates = [location] if root is None else [_operators_dir(root, location), location]
+    directory = drop_in_location(candidates, options)
+    if directory is None:
+        return None
+    _catch_up(directory)
+    spark = reader._spark
+    register(spark)  # a foreachBatch function's session may not have it yet
+    options.pop("path", None)
+    served = spark.read.format(STATE_FORMAT if source == "statestore" else METADATA_FORMAT).options(**options)
+    if schema is not None:
+        served = served.schema(schema)
+    return served.load(directory)
+
+
+def _catch_up(directory: str) -> None:
+    """Complete the checkpoints of the batches the routed queries with operators in ``directory``
+    reported and the driver's listener has not completed yet (module docstring)."""
+    from backend.spark.driver import complete_committed, coordinator_at
+
+    with _LOCK:
+        ops = [
+            op for op in _OPERATORS.values()
+            if op.query is not None and op.job_dir and _same_directory(op.job_dir.rsplit("/", 1)[0], directory)
+        ]  # fmt: skip
+    for op in ops:
+        coordinator = coordinator_at(str(op.job_dir))
+        if coordinator is None:
+            continue
+        latest = coordinator.latest()
+        done = -1 if latest is None else latest.checkpoint_id
+        query_id = str(op.query.id)
+        for batch in sorted({int(p.batchId) for p in op.query.recentProgress}):
+            if batch > done:
+                complete_committed(batch, query_id)
+
+
+def _same_directory(a: str, b: str) -> bool:
+    """Whether two spellings name one directory (a local one: the same absolute path)."""
+    local_a, local_b = local_path(a), local_path(b)
+    if local_a is not None and local_b is not None:
+        return os.path.abspath(local_a) == os.path.abspath(local_b)
+    return a.rstrip("/") == b.rstrip("/")

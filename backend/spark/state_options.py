@@ -5,10 +5,14 @@ Spark's option names and rules (``StateSourceOptions``), so that a Spark user's 
 (default 0), ``storeName`` ("default"), ``stateVarName``, ``readRegisteredTimers``,
 ``flattenCollectionTypes`` (default true), ``readChangeFeed`` with ``changeStartBatchId`` (required)
 and ``changeEndBatchId`` (default: the latest); ``batchId`` conflicts with ``readChangeFeed``, the
-change bounds need it, a negative id is refused. A refusal names the option and carries Spark's
-error class first (``STDS_...``), as Spark's message does. Spark's options for what the drop-in does
-not have (``joinSide``: no stream-stream joins; ``snapshotStartBatchId`` / ``snapshotPartitionId``:
-no per-partition snapshots) are refused naming them; other options are ignored, as Spark ignores them.
+change bounds need it, a negative id is refused; ``snapshotPartitionId`` and ``snapshotStartBatchId``
+go together, not with ``readChangeFeed``, the start at most ``batchId``. A refusal names the option
+and carries Spark's error class first (``STDS_...``), as Spark's message does. ``snapshotPartitionId``
+reads one partition as ``partition_id`` names it (here: one key group); ``snapshotStartBatchId`` says
+where Spark starts rebuilding that partition's state (its snapshot of that batch, then its changelog
+up to ``batchId``): the drop-in reads the state of ``batchId`` from its checkpoint, the same state, so
+the start is only checked. Spark's option for what the drop-in does not have (``joinSide``: no
+stream-stream joins) is refused naming it; other options are ignored, as Spark ignores them.
 
 Ours: ``numPartitions`` (Spark partitions of a read; default: the checkpoint's parallelism), and
 where the files are: ``s3.<field>`` for each field of ``dstl.S3Options`` (``s3.endpoint_url``,
@@ -33,7 +37,16 @@ from backend.spark.errors import StateSourceError
 from dstl import ChangelogConfig, ConfigurationError
 from dstl.config import S3Options
 
-__all__ = ["Options", "SourceOptions", "conflict", "invalid", "parse_options", "required", "storage_config"]
+__all__ = [
+    "Options",
+    "SourceOptions",
+    "conflict",
+    "invalid",
+    "parse_options",
+    "required",
+    "storage_config",
+    "storage_of",
+]
 
 PATH = "path"
 BATCH_ID = "batchId"
@@ -45,14 +58,14 @@ FLATTEN_COLLECTION_TYPES = "flattenCollectionTypes"
 READ_CHANGE_FEED = "readChangeFeed"
 CHANGE_START_BATCH_ID = "changeStartBatchId"
 CHANGE_END_BATCH_ID = "changeEndBatchId"
+SNAPSHOT_START_BATCH_ID = "snapshotStartBatchId"
+SNAPSHOT_PARTITION_ID = "snapshotPartitionId"
 NUM_PARTITIONS = "numPartitions"
 #: Spark's store name, the only store an operator has here
 DEFAULT_STORE = "default"
 #: Spark's options for what the drop-in has not, and why
 _NOT_HERE = {
     "joinSide": "the drop-in runs no stream-stream joins",
-    "snapshotStartBatchId": "the drop-in reads a batch's state from its checkpoint, not from per-partition snapshots",
-    "snapshotPartitionId": "the drop-in reads a batch's state from its checkpoint, not from per-partition snapshots",
 }
 #: the storage options: ``dstl.ChangelogConfig``'s DFS call settings and every ``S3Options`` field
 _CONFIG_FIELDS = ("dfs_timeout_ms", "max_attempts", "retry_delay_ms")
@@ -76,6 +89,9 @@ class SourceOptions:
     change_start: int | None = None
     change_end: int | None = None
     partitions: int | None = None
+    #: ``snapshotPartitionId`` (the one partition read) and ``snapshotStartBatchId`` (checked only)
+    snapshot_partition: int | None = None
+    snapshot_start: int | None = None
 
 
 def required(option: str) -> StateSourceError:
@@ -158,9 +174,14 @@ def parse_options(given: Mapping[str, Any]) -> SourceOptions:
     batch_id = options.integer(BATCH_ID)
     change_feed = options.boolean(READ_CHANGE_FEED, False)
     start, end = options.integer(CHANGE_START_BATCH_ID), options.integer(CHANGE_END_BATCH_ID)
+    snapshot_start = options.integer(SNAPSHOT_START_BATCH_ID)
+    snapshot_partition = options.integer(SNAPSHOT_PARTITION_ID)
     if change_feed:
         if batch_id is not None:
             raise conflict(BATCH_ID, READ_CHANGE_FEED)
+        for name, value in ((SNAPSHOT_START_BATCH_ID, snapshot_start), (SNAPSHOT_PARTITION_ID, snapshot_partition)):
+            if value is not None:
+                raise conflict(name, READ_CHANGE_FEED)
         if start is None:
             raise required(CHANGE_START_BATCH_ID)
         if end is not None and end < start:
@@ -172,12 +193,22 @@ def parse_options(given: Mapping[str, Any]) -> SourceOptions:
         for name, value in ((CHANGE_START_BATCH_ID, start), (CHANGE_END_BATCH_ID, end)):
             if value is not None:
                 raise invalid(name, f"only specify this option when {READ_CHANGE_FEED} is set to true.")
+        if snapshot_start is not None and batch_id is not None and snapshot_start > batch_id:
+            raise invalid(SNAPSHOT_START_BATCH_ID, f"value should be less than or equal to {batch_id}")
+        if (snapshot_start is None) != (snapshot_partition is None):  # each partition has its own snapshots
+            raise required(SNAPSHOT_START_BATCH_ID if snapshot_start is None else SNAPSHOT_PARTITION_ID)
     return SourceOptions(
         path=path.strip(), storage=storage_config(options, path.strip()), batch_id=batch_id,
         operator=operator.strip() if operator is not None else None, state_var=state_var, read_timers=read_timers,
         flatten=options.boolean(FLATTEN_COLLECTION_TYPES, True), change_feed=change_feed, change_start=start,
-        change_end=end, partitions=options.integer(NUM_PARTITIONS, low=1),
+        change_end=end, partitions=options.integer(NUM_PARTITIONS, low=1), snapshot_partition=snapshot_partition,
+        snapshot_start=snapshot_start,
     )  # fmt: skip
+
+
+def storage_of(given: Mapping[str, Any], path: str) -> ChangelogConfig:
+    """The DFS settings a read's options (``given``) give for ``path``, the other options unchecked."""
+    return storage_config(Options(given), path)
 
 
 def storage_config(options: Options, path: str) -> ChangelogConfig:

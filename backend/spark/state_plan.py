@@ -19,7 +19,8 @@ against the checkpoint's batch timestamp (``batch_timestamp_ms``, recorded by th
 this source exists; an older checkpoint's completion time), so a read shows what the processor
 saw in that batch, as Spark's state store holds it after its TTL cleanup at the batch's end.
 
-A read is split by key-group ranges (``numPartitions``, default the checkpoint's parallelism).
+A read is split by key-group ranges (``numPartitions``, default the checkpoint's parallelism;
+``snapshotPartitionId``: the one key group it names, as ``partition_id`` is the key group).
 Each partition carries only the handles holding its key groups; an executor restores them into a
 scratch table (``backend.spark.state_scan``), reading the chunks' byte ranges and the log
 segments of its key groups only, so the driver reads nothing but ``_metadata``.
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -56,7 +57,7 @@ from backend.core.serializers import Int64Serializer, OptionalSerializer, TupleS
 from backend.spark.apply_in_pandas import GROUP_STATE_NAME
 from backend.spark.bootstrap import open_storage
 from backend.spark.codecs import struct_codec
-from backend.spark.driver import KEYS_DIR
+from backend.spark.driver import KEYS_DIR, SPARK_OPERATORS
 from backend.spark.errors import StateSourceError
 from backend.spark.operator_ids import OPERATORS_FILE, parse_uids
 from backend.spark.state_columns import GROUPING, StateColumns
@@ -64,14 +65,17 @@ from backend.spark.state_options import (
     NUM_PARTITIONS,
     OPERATOR_ID,
     READ_REGISTERED_TIMERS,
+    SNAPSHOT_PARTITION_ID,
+    SNAPSHOT_START_BATCH_ID,
     STATE_VAR_NAME,
     SourceOptions,
     invalid,
     required,
+    storage_of,
 )
 from backend.state import versions
 from backend.state.restore import merge_metadata
-from dstl import ChangelogConfig, KeyGroupRange
+from dstl import ChangelogConfig, ChangelogError, KeyGroupRange
 from dstl.api import DfsFiles
 from dstl.paths import local_path
 from dstl.types import ChangelogHandle, SegmentRef
@@ -86,6 +90,7 @@ __all__ = [
     "StatePart",
     "batch_segments",
     "completed_checkpoints",
+    "drop_in_location",
     "grouping_key",
     "locate",
     "open_storage",
@@ -217,6 +222,38 @@ def locate(options: SourceOptions) -> list[OperatorAt]:
         return [OperatorAt(place, uid, url) for place, uid in enumerate(sorted(meta.operators))]
 
 
+def drop_in_location(candidates: Sequence[str], given: Mapping[str, Any]) -> str | None:
+    """The first of ``candidates`` (the directories a read's path may mean) that holds the drop-in's
+    checkpoints, as ``locate`` reads it: a routed query's operators (``dstl/operators.json`` under
+    it: that ``dstl`` directory; ``operators.json`` in it: itself) or, on a local disk, an
+    operator's own completed checkpoints (``chk-<b>/_metadata``); None when none does. It reads
+    those few names only, never lists a remote directory (a Spark checkpoint on S3 may hold many
+    files), and a path it cannot read (an object store it has no access to, bad storage options
+    ``given``) is not the drop-in's: Spark's own source reads it and says what it finds."""
+    for path in candidates:
+        url = path.rstrip("/")
+        local = local_path(url)
+        if local is not None:
+            full = os.path.abspath(local)
+            for where in (os.path.join(full, "dstl"), full):
+                if os.path.isfile(os.path.join(where, OPERATORS_FILE)):
+                    return where
+            if os.path.isdir(full) and any(
+                parse_checkpoint_dir(name) is not None and os.path.isfile(os.path.join(full, name, METADATA_NAME))
+                for name in os.listdir(full)
+            ):
+                return full
+            continue
+        try:
+            with open_storage(storage_of(given, url), url) as storage:
+                for sub in ("dstl", ""):
+                    if _get(storage.files, f"{sub}/{OPERATORS_FILE}" if sub else OPERATORS_FILE) is not None:
+                        return f"{url}/{sub}" if sub else url
+        except (ChangelogError, OSError):  # not readable as the drop-in's: Spark's source reads it
+            continue
+    return None
+
+
 def pick_operator(operators: Sequence[OperatorAt], wanted: str | None, path: str) -> OperatorAt:
     """The operator ``operatorId`` names: its uid, or its number (None: 0)."""
     listed = ", ".join(f"{op.place} ({op.uid})" for op in operators) or "none"
@@ -324,6 +361,15 @@ def check_serializers(name: str, meta: dict[str, Any], columns: StateColumns) ->
 
 
 def _ranges(options: SourceOptions, parallelism: int, max_parallelism: int) -> list[KeyGroupRange]:
+    """The key groups of each Spark partition of a read: ``numPartitions`` ranges (default: the
+    checkpoint's parallelism), or the one key group ``snapshotPartitionId`` names."""
+    if options.snapshot_partition is not None:
+        if options.snapshot_partition >= max_parallelism:
+            raise invalid(
+                SNAPSHOT_PARTITION_ID,
+                f"a partition_id here is a key group, 0 to {max_parallelism - 1}; got {options.snapshot_partition}",
+            )
+        return [KeyGroupRange(options.snapshot_partition, options.snapshot_partition)]
     count = options.partitions or parallelism
     if count > max_parallelism:
         raise invalid(NUM_PARTITIONS, f"at most the state's max parallelism, {max_parallelism}; got {count}")
@@ -337,7 +383,9 @@ def plan_read(options: SourceOptions) -> tuple[ScanPlan, list[StatePart] | list[
         files = storage.files
         retained = completed_checkpoints(files)
         if not retained:
-            raise StateSourceError(f"operator {op.uid!r} ({op.job_dir}) has no completed checkpoint yet")
+            raise StateSourceError(  # Spark's error class for a query with no committed batch
+                f"[STDS_COMMITTED_BATCH_UNAVAILABLE] operator {op.uid!r} ({op.job_dir}) has no completed checkpoint yet"
+            )
         last = options.change_end if options.change_feed else options.batch_id
         batch = retained[-1] if last is None else last
         if batch not in retained:
@@ -345,6 +393,12 @@ def plan_read(options: SourceOptions) -> tuple[ScanPlan, list[StatePart] | list[
         meta = read_checkpoint(files, op.job_dir, batch)
         handles = _handles(meta, op.uid, op.job_dir)
         states = states_of(handles)
+        if options.snapshot_start is not None and options.snapshot_start > batch:
+            raise invalid(SNAPSHOT_START_BATCH_ID, f"value should be less than or equal to {batch}")
+        recorded = meta.properties.get(SPARK_OPERATORS)
+        time_mode = (recorded.get(op.uid) or {}).get("time_mode") if isinstance(recorded, dict) else None
+        if options.read_timers and time_mode == "NoTime":
+            raise invalid(READ_REGISTERED_TIMERS, "Registered timers are not available in TimeMode=None.")
         name, columns = columns_of(options, op.uid, states, grouping_key(files, op.job_dir, op.uid))
         now_ms = int(meta.properties.get("batch_timestamp_ms") or meta.timestamp_ms)
         plan = ScanPlan(

@@ -23,19 +23,16 @@ DataFrame of one state, in the columns a read gives, into a savepoint a query st
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceWriter, InputPartition
 
-from backend.spark.apply_in_pandas import GROUP_STATE_NAME
 from backend.spark.errors import StateSourceError
 from backend.spark.state_columns import GROUPING
+from backend.spark.state_metadata import recorded_operator, spark_columns
 from backend.spark.state_options import SourceOptions, parse_options
 from backend.spark.state_plan import (
-    APPLY_IN_PANDAS,
-    TRANSFORM_WITH_STATE,
     ChangePart,
     ScanPlan,
     StatePart,
@@ -60,7 +57,6 @@ METADATA_COLUMNS = (
     "retainedBatchIds array<bigint>, keySchema string, states array<struct<name: string, kind: string, "
     "ttlDurationMs: bigint, valueSchema: string, userKeySchema: string>>"
 )
-_SPARK_KINDS = {"value": "ValueState", "list": "ListState", "map": "MapState"}
 
 
 class StateDataSource(DataSource):
@@ -155,18 +151,12 @@ def metadata_rows(options: SourceOptions) -> list[tuple[Any, ...]]:
                 key: GROUPING | None = grouping_key(storage.files, op.job_dir, op.uid)
             except StateSourceError:
                 key = None
-        group_state = GROUP_STATE_NAME in states
-        variables = [
-            {"stateName": name, "stateVariableType": _SPARK_KINDS.get(str(m.get("kind")), str(m.get("kind"))),
-             "ttlEnabled": bool(m.get("ttl_ms"))}
-            for name, m in sorted(states.items())
-        ]  # fmt: skip
+        operator_name, properties = spark_columns(recorded_operator(meta, op.uid), handles)
         described = [
             (name, str(m.get("kind")), m.get("ttl_ms") or None, *_declared(m)) for name, m in sorted(states.items())
         ]
         rows.append((
-            op.place, APPLY_IN_PANDAS if group_state else TRANSFORM_WITH_STATE, "default", len(handles), retained[0],
-            retained[-1], None if group_state else json.dumps({"stateVariables": variables}), op.uid,
+            op.place, operator_name, "default", len(handles), retained[0], retained[-1], properties, op.uid,
             handles[0].max_parallelism if handles else None, retained,
             None if key is None else ", ".join(f"`{n}` {t}" for n, t in key), described,
         ))  # fmt: skip

@@ -103,7 +103,8 @@ def start(spark: Any, sc: Scenario, parallelism: int, sink: Callable[[Any, int],
 
     df = spark.readStream.schema("user string, v long").json(str(sc.root / "in"))
     out = build(
-        df.groupBy("user"), "user string, total long", make_process(str(sc.root / "faults")), None, False, None, None,
+        df.groupBy("user"), "user string, total long", make_process(str(sc.root / "faults")), None, False, None,
+        None, None,
         checkpoint_location=str(sc.root / "state"), operator_uid="totals", parallelism=parallelism,
         local_dir=str(sc.root / "local"), **options,
     )  # fmt: skip

@@ -41,7 +41,12 @@ def test_the_options_default_as_sparks() -> None:
         ({"readRegisteredTimers": "true", "stateVarName": "a"}, r"CONFLICT_OPTIONS.*'readRegisteredTimers'"),
         ({"flattenCollectionTypes": "yes"}, r"'flattenCollectionTypes': 'yes' is not a boolean"),
         ({"storeName": " "}, r"IS_EMPTY.*'storeName'"),
-        ({"snapshotPartitionId": "0"}, r"'snapshotPartitionId': not supported"),
+        ({"snapshotPartitionId": "0"}, r"REQUIRED_OPTION_UNSPECIFIED\] 'snapshotStartBatchId' must be specified"),
+        ({"snapshotStartBatchId": "0"}, r"REQUIRED_OPTION_UNSPECIFIED\] 'snapshotPartitionId' must be specified"),
+        ({"snapshotStartBatchId": "3", "snapshotPartitionId": "0", "batchId": "2"}, r"less than or equal to 2"),
+        ({"snapshotStartBatchId": "-1", "snapshotPartitionId": "0"}, r"IS_NEGATIVE.*'snapshotStartBatchId'"),
+        ({"readChangeFeed": "true", "changeStartBatchId": "0", "snapshotPartitionId": "0"}, r"CONFLICT.*'snapshotPar"),
+        ({"joinSide": "left"}, r"'joinSide': not supported"),
         ({"numPartitions": "0"}, r"'numPartitions': must be at least 1"),
         ({"s3.endpoint": "http://x"}, r"'s3.endpoint': not an S3 option; they are s3.access_key_id"),
         ({"max_attempts": "0"}, r"max_attempts must be positive"),
@@ -50,6 +55,11 @@ def test_the_options_default_as_sparks() -> None:
 def test_bad_options_are_refused_naming_the_option(given: dict[str, str], error: str) -> None:
     with pytest.raises(StateSourceError, match=error):
         parse_options({"path": "/x", **given} if given else {})
+
+
+def test_a_snapshot_partition_is_read_with_its_start_batch() -> None:
+    options = parse_options({"path": "/x", "snapshotPartitionId": "7", "snapshotStartBatchId": "0", "batchId": "1"})
+    assert (options.snapshot_partition, options.snapshot_start, options.batch_id) == (7, 0, 1)
 
 
 def test_storage_options_reach_the_changelog_config() -> None:

@@ -187,7 +187,7 @@ def test_the_change_feed_of_a_range_is_the_batches_of_that_range(spark: Any, run
 def test_the_metadata_lists_the_operator_its_states_and_batches(spark: Any, run: Run) -> None:
     (row,) = read(spark, run.location, "dstl-state-metadata")
     assert (row.operatorId, row.operatorName, row.stateStoreName, row.operatorUid) == (
-        0, "transformWithState", "default", "reporting",
+        0, "transformWithStateInPandasExec", "default", "reporting",
     )  # fmt: skip
     assert (row.numPartitions, row.maxParallelism) == (3, MAX_PARALLELISM)
     assert (row.minBatchId, row.maxBatchId, row.retainedBatchIds) == (0, 4, [0, 1, 2, 3, 4])
@@ -202,9 +202,14 @@ def test_the_metadata_lists_the_operator_its_states_and_batches(spark: Any, run:
         "typed": ("value", None, ddl(parse_schema(TYPED)), None),
     }
 
-    variables = {v["stateName"]: v["stateVariableType"] for v in json.loads(row.operatorProperties)["stateVariables"]}
-    assert variables == {"total": "ValueState", "seen": "ValueState", "once": "ValueState", "events": "ListState",
-                         "by_kind": "MapState", "typed": "ValueState"}  # fmt: skip
+    properties = json.loads(row.operatorProperties)
+    assert (properties["timeMode"], properties["outputMode"]) == ("ProcessingTime", "Update")
+    variables = {v["stateName"]: (v["stateVariableType"], v["ttlEnabled"]) for v in properties["stateVariables"]}
+    assert variables == {
+        "total": ("ValueState", False), "seen": ("ValueState", True), "once": ("ValueState", True),
+        "events": ("ListState", False), "by_kind": ("MapState", True), "typed": ("ValueState", False),
+        "$procTimers_keyToTimestamp": ("TimerState", False),
+    }  # fmt: skip
 
 
 def test_the_read_is_split_by_key_group_ranges(spark: Any, run: Run) -> None:
