@@ -29,9 +29,12 @@ The change feed of batches ``start..end`` reads each batch's own log segments: t
 (``pending/<b>/<uid>/``: a batch's final persist, which carries its pending records as notes) and
 the segments the same writer uploaded early just before them (a preemptive persist, in a file of no
 batch). A batch's checkpoint ``chk-<b>`` always holds them (a materialization in it was taken
-before the batch ran), so every batch from ``start`` on must still be retained (or, for a batch
-that left no checkpoint, the next retained one holds its segments); a state whose schema changed
-inside the range is refused, naming the batch: read the ranges before and after it apart.
+before the batch ran), so every batch from ``start`` on must still be retained. A batch that left
+no checkpoint (its ``_metadata`` failed, the driver died first) is read from the next retained
+one's log, which holds its segments unless a materialization since the checkpoint before it folded
+them into a snapshot: a key group whose chunks differ between those two checkpoints refuses the
+read, naming the batch, rather than give a feed without that batch's changes. A state whose schema
+changed inside the range is refused, naming the batch: read the ranges before and after it apart.
 """
 
 from __future__ import annotations
@@ -464,14 +467,22 @@ def _batch_logs(
 ) -> list[tuple[int, dict[str, Any] | None, list[tuple[ChangelogHandle, KeyGroupRange]]]]:  # fmt: skip
     """(batch, the state's metadata, [(log of the batch's segments, key groups)]) per batch."""
     read: dict[int, SnapshotMetadata] = {}
+
+    def checkpoint(batch: int) -> SnapshotMetadata:
+        if batch not in read:
+            read[batch] = read_checkpoint(files, op.job_dir, batch)
+        return read[batch]
+
     out = []
     for batch in range(start, end + 1):
         holder = next(c for c in retained if c >= batch)
-        if holder not in read:
-            read[holder] = read_checkpoint(files, op.job_dir, holder)
-        if op.uid not in read[holder].operators:
+        if op.uid not in checkpoint(holder).operators:
             continue
-        handles = read[holder].handles(op.uid)
+        handles = checkpoint(holder).handles(op.uid)
+        if holder != batch:
+            before = max(c for c in retained if c < batch)  # start >= retained[0]: there is one
+            earlier = checkpoint(before).handles(op.uid) if op.uid in checkpoint(before).operators else []
+            _check_unfolded(batch, before, holder, earlier, handles, op)
         held = states_of(handles).get(name) if name is not None else None
         if name is not None and held is not None and meta is not None and _schema(held) != _schema(meta):
             raise StateSourceError(
@@ -487,6 +498,39 @@ def _batch_logs(
                     logs.append((replace(entry.log, segments=segments), rng))
         out.append((batch, held, logs))
     return out
+
+
+def _check_unfolded(
+    batch: int, before: int, holder: int, earlier: Sequence[KeyedStateHandle], later: Sequence[KeyedStateHandle],
+    op: OperatorAt,
+) -> None:  # fmt: skip
+    """Refuse batch ``batch``, which left no checkpoint, if a materialization between checkpoints
+    ``before`` and ``holder`` may have folded its changes into a snapshot: its segments are then
+    missing from ``holder``'s log, and the feed would silently lack them. A key group whose chunks
+    are the same in both checkpoints was not materialized in between (an incremental
+    materialization re-references an unchanged key group's chunk), so ``holder``'s log holds
+    everything after ``before`` for it."""
+    then, now = _chunks_by_group(earlier), _chunks_by_group(later)
+    for group in sorted(g for g in now.keys() | then.keys() if now.get(g) != then.get(g)):
+        raise StateSourceError(
+            f"[STDS_OFFSET_LOG_UNAVAILABLE] the change feed cannot read batch {batch} of operator {op.uid!r}: "
+            f"the batch left no checkpoint of its own, and a materialization between checkpoints {before} and "
+            f"{holder} folded the log of key group {group} into a snapshot, so its changes may be in no log any "
+            f"more; read the change feed up to batch {before}, or from batch {holder}"
+        )
+
+
+def _chunks_by_group(handles: Sequence[KeyedStateHandle]) -> dict[int, set[tuple[str, int]]]:
+    """Per key group, the chunks (path, offset) a restore of it reads from ``handles``."""
+    found: dict[int, set[tuple[str, int]]] = {}
+    for handle in handles:
+        for entry in handle.materialized:
+            scope = KeyGroupRange.from_json(entry["scope"])
+            chunk = (str(entry["path"]), int(entry.get("offset", -1)))
+            for group in intersect(scope if len(scope) else KeyGroupRange.from_json(entry["key_groups"]),
+                                   handle.key_group_range):  # fmt: skip
+                found.setdefault(group, set()).add(chunk)
+    return found
 
 
 def _schema(meta: dict[str, Any]) -> tuple[Any, ...]:

@@ -184,6 +184,27 @@ def test_the_change_feed_of_a_range_is_the_batches_of_that_range(spark: Any, run
     )
 
 
+def test_the_change_feed_refuses_a_batch_whose_changes_a_materialization_folded(
+    spark: Any, run: Run, tmp_path: Path
+) -> None:
+    """Batch 1's checkpoint failed (fenced, as the coordinator fences a failed ``_metadata`` put):
+    its changes are only in checkpoint 2's log if no materialization folded them, and here one
+    did (every batch materializes). The read is refused naming the batch, never a feed without it."""
+    import shutil
+
+    from backend.checkpointing.metadata import aborted_path
+
+    copy = tmp_path / "state"
+    shutil.copytree(run.location, copy)
+    (copy / aborted_path(1)).write_bytes(b"")
+    with pytest.raises(
+        Exception, match=r"batch 1 of operator 'reporting': the batch left no checkpoint.*materialization"
+    ):
+        read(spark, str(copy), stateVarName="total", readChangeFeed=True, changeStartBatchId=0)
+    rows = read(spark, str(copy), stateVarName="total", readChangeFeed=True, changeStartBatchId=2)
+    assert {r.batch_id for r in rows} == {2, 3, 4}
+
+
 def test_the_metadata_lists_the_operator_its_states_and_batches(spark: Any, run: Run) -> None:
     (row,) = read(spark, run.location, "dstl-state-metadata")
     assert (row.operatorId, row.operatorName, row.stateStoreName, row.operatorUid) == (

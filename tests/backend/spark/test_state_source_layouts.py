@@ -191,3 +191,31 @@ def test_a_state_whose_schema_changed_reads_in_its_new_schema(spark: Any, tmp_pa
     assert [(r.batch_id, r.change_type, r.key.user, r.value.total, r.value.n) for r in changes] == [
         (1, "update", "a", 5, 1)
     ]
+
+
+def test_a_batch_without_a_checkpoint_is_read_from_the_next_one(spark: Any, tmp_path: Path) -> None:
+    """Batch 1's checkpoint failed (fenced, as the coordinator fences a failed ``_metadata`` put) and
+    nothing materialized since checkpoint 0: checkpoint 2's log holds batch 1's changes, and the
+    change feed reads them there, the same rows as with checkpoint 1."""
+    import shutil
+
+    from backend.checkpointing.metadata import aborted_path
+    from backend.spark.api import register_state_source
+
+    reported = Reported()
+    with no_data_batches_off(spark):
+        run_reporting(spark, tmp_path, range(3), 2, reported, num_retained=10)
+    register_state_source(spark)
+    location = str(tmp_path / "state")
+    copy = tmp_path / "fenced"
+    shutil.copytree(location, copy)
+    (copy / aborted_path(1)).write_bytes(b"")
+    (meta,) = read(spark, str(copy), "dstl-state-metadata")
+    assert meta.retainedBatchIds == [0, 2]
+
+    def feed(path: str) -> list[tuple[Any, ...]]:
+        rows = read(spark, path, stateVarName="total", readChangeFeed=True, changeStartBatchId=0)
+        return sorted((r.batch_id, r.change_type, r.key.id, r.value.n) for r in rows)
+
+    assert {b for b, *_ in feed(str(copy))} == {0, 1, 2}
+    assert feed(str(copy)) == feed(location)
