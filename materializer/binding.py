@@ -10,7 +10,7 @@ is the one piece of the chunk reader that knows the handle format, so the format
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from backend.core.handles import CHUNK_HASH, chunk_digest
@@ -61,7 +61,7 @@ def index_problems(info: ChunkIndex, entry: Mapping[str, Any]) -> list[str]:
 
 def bound_chunk_sections(
     path: str, data: bytes, entry: Mapping[str, Any], key_groups: KeyGroupRange
-) -> dict[str, list[tuple[bytes, bytes]]]:
+) -> dict[str, Sequence[tuple[bytes, bytes]]]:
     """``chunk_sections`` of a chunk checked against the handle ``entry`` naming it (a restore's loader)."""
     info = chunk_info(path, data)
     check_binding(path, data, info, entry)

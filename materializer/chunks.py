@@ -102,6 +102,7 @@ from materializer.blocks import (
     prefix_end,
     thread_decompressor,
 )
+from materializer.entries import Entries
 from materializer.errors import CorruptChunkError
 from materializer.footers import FOOTER_ERRORS, parse_v1_footer, parse_v2_footer
 
@@ -187,7 +188,7 @@ class ChunkIndex:
         )
         return list(zip(keys, values, strict=True))
 
-    def decode_section(self, data: bytes | memoryview, name: str) -> list[tuple[bytes, bytes]]:
+    def decode_section(self, data: bytes | memoryview, name: str) -> Sequence[tuple[bytes, bytes]]:
         """Every entry of state ``name``, given the bytes of its whole section (``byte_range``)."""
         section = self.table(name)
         if section is None:
@@ -365,13 +366,12 @@ def _read_exactly(path: str, read: Callable[[int, int], bytes], offset: int, len
 # --------------------------------------------------------------------------------------------- whole chunks
 
 
-def _section_entries(path: str, data: memoryview, section: SectionInfo, shift: int = 0) -> list[tuple[bytes, bytes]]:
+def _section_entries(path: str, data: memoryview, section: SectionInfo, shift: int = 0) -> Entries:
     """Every entry of a section whose blocks are at ``block.offset + shift`` in ``data``."""
-    keys, values = decode_blocks(path, data, section.blocks, shift)
-    return list(zip(keys, values, strict=True))
+    return Entries(*decode_blocks(path, data, section.blocks, shift))
 
 
-def _decode(path: str, data: bytes, info: ChunkIndex) -> dict[str, list[tuple[bytes, bytes]]]:
+def _decode(path: str, data: bytes, info: ChunkIndex) -> dict[str, Entries]:
     view = memoryview(data)
     return {section.name: _section_entries(path, view, section) for section in info.sections}
 
@@ -379,12 +379,12 @@ def _decode(path: str, data: bytes, info: ChunkIndex) -> dict[str, list[tuple[by
 def decode_chunk(path: str, data: bytes) -> Chunk:
     """Check and decode a whole chunk read from ``path``."""
     info = chunk_info(path, data)
-    return Chunk(info.key_groups, info.sqn, _decode(path, data, info))
+    return Chunk(info.key_groups, info.sqn, {name: list(e) for name, e in _decode(path, data, info).items()})
 
 
 def chunk_sections(
     path: str, data: bytes, key_groups: KeyGroupRange, info: ChunkIndex | None = None
-) -> dict[str, list[tuple[bytes, bytes]]]:
+) -> dict[str, Sequence[tuple[bytes, bytes]]]:
     """The entries of each state whose key group is in ``key_groups``, as lists in key order.
 
     What a restore bulk-loads: a whole owned chunk decodes with C-level splits (no per-entry
@@ -397,7 +397,7 @@ def chunk_sections(
     sections: dict[str, list[tuple[bytes, bytes]]] = {}
     for name, key, value in _iter_entries(path, info, _checked_payloads(path, data, info), key_groups):
         sections.setdefault(name, []).append((key, value))
-    return sections
+    return {name: entries for name, entries in sections.items()}
 
 
 def iter_chunk_entries(path: str, data: bytes, key_groups: KeyGroupRange) -> Iterator[tuple[str, bytes, bytes]]:

@@ -51,7 +51,7 @@ class IndexView:
         section = self.info.table(table)
         return None if section is None or not section.count else section.byte_range
 
-    def section_entries(self, table: str, data: bytes) -> list[tuple[bytes, bytes]]:
+    def section_entries(self, table: str, data: bytes) -> Sequence[tuple[bytes, bytes]]:
         return self.info.decode_section(data, table)
 
 
@@ -65,7 +65,7 @@ class ChunkPointReads:
 
     def load(
         self, path: str, data: bytes, entry: Mapping[str, Any], key_groups: KeyGroupRange
-    ) -> dict[str, list[tuple[bytes, bytes]]]:
+    ) -> dict[str, Sequence[tuple[bytes, bytes]]]:
         return bound_chunk_sections(path, data, entry, key_groups)
 
 

@@ -89,7 +89,7 @@ class ChunkView(Protocol):
         """(offset, length) of ``table``'s whole section (None: the chunk holds none of it)."""
         ...
 
-    def section_entries(self, table: str, data: bytes) -> list[tuple[bytes, bytes]]:
+    def section_entries(self, table: str, data: bytes) -> Sequence[tuple[bytes, bytes]]:
         """Every entry of ``table``'s section, given its bytes."""
         ...
 
