@@ -11,12 +11,19 @@
 2. The "equivalent full snapshot": a second backend fed the same final values, materialized with
    nothing logged after it, checkpointed; its restore is timed the same way.
    ``log_vs_full_ratio`` = restore seconds (snapshot + log) / restore seconds (full snapshot).
+3. The floor: the same number of records as part 1 restores, done with nothing of ours:
+   ``floor_records_per_s`` = records / seconds to zstd-1 decompress them (16-byte records: an
+   8-byte big-endian key and an 8-byte value, compressed beforehand as frames of ``FLOOR_FRAME``
+   records, each frame its keys then its values), cut each frame into its keys and values
+   (``BytesIO.read`` mapped over the lengths, in C) and put them into a fresh LMDB environment
+   (the flags of ours) with ``putmulti(append=True)``, one transaction, committed.
+   ``floor_ratio`` = ``records_per_s`` / ``floor_records_per_s``.
 
 Each restore runs ``ROUNDS`` times, the two kinds alternating, into an empty local directory (the
 DFS files are in the OS page cache after the first round); the best of each kind counts.
 Every restore is checked against the expected values of a sample of keys.
 
-3. The lazy mode (``benchmarks.recovery_lazy``, whose docstring names its figures): the first batch
+4. The lazy mode (``benchmarks.recovery_lazy``, whose docstring names its figures): the first batch
    after a crash (restore + 10,000 updates + checkpoint) with an eager and with a lazy restore, at
    three state sizes, on the local DFS and on S3 (moto behind the latency proxy);
    ``first_batch_growth_lazy`` (16S over S) and ``hydration_records_per_s``; the plot
@@ -25,6 +32,8 @@ Every restore is checked against the expected values of a sample of keys.
 
 from __future__ import annotations
 
+import io
+import itertools
 import random
 import shutil
 import tempfile
@@ -32,6 +41,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import lmdb
+import zstandard
 
 from backend.core import records as rec
 from backend.core.descriptors import ValueStateDescriptor
@@ -46,6 +58,8 @@ from materializer.periodic import PeriodicMaterializer, restore
 ALL = KeyGroupRange(0, 127)
 CHECKPOINT_EVERY = 50_000
 ROUNDS = 3
+#: records per zstd frame of the floor (part 3)
+FLOOR_FRAME = 65_536
 DESCRIPTOR = ValueStateDescriptor("count", Int64Serializer())
 
 
@@ -117,6 +131,41 @@ def _restore(
     return seconds, applied
 
 
+def _floor_frames(records: int) -> list[tuple[int, bytes]]:
+    """Part 3's input: ``records`` 16-byte records as zstd-1 frames of (count, keys then values)."""
+    compressor = zstandard.ZstdCompressor(level=1)
+    frames = []
+    for first in range(0, records, FLOOR_FRAME):
+        count = min(FLOOR_FRAME, records - first)
+        keys = b"".join(k.to_bytes(8, "big") for k in range(first, first + count))
+        values = b"".join((k * 7).to_bytes(8, "little") for k in range(first, first + count))
+        frames.append((count, compressor.compress(keys + values)))
+    return frames
+
+
+def _floor(tmp: Path, frames: list[tuple[int, bytes]]) -> float:
+    """Seconds of part 3's work: decompress, cut and bulk-load ``frames`` into a fresh LMDB."""
+    local = tmp / "floor"
+    local.mkdir()
+    try:
+        start = time.perf_counter()
+        env = lmdb.open(
+            str(local), map_size=1 << 34, max_dbs=4096, sync=False, metasync=False, readahead=False, writemap=False
+        )
+        decompressor = zstandard.ZstdDecompressor()
+        with env.begin(write=True) as txn:
+            cursor = txn.cursor(db=env.open_db(b"floor", txn=txn))
+            for count, frame in frames:
+                raw = io.BytesIO(decompressor.decompress(frame))
+                keys = list(map(raw.read, itertools.repeat(8, count)))
+                values = list(map(raw.read, itertools.repeat(8, count)))
+                cursor.putmulti(zip(keys, values, strict=True), append=True)
+        env.close()
+        return time.perf_counter() - start
+    finally:
+        shutil.rmtree(local)
+
+
 def run(quick: bool, out_dir: Path) -> BenchResult:
     keys = 400_000 if quick else 2_000_000
     updates = 40_000 if quick else 200_000
@@ -169,14 +218,19 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
         full_chunks, full_log = _sizes(full_handle)
         full_entries = sum(int(c["entries"]) for c in full_handle.materialized)
 
-        times: dict[str, list[float]] = {"log": [], "full": []}
+        frames = _floor_frames(log_entries + log_changes)
+        times: dict[str, list[float]] = {"log": [], "full": [], "floor": []}
         for r in range(ROUNDS):  # alternating, against the machine's noise; the best of each counts
             seconds, log_applied = _restore(tmp, st, handle, "log", expected)
             times["log"].append(seconds)
             seconds, full_applied = _restore(tmp, st, full_handle, "full", expected)
             times["full"].append(seconds)
-            progress(f"recovery: round {r + 1}/{ROUNDS}: snapshot + log {times['log'][-1]:.3f} s, full {seconds:.3f} s")
-        log_s, full_s = min(times["log"]), min(times["full"])
+            times["floor"].append(_floor(tmp, frames))
+            progress(
+                f"recovery: round {r + 1}/{ROUNDS}: snapshot + log {times['log'][-1]:.3f} s, full {seconds:.3f} s, "
+                f"floor {times['floor'][-1]:.3f} s"
+            )
+        log_s, full_s, floor_s = min(times["log"]), min(times["full"]), min(times["floor"])
 
         from benchmarks import recovery_lazy  # it imports this module's loaders
 
@@ -191,6 +245,8 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
         "updates_after_materialization": updates,
         "records_per_s": round(records_per_s),
         "log_vs_full_ratio": round(ratio, 3),
+        "floor_records_per_s": round(total / floor_s),
+        "floor_ratio": round(floor_s / log_s, 3),
         "restore_s_log": round(log_s, 3),
         "restore_s_full": round(full_s, 3),
         "materialized_entries_log": log_entries,
@@ -220,6 +276,11 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
             ("full snapshot", f"{full_s:.3f} s; {full_entries:,} entries ({full_chunks / mib:.1f} MiB chunks)"),
             ("records/s (snapshot + log)", f"{records_per_s:,.0f}  (target >= 1,000,000)"),
             ("records/s (full snapshot)", f"{full_entries / full_s:,.0f}"),
+            (
+                "floor: records/s, ratio",
+                f"{total / floor_s:,.0f} (zstd-1 + putmulti, nothing of ours); ours / floor "
+                f"{floor_s / log_s:.3f}  (goal >= 0.8)",
+            ),
             ("log/full restore ratio", f"{ratio:.3f}  (target <= 1.3)"),
             *recovery_lazy.table(metrics),
         ],

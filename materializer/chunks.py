@@ -86,6 +86,7 @@ from dataclasses import dataclass
 
 import zstandard
 
+from backend.core.entries import Entries
 from backend.core.tablekeys import key_group_prefix
 from dstl.types import KeyGroupRange
 from materializer.blocks import (
@@ -102,7 +103,6 @@ from materializer.blocks import (
     prefix_end,
     thread_decompressor,
 )
-from materializer.entries import Entries
 from materializer.errors import CorruptChunkError
 from materializer.footers import FOOTER_ERRORS, parse_v1_footer, parse_v2_footer
 

@@ -522,13 +522,17 @@ class ChangelogKeyedStateBackend(KeyContext):
                 lineage.materialized, lineage.carried, progress, self._end_lazy,
             )  # fmt: skip
         else:
+            logs = list(restoring.owned_logs(handles, self.key_group_range))
+            logged = restoring.LoggedChanges(reader, logs, tables) if logs and reader is not None else None
             applied = restoring.load_materialized(
-                self.tables, handles, self.key_group_range, tables, lineage.materialized, load_chunk, progress, reader
-            )
-            for log, rng in restoring.owned_logs(handles, self.key_group_range):
-                assert reader is not None
-                applied += restoring.replay_log(self.tables, reader, log, rng, tables, progress, applied)
-                lineage.carried.append(LogEntry(log, rng))
+                self.tables, handles, self.key_group_range, tables, lineage.materialized, load_chunk, progress, reader,
+                logged,
+            )  # fmt: skip
+            if logged is not None:
+                applied += logged.apply_rest(self.tables)
+                if progress is not None:
+                    progress(applied)
+            lineage.carried += [LogEntry(log, rng) for log, rng in logs]
         self.timers.load()
         self.log_bytes_since_materialization = lineage.carried_bytes()
         return applied

@@ -1,9 +1,17 @@
 """Restore: load the owned part of materialized chunks, then replay changelogs, into local tables.
 
 A restore reads handles of any old parallelism. For every handle, the materialized chunks whose
-key groups overlap the ones this subtask owns are bulk-loaded in key order; then for every
-changelog entry of every handle, oldest first and each once, the records of the owned key groups
-are applied straight to the tables (they are already in the log, so they are not logged again).
+key groups overlap the ones this subtask owns are bulk-loaded in key order, and the records of the
+owned key groups of every changelog entry of every handle, oldest first and each once, are applied
+straight to the tables (they are already in the log, so they are not logged again).
+
+The logs are read first (``LoggedChanges``: a materialization bounds them) and a key group's records
+are applied in the transaction that loaded its chunk, right after its entries. LMDB copies a page
+on its first change in a transaction, so a replay in a transaction of its own copies nearly every
+page the load wrote (a log's changes touch keys all over the table); in the loading transaction
+the pages are still its own and change in place. Key groups no chunk holds are replayed last. A
+key group's records stay in log order, and keys of different key groups are different keys, so
+the tables end as after loading everything and then replaying each log.
 The restored changelog entries are carried into every later snapshot until a materialization
 replaces them (``truncation.SnapshotLineage``).
 
@@ -31,6 +39,7 @@ from dstl.types import ChangelogHandle, KeyGroupRange
 
 __all__ = [
     "ChunkLoader",
+    "LoggedChanges",
     "SpanReader",
     "apply_record",
     "bulk_put",
@@ -41,7 +50,6 @@ __all__ = [
     "owned_logs",
     "owned_parts",
     "record_kinds",
-    "replay_log",
 ]
 
 #: (path, file bytes, the handle's entry naming the chunk, key groups) -> {state name: [(table key,
@@ -50,9 +58,6 @@ __all__ = [
 ChunkLoader = Callable[[str, bytes, Mapping[str, Any], KeyGroupRange], Mapping[str, Sequence[tuple[bytes, bytes]]]]
 #: called with the number of key changes applied so far
 Progress = Callable[[int], None]
-
-#: how many applied changes of a log between two progress calls
-_PROGRESS_EVERY = 100_000
 
 
 def check_compatible(handle: KeyedStateHandle, operator_id: str, max_parallelism: int) -> None:
@@ -139,13 +144,15 @@ def load_materialized(
     load_chunk: ChunkLoader | None,
     progress: Progress | None,
     reader: ChangelogStorage | None,
+    logged: LoggedChanges | None = None,
 ) -> int:
     """Bulk-load the owned parts of the handles' materialized chunks, in key order (sorted appends).
 
     ``states``: the restored tables (``versions.tables_of``); each loaded chunk entry (narrowed to the owned key
     groups) is appended to ``loaded_chunks``, with the hash of the bytes it was checked on if the
-    handle (of version 1) recorded none, so later snapshots carry version-2 entries. Returns the
-    number of entries loaded.
+    handle (of version 1) recorded none, so later snapshots carry version-2 entries. ``logged``: the
+    logs' records, each chunk's key groups' applied in its transaction (module doc). Returns the
+    number of entries loaded and key changes applied.
     """
     ordered = owned_parts(handles, owned)
     if not ordered:
@@ -164,6 +171,8 @@ def load_materialized(
             for name, entries in by_state.items():
                 bulk_put(txn, tables.database_in(txn, name), entries)
                 loaded += len(entries)
+            if logged is not None:
+                loaded += logged.apply(txn, tables, rng)
         if CHUNK_HASH not in chunk:
             chunk[CHUNK_HASH] = chunk_digest(data)
         loaded_chunks.append(chunk)
@@ -219,37 +228,55 @@ class SpanReader:
         return self.span[offset - self.start : offset - self.start + size]
 
 
-def replay_log(
-    tables: LmdbTables,
-    storage: ChangelogStorage,
-    log: ChangelogHandle,
-    owned: KeyGroupRange,
-    states: Mapping[str, Mapping[str, Any]],
-    progress: Progress | None,
-    done_before: int,
-) -> int:
-    """Apply the records of ``log`` in the ``owned`` key groups to the tables; returns key changes.
+class LoggedChanges:
+    """The records of the owned key groups of a restore's logs (oldest first), read before its
+    chunks are loaded, applied per key group (module doc). A malformed record raises
+    ``CorruptChangelogError`` naming its log's files; a record of an unknown state
+    ``StateRestoreError``.
 
     ``states``: table name -> metadata of every restored table (``versions.tables_of``: a state's
-    schema versions each have theirs); the kind decides how a CLEAR applies.
-    """
-    kinds = record_kinds(states)
-    dbs = {sid: tables.database(name) for sid, (name, _) in kinds.items()}
-    count = 0
-    with tables.write(f"the replay of log {log.log_id}") as txn:
+    schema versions each have theirs); the kind decides how a CLEAR applies."""
+
+    def __init__(
+        self,
+        storage: ChangelogStorage,
+        logs: Sequence[tuple[ChangelogHandle, KeyGroupRange]],
+        states: Mapping[str, Mapping[str, Any]],
+    ) -> None:
+        self.logs = [log for log, _ in logs]
+        self.kinds = record_kinds(states)
+        #: key group -> [(the index of its log, record)], in log order
+        self.by_group: dict[int, list[tuple[int, bytes]]] = {}
+        for index, (log, rng) in enumerate(logs):
+            for key_group, data in storage.read(log, rng):
+                self.by_group.setdefault(key_group, []).append((index, data))
+
+    def apply(self, txn: Any, tables: LmdbTables, key_groups: Iterable[int]) -> int:
+        """Apply the records of ``key_groups`` in ``txn``; returns the key changes they held."""
+        count = 0
+        for key_group in key_groups:
+            for index, data in self.by_group.pop(key_group, ()):
+                count += self._apply(txn, tables, index, data)
+        return count
+
+    def apply_rest(self, tables: LmdbTables) -> int:
+        """Apply the records of the key groups no chunk held, in one transaction."""
+        if not self.by_group:
+            return 0
+        with tables.write(f"the replay of log {', '.join(log.log_id for log in self.logs)}") as txn:
+            return self.apply(txn, tables, sorted(self.by_group))
+
+    def _apply(self, txn: Any, tables: LmdbTables, index: int, data: bytes) -> int:
+        log = self.logs[index]
         try:
-            for _, data in storage.read(log, owned):
-                op, sid, ck, rest = rec.parse_record(data)
-                entry = kinds.get(sid)
-                if entry is None:
-                    raise StateRestoreError(f"log {log.log_id} has a change of an unknown state id {sid:#x}")
-                try:
-                    applied = apply_record(txn, dbs[sid], entry[1], op, ck, rest)
-                except lmdb.BadValsizeError as exc:  # a key longer than LMDB takes, or an empty one
-                    raise SerializationError("change-record", f"a key or value LMDB refuses ({exc})") from None
-                if progress is not None and (count + applied) // _PROGRESS_EVERY > count // _PROGRESS_EVERY:
-                    progress(done_before + count + applied)
-                count += applied
+            op, sid, ck, rest = rec.parse_record(data)
+            entry = self.kinds.get(sid)
+            if entry is None:
+                raise StateRestoreError(f"log {log.log_id} has a change of an unknown state id {sid:#x}")
+            try:
+                return apply_record(txn, tables.database_in(txn, entry[0]), entry[1], op, ck, rest)
+            except lmdb.BadValsizeError as exc:  # a key longer than LMDB takes, or an empty one
+                raise SerializationError("change-record", f"a key or value LMDB refuses ({exc})") from None
         except SerializationError as exc:
             # The segment's checksum held, so the writer wrote a record that cannot be parsed. The
             # reader yields records without their segment: name the handle's files (usually one).
@@ -257,7 +284,6 @@ def replay_log(
                 ", ".join(sorted(log.files)) or log.log_id,
                 f"malformed change record in log {log.log_id} (sqn {log.after + 1}..{log.upto}): {exc}",
             ) from None
-    return count
 
 
 def record_kinds(states: Mapping[str, Mapping[str, Any]]) -> dict[int, tuple[str, str]]:

@@ -10,7 +10,7 @@ import lmdb
 from hypothesis import given
 from hypothesis import strategies as st
 
-from materializer.entries import Entries
+from backend.core.entries import Entries
 
 _keys = st.lists(st.binary(min_size=1, max_size=6), unique=True, max_size=30).map(sorted)
 
