@@ -42,11 +42,12 @@ import concurrent.futures
 import itertools
 import operator
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from backend.core import records as rec
+from backend.core.entries import Entries
 from backend.core.handles import CHUNK_HASH, chunk_digest
 from backend.core.records import Op
 from backend.core.tablekeys import key_group_prefix
@@ -348,17 +349,12 @@ class _Moved:
                 held = self.held[name] = _Held(db, taken)
         cursor = self.txn.cursor(db=db)
         if held is None:
-            for run in _spliced(entries, cks, []):
-                cursor.putmulti(run)
+            cursor.putmulti(_spliced(entries, cks, []))
             return
-        inside = held.below(end)
-        refused = 0
-        for run in _spliced(entries, cks, inside):
-            consumed, added = cursor.putmulti(run, append=True)
-            refused += consumed - added
-        if refused:  # a key of the table's was in the chunk's too: plain puts, the table's last
-            for run in _spliced(entries, cks, inside):
-                cursor.putmulti(run)
+        merged = _spliced(entries, cks, held.below(end))
+        consumed, added = cursor.putmulti(merged, append=True)
+        if added != consumed:  # a key of the table's was in the chunk's too: plain puts, the table's last
+            cursor.putmulti(merged)
 
     def put_back(self, end: bytes | None) -> None:
         """Put back what was taken out below ``end`` (None: all of it): it appends."""
@@ -368,44 +364,44 @@ class _Moved:
                 restoring.bulk_put(self.txn, held.db, inside)
 
 
-def _spliced(
-    entries: Sequence[tuple[bytes, bytes]], cks: list[bytes], extra: list[tuple[bytes, bytes]]
-) -> Iterator[Iterable[tuple[bytes, bytes]]]:
+def _spliced(entries: Sequence[tuple[bytes, bytes]], cks: list[bytes], extra: list[tuple[bytes, bytes]]) -> Entries:
     """``entries`` (sorted by table key) without those of the keys ``cks`` (sorted) and with the
-    ``extra`` entries (sorted), in order, an extra entry after an entry of the same table key: as
-    runs that slice one iterator over ``entries`` (no copy of them), so each run must be consumed
-    whole before the next is taken. A key's entries are the table keys starting with its ckey (no
-    ckey is a prefix of another one): found by a binary search per key and per extra entry, not a
-    test of every entry."""
+    ``extra`` entries (sorted), in order, an extra entry after an entry of the same table key: one
+    ``Entries`` whose columns are slices of the given ones, so that one ``putmulti`` puts them. A
+    key's entries are the table keys starting with its ckey (no ckey is a prefix of another one):
+    found by a binary search per key and per extra entry, not a test of every entry."""
+    if not isinstance(entries, Entries):  # a partly owned chunk's pairs, or a unit's merged parts
+        entries = Entries([k for k, _ in entries], [v for _, v in entries])
     if not cks and not extra:
-        yield entries
-        return
-    source = iter(entries)
-    taken = 0  # the entries ``source`` has given so far
+        return entries
+    keys, values = entries.keys, entries.values
+    out_keys: list[bytes] = []
+    out_values: list[bytes] = []
+    taken = 0  # the entries copied or skipped so far
 
-    def ahead(upto: int) -> Iterable[tuple[bytes, bytes]]:
+    def copy(upto: int) -> None:
         nonlocal taken
-        run, taken = itertools.islice(source, upto - taken), upto
-        return run
+        if upto > taken:
+            out_keys.extend(keys[taken:upto])
+            out_values.extend(values[taken:upto])
+            taken = upto
 
     x = 0
     for ck in cks:
-        lo = bisect.bisect_left(entries, (ck,), taken)
         while x < len(extra) and extra[x][0] < ck:  # the extra entries before this key's
-            yield ahead(bisect.bisect_right(entries, extra[x][0], taken, key=_FIRST))
-            yield extra[x : x + 1]
+            copy(bisect.bisect_right(keys, extra[x][0], taken))
+            out_keys.append(extra[x][0])
+            out_values.append(extra[x][1])
             x += 1
-        if lo > taken:
-            yield ahead(lo)
-        hi = lo
-        while hi < len(entries) and entries[hi][0].startswith(ck):
-            hi += 1
-        for _ in ahead(hi):  # the key's entries: left out
-            pass
-    for item in extra[x:]:
-        yield ahead(bisect.bisect_right(entries, item[0], taken, key=_FIRST))
-        yield (item,)
-    yield source
+        copy(bisect.bisect_left(keys, ck, taken))
+        while taken < len(keys) and keys[taken].startswith(ck):  # the key's entries: left out
+            taken += 1
+    for key, value in extra[x:]:
+        copy(bisect.bisect_right(keys, key, taken))
+        out_keys.append(key)
+        out_values.append(value)
+    copy(len(keys))
+    return Entries(out_keys, out_values)
 
 
 def _follows(run: list[Part], part: Part) -> bool:
