@@ -88,11 +88,12 @@ def save_figure(fig: Any, path: Path) -> None:
     plt.close(fig)
 
 
-def run_available_now(out: Any, sink: Any, work: Path) -> Any:
+def run_available_now(out: Any, sink: Any, work: Path, output_mode: str = "append") -> Any:
     """Run the streaming DataFrame ``out`` over every input available now (``availableNow``) into
     the ``foreachBatch`` ``sink``, its checkpoint under ``work``; returns the ended query."""
     query = (
         out.writeStream.foreachBatch(sink)
+        .outputMode(output_mode)
         .option("checkpointLocation", str(work / "spark-chk"))
         .trigger(availableNow=True)
         .start()

@@ -1,6 +1,7 @@
-"""``spark``: one StatefulProcessor on this backend vs Spark's own transformWithStateInPandas.
+"""``spark``: one StatefulProcessor on this backend vs Spark's own transformWithStateInPandas, and
+one ``applyInPandasWithState`` function on this backend vs Spark's own.
 
-Same processor, same generated input, one local Spark session (``local[2]``, 4 shuffle
+Same processor (function), same generated input, one local Spark session (``local[2]``, 4 shuffle
 partitions = our parallelism), run side by side in one process:
 
 - ours: ``backend.spark.api.transform_with_state_in_pandas`` (state in LMDB, changelog on a local
@@ -11,7 +12,9 @@ partitions = our parallelism), run side by side in one process:
 Workloads (input files written up front, one parquet file per micro-batch, ``maxFilesPerTrigger``
 1, ``availableNow``): *heavy* (100k rows per batch over 10k keys; quick 20k rows) where the
 processor makes 3 state calls per row (value get + update, map update), and *light* (1k rows per
-batch). The batch duration is Spark's ``triggerExecution`` of each batch; the first batch of each
+batch). The ``applyInPandasWithState`` function (rows ``apply_*``) counts a key's rows and keeps
+its last value in its ``GroupState`` (one get and one update per key and batch: what that API
+allows). The batch duration is Spark's ``triggerExecution`` of each batch; the first batch of each
 run is a warm-up and left out of the median. Files written per batch: new files under each
 system's state directory (ours: ``chk-*``, ``pending/``, ``dstl/``, ``shared/``; Spark: the
 query's ``state/`` directory), counted after every batch.
@@ -30,6 +33,9 @@ from typing import Any
 from benchmarks.common import BenchResult, progress, run_available_now
 
 OUTPUT = "user string, count long, last long"
+APPLY_STATE = "count long, last long"
+#: the APIs compared: transformWithStateInPandas, applyInPandasWithState
+APIS = ("tws", "apply")
 
 
 def _processor() -> Any:
@@ -61,6 +67,22 @@ def _processor() -> Any:
     return PerRow
 
 
+def _apply_function() -> Any:
+    import pandas as pd
+
+    def count_rows(key: Any, frames: Any, state: Any) -> Any:
+        """A key's row count and last value, kept in its GroupState."""
+        count, last = state.get if state.exists else (0, 0)
+        for frame in frames:
+            count += len(frame)
+            if len(frame):
+                last = int(frame["v"].iloc[-1])
+        state.update((count, last))
+        yield pd.DataFrame({"user": [key[0]], "count": [count], "last": [last]})
+
+    return count_rows
+
+
 def _write_input(directory: Path, batches: int, rows: int, keys: int, seed: int) -> None:
     import numpy as np
     import pandas as pd
@@ -83,22 +105,30 @@ def _count_files(directory: Path) -> set[str]:
     return {os.path.join(top, name) for top, _, names in os.walk(directory) for name in names}
 
 
-def _run(spark: Any, which: str, source: Path, work: Path, parallelism: int) -> dict[str, Any]:
+def _run(spark: Any, api: str, which: str, source: Path, work: Path, parallelism: int) -> dict[str, Any]:
     from backend.spark import driver
-    from backend.spark.api import transform_with_state_in_pandas
+    from backend.spark.api import apply_in_pandas_with_state, transform_with_state_in_pandas
 
     df = spark.readStream.schema("user string, cat string, v long").option("maxFilesPerTrigger", 1).parquet(str(source))
-    processor = _processor()()
+    grouped = df.groupBy("user")
     if which == "ours":
         driver.forget_all()
-        out = transform_with_state_in_pandas(
-            df.groupBy("user"), processor, OUTPUT, "Update", "None",
-            checkpoint_location=str(work / "state"), operator_uid="bench", parallelism=parallelism,
-            local_dir=str(work / "local"),
-        )  # fmt: skip
+        options: dict[str, Any] = {
+            "checkpoint_location": str(work / "state"), "operator_uid": "bench", "parallelism": parallelism,
+            "local_dir": str(work / "local"),
+        }  # fmt: skip
+        if api == "tws":
+            out = transform_with_state_in_pandas(grouped, _processor()(), OUTPUT, "Update", "None", **options)
+        else:
+            out = apply_in_pandas_with_state(
+                grouped, _apply_function(), OUTPUT, APPLY_STATE, "Update", "NoTimeout", **options
+            )
         state_dir = work / "state"
     else:
-        out = df.groupBy("user").transformWithStateInPandas(processor, OUTPUT, "Update", "None")
+        if api == "tws":
+            out = grouped.transformWithStateInPandas(_processor()(), OUTPUT, "Update", "None")
+        else:
+            out = grouped.applyInPandasWithState(_apply_function(), OUTPUT, APPLY_STATE, "Update", "NoTimeout")
         state_dir = work / "spark-chk" / "state"
     seen: set[str] = set()
     new_files: list[int] = []
@@ -110,7 +140,7 @@ def _run(spark: Any, which: str, source: Path, work: Path, parallelism: int) -> 
         new_files.append(len(files - seen))
         seen.update(files)
 
-    query = run_available_now(out, sink, work)
+    query = run_available_now(out, sink, work, "append" if api == "tws" else "update")
     durations = [p["durationMs"]["triggerExecution"] for p in query.recentProgress if p["numInputRows"] > 0]
     return {"durations_ms": durations, "new_files": new_files, "rows_out": rows_out[0]}
 
@@ -140,11 +170,13 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
         for workload, rows, keys in (("heavy", heavy_rows, heavy_rows // 10), ("light", 1_000, 1_000)):
             source = tmp / f"in-{workload}"
             _write_input(source, batches, rows, keys, seed=len(workload))
-            for which in ("spark", "ours"):
-                progress(f"spark: {workload} workload ({rows} rows x {batches} batches) on {which}")
-                began = time.perf_counter()
-                results[f"{workload}_{which}"] = _run(spark, which, source, tmp / f"{workload}-{which}", 4)
-                results[f"{workload}_{which}"]["seconds"] = round(time.perf_counter() - began, 2)
+            for api in APIS:
+                for which in ("spark", "ours"):
+                    progress(f"spark: {api} {workload} workload ({rows} rows x {batches} batches) on {which}")
+                    name = f"{workload}_{which}" if api == "tws" else f"apply_{workload}_{which}"
+                    began = time.perf_counter()
+                    results[name] = _run(spark, api, which, source, tmp / name, 4)
+                    results[name]["seconds"] = round(time.perf_counter() - began, 2)
     finally:
         spark.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -153,6 +185,12 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
     metrics = {
         "heavy_batch_ratio": round(med["heavy_ours"] / med["heavy_spark"], 3),
         "light_batch_ratio": round(med["light_ours"] / med["light_spark"], 3),
+        "apply_heavy_batch_ratio": round(med["apply_heavy_ours"] / med["apply_heavy_spark"], 3),
+        "apply_light_batch_ratio": round(med["apply_light_ours"] / med["apply_light_spark"], 3),
+        "apply_heavy_batch_ms_ours": med["apply_heavy_ours"],
+        "apply_heavy_batch_ms_spark": med["apply_heavy_spark"],
+        "apply_light_batch_ms_ours": med["apply_light_ours"],
+        "apply_light_batch_ms_spark": med["apply_light_spark"],
         "heavy_batch_ms_ours": med["heavy_ours"],
         "heavy_batch_ms_spark": med["heavy_spark"],
         "light_batch_ms_ours": med["light_ours"],
@@ -169,6 +207,12 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
                                               f"= {metrics['heavy_batch_ratio']}"),
         ("light batch median (ours / Spark)", f"{med['light_ours']:.0f} / {med['light_spark']:.0f} ms "
                                               f"= {metrics['light_batch_ratio']}"),
+        ("applyInPandasWithState heavy (ours / Spark)", f"{med['apply_heavy_ours']:.0f} / "
+                                                        f"{med['apply_heavy_spark']:.0f} ms "
+                                                        f"= {metrics['apply_heavy_batch_ratio']}"),
+        ("applyInPandasWithState light (ours / Spark)", f"{med['apply_light_ours']:.0f} / "
+                                                        f"{med['apply_light_spark']:.0f} ms "
+                                                        f"= {metrics['apply_light_batch_ratio']}"),
         ("state calls/s heavy (ours / Spark)", f"{metrics['state_calls_per_s_ours']:,} / "
                                                f"{metrics['state_calls_per_s_spark']:,}"),
         ("DFS files per batch (ours / Spark)", f"{metrics['files_per_batch_ours']} / "
