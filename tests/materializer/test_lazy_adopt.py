@@ -36,7 +36,7 @@ from tests.materializer.backends import (
     model_keys,
     owner,
 )
-from tests.materializer.test_lazy_restore import lazily_restored
+from tests.materializer.test_lazy_restore import checkpoint_1, lazily_restored
 from tests.support.lazy_adopt_child import READ_KEYS
 from tests.support.materializer_crash_child import (
     MAX_P,
@@ -45,7 +45,6 @@ from tests.support.materializer_crash_child import (
     apply_to_backend,
     apply_to_model,
     batch_a,
-    batch_b,
     batch_c,
 )
 from tests.support.polling import wait_until
@@ -54,20 +53,6 @@ B = ChangelogKeyedStateBackend
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 #: keys a partly loaded backend read (and loaded) without changing them
 LOADED = range(1, 230, 11)
-
-
-def checkpoint_1(env: Env, chunk_key_groups: int = 1) -> tuple[KeyedStateHandle, Model]:
-    """Batch A materialized (chunks of ``chunk_key_groups`` key groups), batch B in the log."""
-    b = env.backends.new()
-    options = MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=chunk_key_groups)
-    m = PeriodicMaterializer(b, options)
-    apply_to_backend(b, batch_a())
-    materialize(m)
-    apply_to_backend(b, batch_b())
-    handle = checkpoint(b, 1)
-    m.close()
-    env.backends.close(b)
-    return KeyedStateHandle.loads(handle.dumps()), apply_to_model(apply_to_model(Model(), batch_a()), batch_b())
 
 
 def partly_loaded(env: Env, chunk_key_groups: int = 1) -> tuple[B, KeyedStateHandle, Model]:

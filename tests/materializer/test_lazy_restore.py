@@ -49,14 +49,16 @@ from tests.support.materializer_crash_child import (
 B = ChangelogKeyedStateBackend
 
 
-def materializer(b: B) -> PeriodicMaterializer:
-    return PeriodicMaterializer(b, MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None))
+def materializer(b: B, chunk_key_groups: int = 1) -> PeriodicMaterializer:
+    options = MaterializationOptions(interval_ms=NEVER, size_trigger_bytes=None, chunk_key_groups=chunk_key_groups)
+    return PeriodicMaterializer(b, options)
 
 
-def checkpoint_1(env: Env) -> tuple[KeyedStateHandle, Model]:
-    """Batch A materialized, batch B in the log: the state of checkpoint 1 and its model."""
+def checkpoint_1(env: Env, chunk_key_groups: int = 1) -> tuple[KeyedStateHandle, Model]:
+    """Batch A materialized (chunks of ``chunk_key_groups`` key groups), batch B in the log: the
+    state of checkpoint 1 and its model."""
     b = env.backends.new()
-    m = materializer(b)
+    m = materializer(b, chunk_key_groups)
     apply_to_backend(b, batch_a())
     materialize(m)
     apply_to_backend(b, batch_b())
