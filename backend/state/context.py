@@ -187,7 +187,10 @@ class KeyContext:
         finally:
             self.current_ckey, self.current_kg, self.current_key = saved
         if key_groups is None:
-            self._known.update(known)
+            if self._known:
+                self._known.update(known)
+            else:  # the usual case (a batch's start): take the dict instead of copying it
+                self._known = known
         return ckeys
 
     def forget_keys(self) -> None:
