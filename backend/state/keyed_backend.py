@@ -159,6 +159,7 @@ class ChangelogKeyedStateBackend(KeyContext):
             # restore, over the live tables: everything goes to LMDB first, so that the version
             # registered so far is complete in its table and becomes the older one.
             self.flush()
+            existing.forget_ahead()
             base = self._meta[descriptor.name]
         if descriptor.name == TIMERS_DB:
             raise ConfigurationError(f"state name {TIMERS_DB!r} is reserved (descriptor.name)")
@@ -179,6 +180,8 @@ class ChangelogKeyedStateBackend(KeyContext):
             return
         self.hydrate()
         self.flush()
+        if table is not None:
+            table.forget_ahead()
         meta = self.state_metadata()[name]
         versions.delete_tables(self.tables, name, meta, self._append)
         self._states.pop(name, None)
@@ -204,10 +207,12 @@ class ChangelogKeyedStateBackend(KeyContext):
         ``set_current_key_in_group`` takes it.
 
         Nothing else changes: writes go to the write-back caches as outside a batch (logged and
-        written to LMDB, sorted, at the next checkpoint or spill), a key outside ``keys`` is read
-        from LMDB, and a flush inside the batch (a spill) drops what was read ahead (the work
-        goes on reading LMDB). States registered inside the batch are not read ahead. After a lazy
-        restore, the batch's keys that are not local yet are loaded first, their reads concurrent."""
+        written to LMDB, sorted, at the next checkpoint or spill), and a key outside ``keys`` is
+        read from LMDB. A value state keeps the batch's current values, deserialized, for the
+        whole batch (``value_table``: its writes update them); for the other states a flush inside
+        the batch (a spill) drops what was read ahead (the work goes on reading LMDB). States
+        registered inside the batch are not read ahead. After a lazy restore, the batch's keys
+        that are not local yet are loaded first, their reads concurrent."""
         if self._in_batch:
             raise RuntimeError(f"backend {self.operator_id}: a batch is running already (batches do not nest)")
         self._in_batch = True
@@ -225,6 +230,8 @@ class ChangelogKeyedStateBackend(KeyContext):
         finally:
             self._in_batch = False
             self.forget_keys()
+            for table in self._states.values():
+                table.forget_ahead()
             self.tables.unload()
 
     # -- timers (milliseconds) ------------------------------------------------------------

@@ -16,7 +16,8 @@ heap backend: treat them as immutable and write them back to change state.
 ``ValueState.value()`` and ``update()`` without TTL are the hot path: they read and write the
 value table's per-key-group dicts directly (see ``value_table``) instead of calling the table. A
 key found nowhere then checks one attribute (``table.older``) before reading an older schema
-version's table (``versions``); a key found costs nothing more.
+version's table (``versions``); a key found costs nothing more. In a batch, a key of the batch is
+read from the table's ``ahead`` (its values read ahead), and every write goes there too.
 """
 
 from __future__ import annotations
@@ -61,18 +62,24 @@ class _Bound:
 class ValueState(_Bound, Generic[V]):
     """One value per key. ``update(None)`` clears it; ``value()`` is None when there is none."""
 
-    __slots__ = ("_caches", "_fast")
+    __slots__ = ("_ahead", "_caches", "_fast")
 
     def __init__(self, backend: StateHost, table: StateTable) -> None:
         super().__init__(backend, table)
         assert isinstance(table, ValueTable)
         self._caches = table.caches  # the same dicts for the table's lifetime (cleared in place)
+        self._ahead = table.ahead
         self._fast = not table.ttl_ms
 
     def value(self) -> V | None:
-        if self._fast:  # the hot path, inlined: cache hit, else one LMDB get
+        if self._fast:  # the hot path, inlined: read ahead, or cache hit, else one LMDB get
             backend = self._backend
             ck = backend.current_ckey
+            ahead = self._ahead
+            if ahead:
+                cached = ahead.get(ck, MISS)
+                if cached is not MISS:
+                    return cached  # type: ignore[no-any-return]
             cached = self._caches[backend.current_kg].get(ck, MISS)
             if cached is MISS:
                 table = self._table
@@ -91,8 +98,12 @@ class ValueState(_Bound, Generic[V]):
             self._table.clear(self._backend.current_ckey)
         elif self._fast:
             backend = self._backend
+            ck = backend.current_ckey
             cache = self._caches[backend.current_kg]
-            cache[backend.current_ckey] = value
+            cache[ck] = value
+            ahead = self._ahead
+            if ahead:
+                ahead[ck] = value
             if len(cache) > backend.kg_flush_threshold:
                 backend.flush()
         else:

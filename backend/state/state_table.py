@@ -166,3 +166,6 @@ class StateTable:
     def load_ahead(self, cks: list[bytes]) -> None:
         """Read the stored entries of the keys ``cks`` (sorted) ahead, in one pass: the unit of
         work about to run addresses them (``ChangelogKeyedStateBackend.batch``)."""
+
+    def forget_ahead(self) -> None:
+        """Forget what ``load_ahead`` kept beside the tables' own read-ahead (the batch ended)."""

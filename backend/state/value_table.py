@@ -23,18 +23,32 @@ A spill empties the caches and the cleans only once its LMDB transaction committ
 spill that fails (a full local directory) keeps them, and reads keep seeing what the log holds.
 
 ``ValueState`` reads these dicts directly on its no-TTL hot path (``backend.state.primitives``).
+
+A batch's values read ahead (``ahead``, ``load_ahead``): while a unit of work with known keys
+runs (``ChangelogKeyedStateBackend.batch``), ``ahead`` maps each of its keys to its current value
+(None: none), taken where a read finds it (the changes, the logged entries, LMDB) and deserialized
+in one pass, so that a read of a batch key is one lookup in a dict of the batch's size instead of
+two misses in the large caches, an LMDB read and a deserialize call. Every write to the table
+writes ``ahead`` too while it is filled (``put``, ``clear``, ``ValueState.update``), so it stays
+the current value whatever flush, spill or checkpoint runs meanwhile: none of those changes a
+value, they only move it between memory, LMDB and the log. Only a state without TTL (an expiry
+depends on the time of the read) and without older schema versions (a miss reads them) is read
+ahead so; the others read the stored bytes ahead as before (``LmdbTables.load``). ``ahead`` is
+emptied when the batch ends and when the state is deleted.
 """
 
 from __future__ import annotations
 
 import operator
-from itertools import repeat
+from bisect import bisect_left
+from itertools import filterfalse, repeat
 from typing import Any
 
 from backend.core import records as rec
 from backend.core.descriptors import StateDescriptor
 from backend.core.errors import NoCurrentKeyError
 from backend.core.records import Op
+from backend.core.tablekeys import key_group_of, key_group_prefix
 from backend.state.context import StateHost, require_key
 from backend.state.state_table import (
     MISS,
@@ -98,11 +112,20 @@ class ValueTable(StateTable):
             [{} for _ in range(host.max_parallelism)] if self.logged and not self._bulk else None
         )
         self.lookup = host.tables.getter(self.table_name)
+        #: a running batch's keys -> their current value (None: none); empty outside a batch (module doc)
+        self.ahead: dict[bytes, Any] = {}
+        #: the serializer deserializes many values in one C call (as ``_bulk`` for ``serialize_many``)
+        self._bulk_reads = _defined_together(cls, "deserialize", "deserialize_many")
 
     def _cache_of(self, ck: bytes) -> dict[bytes, Any]:
         return self.caches[(require_key(ck)[0] << 8) | ck[1]]  # tablekeys.key_group_of, inlined
 
     def get(self, ck: bytes) -> Any:
+        ahead = self.ahead
+        if ahead:
+            value = ahead.get(ck, MISS)
+            if value is not MISS:
+                return value
         kg = (require_key(ck)[0] << 8) | ck[1]  # tablekeys.key_group_of, inlined
         cache = self.caches[kg]
         cached = cache.get(ck, MISS)
@@ -133,12 +156,16 @@ class ValueTable(StateTable):
     def put(self, ck: bytes, value: Any) -> None:
         cache = self.caches[(require_key(ck)[0] << 8) | ck[1]]  # _cache_of, inlined (the add path)
         cache[ck] = self.stamp(value) if self.ttl_ms else value
+        if self.ahead:
+            self.ahead[ck] = value
         if len(cache) > self.host.kg_flush_threshold:
             self.host.flush()
 
     def clear(self, ck: bytes) -> None:
         cache = self._cache_of(ck)
         cache[ck] = TOMBSTONE
+        if self.ahead:
+            self.ahead[ck] = None
         if len(cache) > self.host.kg_flush_threshold:
             self.host.flush()
 
@@ -146,9 +173,47 @@ class ValueTable(StateTable):
         return sum(map(len, self.caches)) + sum(map(len, self.cleans))
 
     def load_ahead(self, cks: list[bytes]) -> None:
-        """Read the values of ``cks`` (sorted) ahead (``ChangelogKeyedStateBackend.batch``); the
-        hot path reads them through ``lookup`` as before."""
-        self.host.tables.load(self.table_name, cks)
+        """Read the current values of ``cks`` (sorted, distinct) into ``ahead`` (module doc): those
+        in memory from the caches, the others from LMDB in key order, deserialized in one pass.
+        With TTL or older schema versions, the stored bytes are read ahead instead (``lookup``)."""
+        if self.ttl_ms or self.older is not None:
+            self.host.tables.load(self.table_name, cks)
+            return
+        in_memory = self._in_memory(cks)
+        stored_keys = list(filterfalse(in_memory.__contains__, cks)) if in_memory else cks
+        stored = list(map(self.lookup.get, stored_keys))
+        ahead = self.ahead
+        ahead.update(zip(stored_keys, self._values_of(stored), strict=True))
+        ahead.update(in_memory)
+
+    def _in_memory(self, cks: list[bytes]) -> dict[bytes, Any]:
+        """The values of the keys of ``cks`` (sorted) that the caches hold (None: cleared): a
+        key group's keys are a run of ``cks``, looked up in its two dicts by C-level intersections."""
+        found: dict[bytes, Any] = {}
+        i, end = 0, len(cks)
+        while i < end:
+            kg = key_group_of(cks[i])
+            j = bisect_left(cks, key_group_prefix(kg + 1), i)  # the next key group's first key
+            for source in (self.cleans[kg], self.caches[kg]):  # the changes last: they are newer
+                if source:
+                    hits = source.keys() & cks[i:j]
+                    if hits:
+                        found.update(zip(hits, map(source.__getitem__, hits), strict=True))
+            i = j
+        if any(map(operator.is_, found.values(), repeat(TOMBSTONE))):
+            found = {ck: None if value is TOMBSTONE else value for ck, value in found.items()}
+        return found
+
+    def _values_of(self, stored: list[bytes | None]) -> list[Any]:
+        """The values of stored bytes (None: absent), in one call where the serializer reads many."""
+        if self._bulk_reads and None not in stored:
+            return self.ser.deserialize_many(stored)  # type: ignore[attr-defined,no-any-return]
+        deserialize = self.ser.deserialize
+        return [None if data is None else deserialize(data) for data in stored]
+
+    def forget_ahead(self) -> None:
+        """The batch ended (or the state is deleted): reads go to the caches and LMDB again."""
+        self.ahead.clear()
 
     def _serialize_entries(self, entries: list[Any]) -> list[bytes | None]:
         """The stored bytes of cache entries (None for TOMBSTONE), in one call where the

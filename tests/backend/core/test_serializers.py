@@ -251,6 +251,19 @@ def test_an_int64_column_is_the_values_serializations_back_to_back(values: list[
     assert ser.serialize_column(values) == b"".join(map(ser.serialize, values))
 
 
+@given(st.lists(INT64, max_size=40))
+def test_int64_deserializes_many_values_as_it_deserializes_each(values: list[int]) -> None:
+    ser = Int64Serializer()
+    assert ser.deserialize_many(ser.serialize_many(values)) == values
+
+
+@pytest.mark.parametrize("datas", [[b"\x00" * 8, b"\x01" * 7], [b"\x00" * 7, b"\x00" * 9]])
+def test_int64_names_bytes_it_cannot_read_among_many(datas: list[bytes]) -> None:
+    """Two wrong lengths that add up to whole values are not read as values either."""
+    with pytest.raises(SerializationError, match="expected 8 bytes, got 7"):
+        Int64Serializer().deserialize_many(datas)
+
+
 class HugeIndex:
     """Like numpy's uint64(2**63): an integer by ``__index__``, past 64 signed bits."""
 

@@ -4,18 +4,26 @@ and reads exactly what it would read without the batch.
 The state machine (``test_state_machine``) runs every rule inside and outside batches against a
 model; these tests pin the cases a batch could get wrong on its own: a spill inside the batch
 (what was read ahead is older than the tables then), keys outside the batch, absent keys, keys
-that are equal but of another type, bad keys, nesting.
+that are equal but of another type, bad keys, nesting; and for value state, whose batch keeps
+its keys' current values (``value_table``): changes not yet in the tables when the batch starts,
+and writes, checkpoints, spills and a deletion inside it.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from backend.core.descriptors import ListStateDescriptor, MapStateDescriptor, ValueStateDescriptor
+from backend.core.descriptors import (
+    ListStateDescriptor,
+    MapStateDescriptor,
+    ReducingStateDescriptor,
+    ValueStateDescriptor,
+)
 from backend.core.keygroups import assign_key_group
 from backend.core.serializers import Int64Serializer, StrSerializer, serialize_key
 from backend.state.keyed_backend import ChangelogKeyedStateBackend
@@ -25,6 +33,7 @@ MAX_P = 128
 VALUE = ValueStateDescriptor("value", Int64Serializer())
 LIST = ListStateDescriptor("list", Int64Serializer())
 MAP = MapStateDescriptor("map", Int64Serializer(), user_key_serializer=StrSerializer())
+SUM = ReducingStateDescriptor("sum", Int64Serializer(), reduce=operator.add)
 
 
 @pytest.fixture
@@ -63,6 +72,61 @@ def test_a_batch_reads_what_the_tables_hold(backend: ChangelogKeyedStateBackend)
     with backend.batch([1, "a", (3, "x"), 99]):  # 99 was never written
         assert {key: read(backend, key) for key in (1, "a", (3, "x"), 99)} == outside
     assert outside[99] == (None, [], None, [])
+
+
+def test_a_batch_reads_the_changes_the_tables_do_not_hold_yet(backend: ChangelogKeyedStateBackend) -> None:
+    """A key changed since the last spill is read from the write-back caches: a change not yet
+    logged, and one logged by a checkpoint but not yet in LMDB."""
+    stored(backend, {1: 10, 2: 20, 3: 30, 4: 40})
+    value = backend.get_state(VALUE)
+    for key, new in ((1, 11), (2, None)):
+        backend.set_current_key(key)
+        value.update(new)
+    backend.snapshot(1).result(10)  # logged; the changes stay in memory until a spill
+    for key, new in ((3, 33), (4, None), (1, 111)):
+        backend.set_current_key(key)
+        value.update(new)
+    with backend.batch([1, 2, 3, 4, 5]):
+        assert [read(backend, k)[0] for k in (1, 2, 3, 4, 5)] == [111, None, 33, None, None]
+
+
+def test_value_reads_in_a_batch_follow_its_writes_through_checkpoints_and_spills(
+    backend: ChangelogKeyedStateBackend,
+) -> None:
+    stored(backend, {1: 10, 2: 20})
+    value, total = backend.get_state(VALUE), backend.get_state(SUM)
+    with backend.batch([1, 2, 3]):
+        backend.set_current_key(1)
+        value.update(value.value() + 1)
+        total.add(5)
+        backend.snapshot(1).result(10)
+        assert (value.value(), total.get()) == (11, 5)
+        value.update(value.value() + 1)
+        total.add(5)
+        backend.flush()
+        assert (value.value(), total.get()) == (12, 10)
+        backend.set_current_key(2)
+        value.clear()
+        assert value.value() is None
+        value.update(21)
+        backend.flush()
+        value.update(None)
+        assert value.value() is None
+        backend.set_current_key(3)
+        value.update(30)
+        assert value.value() == 30
+    assert [read(backend, k)[0] for k in (1, 2, 3)] == [12, None, 30]
+
+
+def test_a_state_deleted_inside_a_batch_reads_as_empty(backend: ChangelogKeyedStateBackend) -> None:
+    stored(backend, {1: 10})
+    with backend.batch([1]):
+        backend.set_current_key(1)
+        old = backend.get_state(VALUE)
+        assert old.value() == 10
+        backend.delete_state(VALUE.name)
+        assert backend.get_state(VALUE).value() is None
+        assert old.value() is None
 
 
 def test_a_spill_inside_a_batch_is_seen_by_the_reads_after_it(backend: ChangelogKeyedStateBackend) -> None:
