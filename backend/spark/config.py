@@ -12,6 +12,9 @@ driver directly; the tasks from a local property of the query (``ROUTE_PROPERTY`
 the starting thread's local properties to the query's thread and so to every task it runs); the
 no-data batch source, which runs in a Python process of its own on the driver's host, from a file
 there (``route_file``). ``for_task`` and ``on_driver`` turn the shipped config into the bound one.
+A Spark Connect client sets no local property and may be on another host: it binds the operator in
+the plan the start sends instead (``backend.spark.connect_plan``: the task closure holds the bound
+config, the tick source's read option names the directory).
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ finished the round
 (its trigger timestamp is later) and that lies ``Scenario.settle_batches`` batches after the one
 that read the round's file, so every timer the round made due has fired. A scenario's pauses let
 time pass between rounds; they are input, not synchronization.
+
+On a Spark Connect session the sink is a Python data source writer whose commit (on the server)
+leaves each batch's rows in a file the harness reads (``register_batch_sink``): a ``foreachBatch``
+function runs in a process of the server's there, without the harness's variables.
 """
 
 from __future__ import annotations
@@ -76,6 +80,16 @@ class Side:
     query: Any = None
     batches: dict[int, Rows] = field(default_factory=dict)
     bounds: list[int] = field(default_factory=list)  # the last batch id of each round
+    #: on a Connect session: where the sink (on the server) writes each batch's rows
+    batch_dir: Path | None = None
+
+    def read_batches(self) -> None:
+        """Take the batches the Connect sink wrote (a ``foreachBatch`` function runs on the
+        server there, in a process of its own: it cannot add to ``batches`` itself)."""
+        if self.batch_dir is not None:
+            for path in self.batch_dir.glob("*.json"):
+                rows = json.loads(path.read_text())
+                self.batches[int(path.stem)] = Counter(_hashable(row) for row in rows)
 
     def round_rows(self) -> list[Rows]:
         out: list[Rows] = []
@@ -171,16 +185,73 @@ def _dataframe(spark: Any, scenario: Scenario, engine: str, source: Path, work: 
     return ours(grouped, proc, OUTPUT_SCHEMA, output_mode, mode, initialState=initial, **options)
 
 
+def _hashable(value: Any) -> Any:
+    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+
+
 def _start(side: Side, df: Any, scenario: Scenario, checkpoint: Path) -> None:
+    from backend.spark.connect import is_connect
+
     def collect(batch_df: Any, batch_id: int) -> None:
         side.batches[batch_id] = Counter(tuple(row) for row in batch_df.collect())
 
-    side.query = (
-        df.writeStream.outputMode(scenario.output_mode.lower())
-        .foreachBatch(collect)
-        .option("checkpointLocation", str(checkpoint))
-        .start()
-    )
+    connect = is_connect(df.sparkSession)
+    # a Python data source sink takes appends only, which Spark's transformWithState operators
+    # accept whatever their own output mode (applyInPandasWithState's must be the query's)
+    mode = "append" if connect and scenario.api != "gs" else scenario.output_mode.lower()
+    writer = df.writeStream.outputMode(mode).option("checkpointLocation", str(checkpoint))
+    if connect:  # the rows are left in files by the server (register_batch_sink)
+        side.batch_dir = checkpoint.parent / "batches"
+        side.batch_dir.mkdir(parents=True, exist_ok=True)
+        side.query = writer.format(register_batch_sink(df.sparkSession)).option("path", str(side.batch_dir)).start()
+    else:
+        side.query = writer.foreachBatch(collect).start()
+
+
+def register_batch_sink(spark: Any) -> str:
+    """Register the harness's streaming sink on ``spark``; its format name. Each batch's rows go to
+    ``<path option>/<batch id>.json`` (values JSON cannot hold as their ``repr``: both sides go
+    through the same conversion), written by the sink's commit on the driver's side.
+
+    Why not ``foreachBatch`` on a Connect session: its function runs in a process of the server's
+    and evaluates the batch outside the query's thread, where the drop-in's tasks learn no batch
+    id (refused there, ``backend.spark.plan.run_partition``); a data source's writer runs in the
+    query's own jobs. It takes appends only (``_start``). The classes are built here so that
+    cloudpickle ships them by value."""
+    from pyspark.sql.datasource import DataSource, DataSourceStreamWriter, WriterCommitMessage
+
+    @dataclass
+    class Rows(WriterCommitMessage):  # type: ignore[misc]
+        rows: list[list[Any]]
+
+    class Writer(DataSourceStreamWriter):  # type: ignore[misc]
+        def __init__(self, directory: str) -> None:
+            self.directory = directory
+
+        def write(self, iterator: Any) -> Any:
+            return Rows([list(row) for row in iterator])
+
+        def commit(self, messages: list[Any], batchId: int) -> None:
+            rows = [row for message in messages if message is not None for row in message.rows]
+            tmp = os.path.join(self.directory, f".{batchId}.tmp")
+            with open(tmp, "w") as out:
+                json.dump(rows, out, default=repr)
+            os.replace(tmp, os.path.join(self.directory, f"{batchId}.json"))
+
+    class BatchSink(DataSource):  # type: ignore[misc]
+        @classmethod
+        def name(cls) -> str:
+            return BATCH_SINK
+
+        def streamWriter(self, schema: Any, overwrite: bool) -> Any:
+            return Writer(self.options["path"])
+
+    spark.dataSource.register(BatchSink)
+    return BATCH_SINK
+
+
+#: the format name of the harness's sink on a Connect session (``register_batch_sink``)
+BATCH_SINK = "parity_batches"
 
 
 def _failure(side: Side, what: str) -> HarnessError:
@@ -329,6 +400,7 @@ def run_scenario(spark: Any, scenario: Scenario, engines: tuple[str, str] = ("ou
                         side.bounds.append(progress.wait_settled(side, index, after, scenario.settle_batches))
                     else:
                         _process_all(side)
+                        side.read_batches()
                         side.bounds.append(max(side.batches, default=-1))
                     after = _now_ms()
                 let_time_pass(round_.pause_ms)
@@ -350,4 +422,6 @@ def run_scenario(spark: Any, scenario: Scenario, engines: tuple[str, str] = ("ou
                     spark.conf.set(name, old)
             spark.streams.removeListener(progress.listener)
             driver.forget_all()
+            for side in sides:
+                side.read_batches()
     return Outcome(scenario, sides)
