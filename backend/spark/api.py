@@ -44,7 +44,7 @@ from backend.spark.config import EVENT, PROCESSING, OperatorConfig, SparkOperato
 from backend.spark.handle import TIME_MODES
 from backend.spark.plan import KEY_GROUP, Operator, build, find_watermark, output_column
 from backend.spark.routed_reads import route_reads
-from backend.spark.routing import route_session, routed_uid
+from backend.spark.routing import hook_connect_writer, route_session, routed_uid
 from dstl import ConfigurationError
 
 _OUTPUT_MODES = {"append", "update"}
@@ -67,6 +67,13 @@ def _sparks_own(grouped: Any, method: str, *args: Any) -> Any:
     from backend.spark.routing import sparks_method
 
     return sparks_method(grouped, method)(grouped, *args)
+
+
+def _hook_connect(grouped: Any) -> None:
+    """On a Connect session, the writer hook a ``foreachBatch`` query of the drop-in needs
+    (``backend.spark.routing.hook_connect_writer``)."""
+    if type(grouped).__module__.startswith("pyspark.sql.connect"):
+        hook_connect_writer()
 
 
 def _rows_to_pandas(rows: Iterable[Any], names: list[str]) -> Any:
@@ -95,6 +102,7 @@ def _transform(
     )
     if not grouped._df.isStreaming:
         return own
+    _hook_connect(grouped)
     _check_modes(output_mode, time_mode)
     if not isinstance(processor, StatefulProcessor):
         raise TypeError(f"statefulProcessor must be a pyspark StatefulProcessor, got {type(processor).__name__}")
@@ -256,6 +264,7 @@ def apply_in_pandas_with_state(
                       timeoutConf)  # fmt: skip
     if not grouped._df.isStreaming:
         return own  # Spark refuses it when it runs: "applyInPandasWithState is unsupported in batch query"
+    _hook_connect(grouped)
     _check_modes(outputMode)
     if timeoutConf == GroupStateTimeout.EventTimeTimeout and find_watermark(grouped._df) is None:
         raise ConfigurationError("EventTimeTimeout needs a watermark: call withWatermark on the input")

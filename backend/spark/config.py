@@ -34,6 +34,8 @@ if TYPE_CHECKING:  # the tick source imports this module: nothing of the state l
 
 __all__ = [
     "EVENT",
+    "FOREACH_BATCH_ID",
+    "FOREACH_QUERY_ID",
     "PROCESSING",
     "ROUTE_PROPERTY",
     "OperatorConfig",
@@ -51,6 +53,11 @@ EVENT = "event"
 
 #: the prefix of the local property carrying a routed operator's state directory to its tasks
 ROUTE_PROPERTY = "dstl.route."
+#: the session confs a Spark Connect ``foreachBatch`` function's batch carries its batch id and
+#: query id in (``backend.spark.connect_plan.ForeachBatch``): Spark propagates a session's
+#: ``spark.*`` confs to its jobs as local properties, where the tasks read them
+FOREACH_BATCH_ID = "spark.dstl.foreachBatch.batchId"
+FOREACH_QUERY_ID = "spark.dstl.foreachBatch.queryId"
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from backend.checkpointing.savepoints import check_state_loading
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
 from backend.spark.batch import coalesced
 from backend.spark.bootstrap import check_restore_location, directory_url
-from backend.spark.config import OperatorConfig, SparkOperator, Watermarks
+from backend.spark.config import FOREACH_BATCH_ID, FOREACH_QUERY_ID, OperatorConfig, SparkOperator, Watermarks
 from backend.spark.connect import check_server, default_parallelism, is_connect
 from backend.spark.driver import coordinator_for
 from backend.spark.schema import input_type, simple_string
@@ -304,13 +304,15 @@ def build(
         .drop(_ROUTE)
     )
 
-    out = prepared.mapInPandas(_task(cfg, process, route), output_schema)
+    out = prepared.mapInPandas(_task(cfg, process, route, is_connect(spark)), output_schema)
     if event_time_column is not None and watermark is not None:
         out = _with_event_time(out, event_time_column, watermark[1])
     return out
 
 
-def _task(cfg: OperatorConfig, process: Callable[..., list[Any]], route: str | None) -> Callable[..., Any]:
+def _task(
+    cfg: OperatorConfig, process: Callable[..., list[Any]], route: str | None, connect: bool = False
+) -> Callable[..., Any]:
     """The function ``mapInPandas`` runs: ``cfg``'s tasks. A routed operator's is named after its
     route, so that the start of its query finds it in the plan (``backend.spark.routing``), which
     on a Connect session puts there the function of the bound config instead."""
@@ -320,7 +322,13 @@ def _task(cfg: OperatorConfig, process: Callable[..., list[Any]], route: str | N
 
     if route is not None:
         task.__name__ = task.__qualname__ = routed_task_name(route)
+    elif connect:  # how a Connect writer's start finds the drop-in in a plan (``connect_plan``)
+        task.__name__ = task.__qualname__ = DROP_IN_TASK
     return task
+
+
+#: the name of an operator's function (not routed) in a Connect plan
+DROP_IN_TASK = "dstl_operator"
 
 
 def routed_task_name(route: str) -> str:
@@ -397,12 +405,14 @@ def run_partition(cfg: OperatorConfig, frames: Iterator[Any], process: Callable[
     from pyspark import TaskContext
 
     context = TaskContext.get()
-    batch_id = context.getLocalProperty("streaming.sql.batchId") if context is not None else None
+    batch_id = None
+    if context is not None:  # a Connect foreachBatch's jobs carry it as a session conf instead
+        batch_id = context.getLocalProperty("streaming.sql.batchId") or context.getLocalProperty(FOREACH_BATCH_ID)
     if context is None or batch_id is None:
         raise RuntimeError(
-            "backend.spark operators run inside a streaming query only (no micro-batch id): on a Spark Connect "
-            "session, a foreachBatch function evaluates the batch outside the query's own jobs, which the drop-in "
-            "does not support yet; write to a sink (a table, files, a Python data source) instead"
+            "backend.spark operators run inside a streaming query only (no micro-batch id); on a Spark Connect "
+            "session, a foreachBatch function's query must be started while the drop-in's writer hook is in "
+            "place (use_for_session, or a DataFrame built by backend.spark.api on that session)"
         )
     cfg = cfg.for_task(context.getLocalProperty)
     task = context.partitionId()
@@ -412,7 +422,7 @@ def run_partition(cfg: OperatorConfig, frames: Iterator[Any], process: Callable[
             "sink through an operator that renumbers partitions (a union in which it is not the first input, a "
             "coalesce), which the drop-in does not support"
         )
-    query_id = context.getLocalProperty("sql.streaming.queryId") or ""
+    query_id = context.getLocalProperty("sql.streaming.queryId") or context.getLocalProperty(FOREACH_QUERY_ID) or ""
     subtasks = cfg.subtasks_of_task(task)
     data: dict[int, list[Any]] = {subtask: [] for subtask in subtasks}
     start, end = cfg.key_group_range(subtasks[0]).start, cfg.key_group_range(subtasks[-1]).end

@@ -288,16 +288,31 @@ def _hook_writer() -> None:
     ):  # fmt: skip
         hooked.__doc__, hooked.__name__ = original.__doc__, original.__name__
         setattr(DataStreamWriter, name, hooked)
-    _hook_connect_writer()
+    hook_connect_writer()
 
 
-def _hook_connect_writer() -> None:
-    """Wrap the Connect ``DataStreamWriter``'s two starts (its options are in its request already)."""
+#: where a Connect writer keeps the user's foreachBatch function (``_start_bound_connect`` wraps it)
+_FOREACH = "_dstl_foreach_batch"
+_CONNECT_HOOKED: list[bool] = []
+
+
+def hook_connect_writer() -> None:
+    """Wrap the Connect ``DataStreamWriter``'s two starts (its options are in its request already)
+    and record its ``foreachBatch`` function, once per process: ``use_for_session``, and the API's
+    functions on a Connect session (a ``foreachBatch`` query of theirs needs it too)."""
     try:
         from pyspark.sql.connect.streaming.readwriter import DataStreamWriter
     except ImportError:  # pyspark without its connect extra: no Connect session can exist
         return
-    start, to_table = DataStreamWriter.start, DataStreamWriter.toTable
+    with _LOCK:
+        if _CONNECT_HOOKED:
+            return
+        _CONNECT_HOOKED.append(True)
+    start, to_table, foreach_batch = DataStreamWriter.start, DataStreamWriter.toTable, DataStreamWriter.foreachBatch
+
+    def hooked_foreach_batch(self: Any, func: Callable[[Any, int], None]) -> Any:
+        self.__dict__[_FOREACH] = (func, foreach_batch)
+        return foreach_batch(self, func)
 
     def hooked_start(
         self: Any, path: Any = None, format: Any = None, outputMode: Any = None, partitionBy: Any = None,
@@ -316,7 +331,10 @@ def _hook_connect_writer() -> None:
             lambda: to_table(self, tableName, format, outputMode, partitionBy, queryName, **given),
         )  # fmt: skip
 
-    for name, hooked, original in (("start", hooked_start, start), ("toTable", hooked_to_table, to_table)):
+    for name, hooked, original in (
+        ("start", hooked_start, start), ("toTable", hooked_to_table, to_table),
+        ("foreachBatch", hooked_foreach_batch, foreach_batch),
+    ):  # fmt: skip
         hooked.__doc__, hooked.__name__ = original.__doc__, original.__name__
         setattr(DataStreamWriter, name, hooked)
 
@@ -355,22 +373,32 @@ def _start_bound(writer: Any, query_name: str | None, given: dict[str, Any], sta
 
 def _start_bound_connect(writer: Any, query_name: str | None, given: dict[str, Any], start: Callable[[], Any]) -> Any:
     """``_start_bound`` for a Connect client's writer: the operators are bound in the plan the
-    start sends (``backend.spark.connect_plan``), the options are read from the writer's request."""
+    start sends (``backend.spark.connect_plan``), the options are read from the writer's request;
+    a ``foreachBatch`` function of a query running the drop-in is wrapped so that its batches
+    carry their identity (``connect_plan.ForeachBatch``)."""
     from pyspark.sql.utils import to_str
 
-    from backend.spark.connect_plan import bind_in_plan, routed_routes
+    from backend.spark.connect_plan import ForeachBatch, bind_in_plan, holds_drop_in, routed_routes
+    from dstl import ChangelogConfig
 
     plan = writer._write_stream._child
     routed = _routed_of(routed_routes(plan))
-    if not routed:
+    foreach = writer.__dict__.get(_FOREACH)
+    wrap = foreach is not None and writer._write_proto.HasField("foreach_batch") and holds_drop_in(plan)
+    if not routed and not wrap:
         return start()
     recorded = {str(k).lower(): str(v) for k, v in writer._write_proto.options.items()}
     recorded.update({k.lower(): str(to_str(v)) for k, v in given.items() if v is not None})
     name = query_name or writer._write_proto.query_name or None
     location = _checkpoint_location(writer, writer._session, recorded, name, connect=True)
-    job_dirs = _bind(routed, location, False)
-    tasks = {str(op.cfg.route): op.task_for(op.cfg.bound(job_dirs[str(op.cfg.route)])) for op in routed}
-    bind_in_plan(plan, tasks, job_dirs)
+    if routed:
+        job_dirs = _bind(routed, location, False)
+        tasks = {str(op.cfg.route): op.task_for(op.cfg.bound(job_dirs[str(op.cfg.route)])) for op in routed}
+        bind_in_plan(plan, tasks, job_dirs)
+    if wrap:
+        func, set_function = foreach
+        changelog = routed[0].cfg.changelog if routed else ChangelogConfig(base_path=location)
+        set_function(writer, ForeachBatch(func, location, changelog))
     query = start()
     for op in routed:
         op.query = query
@@ -451,7 +479,8 @@ def _checkpoint_location(
         return chosen
     if connect:
         raise ConfigurationError(
-            "a query with routed stateful operators started from a Spark Connect client needs a checkpoint location "
+            "a query with the drop-in's stateful operators started from a Spark Connect client (routed, or with a "
+            "foreachBatch sink) needs a checkpoint location "
             "(the writer's checkpointLocation option or spark.sql.streaming.checkpointLocation): the server would "
             "choose a temporary one this client cannot know, and the state would not follow the query"
         )

@@ -7,6 +7,7 @@ The outputs of the three operators against Spark's own on Connect are in
 
 from __future__ import annotations
 
+import glob
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,14 +75,14 @@ def _rows(spark: Any, table: str) -> list[tuple[Any, ...]]:
 
 
 def _run_to_files(out: Any, checkpoint: Path, batches: Path) -> Any:
-    """``out`` into a sink that survives a restart (the memory sink does not): each batch's rows
-    in a file (``harness.register_batch_sink``, written on the server)."""
-    from tests.backend.spark.parity.harness import register_batch_sink
+    """``out`` into a sink that survives a restart (the memory sink does not): a ``foreachBatch``
+    function leaving each batch's rows in a file (``harness.file_sink``, run on the server)."""
+    from tests.backend.spark.parity.harness import file_sink
 
     batches.mkdir(parents=True, exist_ok=True)
     query = (
-        out.writeStream.outputMode("append").format(register_batch_sink(out.sparkSession))
-        .option("path", str(batches)).option("checkpointLocation", str(checkpoint)).start()
+        out.writeStream.outputMode("update").foreachBatch(file_sink(str(batches)))
+        .option("checkpointLocation", str(checkpoint)).start()
     )  # fmt: skip
     query.processAllAvailable()
     return query
@@ -240,3 +241,45 @@ def test_checkpoints_complete_on_the_server_and_a_new_client_resumes(
 
         server_listener.remove_server_listeners(second)
         second.stop()
+
+
+@pytest.mark.parametrize("entry", ["function", "routed"])
+def test_a_foreach_batch_sink_runs_the_drop_in_on_connect(connect: Any, tmp_path: Path, entry: str) -> None:
+    """On Connect a foreachBatch function evaluates the batch outside the query's jobs; the batch
+    still runs on the drop-in, with its state, and the server completes its checkpoints (the
+    tasks' records name the query)."""
+    from backend.spark.api import apply_in_pandas_with_state, use_for_session
+    from tests.backend.spark.parity.harness import file_sink
+
+    source, batches = tmp_path / "in", tmp_path / "batches"
+    source.mkdir()
+    batches.mkdir()
+    restore = use_for_session(local_dir=str(tmp_path / "local")) if entry == "routed" else None
+    try:
+        grouped = _stream(connect, source).groupBy("user")
+        if restore is None:
+            state = tmp_path / "state"
+            out = apply_in_pandas_with_state(
+                grouped, _count, "user string, n long", "n long", "Update", "NoTimeout",
+                checkpoint_location=str(state), operator_uid="counts", local_dir=str(tmp_path / "local"),
+            )  # fmt: skip
+        else:
+            state = tmp_path / "chk" / "dstl" / "*"  # the operator's directory, named at start
+            out = grouped.applyInPandasWithState(_count, "user string, n long", "n long", "Update", "NoTimeout")
+        _input(source, "a", ["a", "b", "a"])
+        query = (
+            out.writeStream.outputMode("update").foreachBatch(file_sink(str(batches)))
+            .option("checkpointLocation", str(tmp_path / "chk")).start()
+        )  # fmt: skip
+        try:
+            query.processAllAvailable()
+            _input(source, "b", ["a"])
+            query.processAllAvailable()
+            assert _file_rows(batches) == [("a", 2), ("a", 3), ("b", 1)]
+            completed = str(state / "chk-1" / "_metadata")
+            wait_until(lambda: bool(glob.glob(completed)), "the server completed checkpoint 1", _BATCH_S)
+        finally:
+            query.stop()
+    finally:
+        if restore is not None:
+            restore()

@@ -14,9 +14,9 @@ finished the round
 that read the round's file, so every timer the round made due has fired. A scenario's pauses let
 time pass between rounds; they are input, not synchronization.
 
-On a Spark Connect session the sink is a Python data source writer whose commit (on the server)
-leaves each batch's rows in a file the harness reads (``register_batch_sink``): a ``foreachBatch``
-function runs in a process of the server's there, without the harness's variables.
+On a Spark Connect session the ``foreachBatch`` function runs in a process of the server's,
+without the harness's variables: it leaves each batch's rows in a file the harness reads
+(``file_sink``).
 """
 
 from __future__ import annotations
@@ -195,63 +195,35 @@ def _start(side: Side, df: Any, scenario: Scenario, checkpoint: Path) -> None:
     def collect(batch_df: Any, batch_id: int) -> None:
         side.batches[batch_id] = Counter(tuple(row) for row in batch_df.collect())
 
-    connect = is_connect(df.sparkSession)
-    # a Python data source sink takes appends only, which Spark's transformWithState operators
-    # accept whatever their own output mode (applyInPandasWithState's must be the query's)
-    mode = "append" if connect and scenario.api != "gs" else scenario.output_mode.lower()
-    writer = df.writeStream.outputMode(mode).option("checkpointLocation", str(checkpoint))
-    if connect:  # the rows are left in files by the server (register_batch_sink)
+    sink = collect
+    if is_connect(df.sparkSession):  # the function runs on the server: it leaves the rows in files
         side.batch_dir = checkpoint.parent / "batches"
         side.batch_dir.mkdir(parents=True, exist_ok=True)
-        side.query = writer.format(register_batch_sink(df.sparkSession)).option("path", str(side.batch_dir)).start()
-    else:
-        side.query = writer.foreachBatch(collect).start()
+        sink = file_sink(str(side.batch_dir))
+    side.query = (
+        df.writeStream.outputMode(scenario.output_mode.lower())
+        .foreachBatch(sink)
+        .option("checkpointLocation", str(checkpoint))
+        .start()
+    )
 
 
-def register_batch_sink(spark: Any) -> str:
-    """Register the harness's streaming sink on ``spark``; its format name. Each batch's rows go to
-    ``<path option>/<batch id>.json`` (values JSON cannot hold as their ``repr``: both sides go
-    through the same conversion), written by the sink's commit on the driver's side.
+def file_sink(directory: str) -> Any:
+    """A ``foreachBatch`` function writing each batch's rows to ``<directory>/<batch id>.json``
+    (values JSON cannot hold as their ``repr``: both sides go through the same conversion). On a
+    Connect session it runs in a process of the server's, without the harness's variables."""
 
-    Why not ``foreachBatch`` on a Connect session: its function runs in a process of the server's
-    and evaluates the batch outside the query's thread, where the drop-in's tasks learn no batch
-    id (refused there, ``backend.spark.plan.run_partition``); a data source's writer runs in the
-    query's own jobs. It takes appends only (``_start``). The classes are built here so that
-    cloudpickle ships them by value."""
-    from pyspark.sql.datasource import DataSource, DataSourceStreamWriter, WriterCommitMessage
+    def write(batch_df: Any, batch_id: int) -> None:
+        import json
+        import os
 
-    @dataclass
-    class Rows(WriterCommitMessage):  # type: ignore[misc]
-        rows: list[list[Any]]
+        rows = [list(row) for row in batch_df.collect()]
+        tmp = os.path.join(directory, f".{batch_id}.tmp")
+        with open(tmp, "w") as out:
+            json.dump(rows, out, default=repr)
+        os.replace(tmp, os.path.join(directory, f"{batch_id}.json"))
 
-    class Writer(DataSourceStreamWriter):  # type: ignore[misc]
-        def __init__(self, directory: str) -> None:
-            self.directory = directory
-
-        def write(self, iterator: Any) -> Any:
-            return Rows([list(row) for row in iterator])
-
-        def commit(self, messages: list[Any], batchId: int) -> None:
-            rows = [row for message in messages if message is not None for row in message.rows]
-            tmp = os.path.join(self.directory, f".{batchId}.tmp")
-            with open(tmp, "w") as out:
-                json.dump(rows, out, default=repr)
-            os.replace(tmp, os.path.join(self.directory, f"{batchId}.json"))
-
-    class BatchSink(DataSource):  # type: ignore[misc]
-        @classmethod
-        def name(cls) -> str:
-            return BATCH_SINK
-
-        def streamWriter(self, schema: Any, overwrite: bool) -> Any:
-            return Writer(self.options["path"])
-
-    spark.dataSource.register(BatchSink)
-    return BATCH_SINK
-
-
-#: the format name of the harness's sink on a Connect session (``register_batch_sink``)
-BATCH_SINK = "parity_batches"
+    return write
 
 
 def _failure(side: Side, what: str) -> HarnessError:
@@ -373,9 +345,18 @@ def run_scenario(spark: Any, scenario: Scenario, engines: tuple[str, str] = ("ou
     if scenario.max_records is not None:
         confs[ARROW_BATCH_CONF] = str(scenario.max_records)
     saved = {name: spark.conf.get(name, None) for name in confs}  # None: not set
+    from backend.spark.connect import is_connect
+
     sides = [Side(engine, engine == "spark" and scenario.runs_continuously) for engine in engines]
     progress = ProgressLog()
-    spark.streams.addListener(progress.listener)
+    # only a side Spark runs continuously is followed by progress events; pyspark's Connect client
+    # can deadlock removing a listener while an event is delivered, and stops delivering them once
+    # a query with a Python data source reports its accumulators: not on Connect
+    listening = any(side.continuous for side in sides)
+    if listening and is_connect(spark):
+        raise HarnessError(f"a side Spark runs continuously is not followed on a Connect session: {scenario!r}")
+    if listening:
+        spark.streams.addListener(progress.listener)
     driver.forget_all()
     with tempfile.TemporaryDirectory(prefix="parity-") as tmp:
         root = Path(tmp)
@@ -420,7 +401,8 @@ def run_scenario(spark: Any, scenario: Scenario, engines: tuple[str, str] = ("ou
                     spark.conf.unset(name)
                 else:
                     spark.conf.set(name, old)
-            spark.streams.removeListener(progress.listener)
+            if listening:
+                spark.streams.removeListener(progress.listener)
             driver.forget_all()
             for side in sides:
                 side.read_batches()

@@ -1,16 +1,15 @@
 """The differential suite on a Spark Connect session: the drop-in's explicit entry points and Spark's
 own operator, side by side on one Connect server (the ``connect`` fixture), must give the same
-outputs round by round (``harness.run_scenario``; its sink runs on the server there and leaves
-each batch's rows in a file).
+outputs round by round (``harness.run_scenario``; its ``foreachBatch`` function runs on the
+server there and leaves each batch's rows in a file).
 
 The default suite runs one representative per operator and API: transformWithStateInPandas with a
 restart at another parallelism, transformWithState (Row API) in event time with late rows, and
 applyInPandasWithState with a processing-time timeout. ``PARITY_CONNECT_EXAMPLES`` runs that many
 generated scenarios too (0 by default), except those in which Spark's own operator runs a batch at
 every trigger (the harness follows those by a listener's progress events, which pyspark's Connect
-client stops delivering once a query with a Python data source reports its accumulators) and
-applyInPandasWithState in Update mode (the harness's sink on Connect takes appends only, and that
-operator's output mode must be the query's).
+client stops delivering once a query with a Python data source reports its accumulators, and can
+deadlock removing).
 """
 
 from __future__ import annotations
@@ -47,7 +46,6 @@ REPRESENTATIVES = {
     "gs": Scenario(
         api="gs",
         mode="ProcessingTimeTimeout",
-        output_mode="Append",
         rounds=(Round((("a", 1, 0),)), Round((("b", 1, 1),)), Round((("b", 1, 2),))),
         no_data=False,
         behaviour=Behaviour(timer="soon", on_timer="keep"),
@@ -72,6 +70,5 @@ def test_each_operator_gives_sparks_outputs_on_connect(connect: Any, api: str) -
 @given(scenario=scenarios())
 def test_generated_scenarios_give_sparks_outputs_on_connect(connect: Any, scenario: Scenario) -> None:
     assume(not scenario.runs_continuously)
-    assume(scenario.api != "gs" or scenario.output_mode == "Append")  # the harness's Connect sink appends
     outcome = run_scenario(connect, scenario)
     assert not outcome.differing(), outcome.report()
