@@ -146,6 +146,16 @@ class CheckpointCoordinator:
         self._recovered = True
         return latest
 
+    def follow(self, run: str) -> SnapshotMetadata | None:
+        """``recover`` for a process acting under the claim of ``run`` (``Ownership.follow``),
+        whose recovery that run made already: read the retained checkpoints and rebuild the
+        registry, delete nothing; new ids start after every id seen."""
+        self.ownership.follow(self.files, run)
+        latest = self.store.recover(clean=False)
+        self.ids.seen(self.store.highest_id)
+        self._recovered = True
+        return latest
+
     def latest(self) -> SnapshotMetadata | None:
         return self.store.latest()
 

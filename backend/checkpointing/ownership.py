@@ -224,6 +224,19 @@ class Ownership:
         self._files, self.epoch = files, epoch
         _log.info("%s: owned by this run from epoch %d (%s)", self.where, epoch, self.holder)
 
+    def follow(self, files: DfsFiles, run: str) -> None:
+        """Act under the claim another process of the same run made (``run``: its ``Ownership.run``):
+        a process that completes checkpoints for a run whose start-up (claim, recovery) happened
+        elsewhere (under Spark Connect, the server-side listener of a client's query). It claims
+        nothing and is fenced exactly when that run is; ``OwnershipLostError`` if it already is,
+        ``CheckpointError`` if no such claim exists."""
+        claims = _claims(files)
+        mine = [c for c in claims if c.kind == "run" and c.path == _claim_path(c.epoch, "run", run)]
+        if not mine:
+            raise CheckpointError(f"{self.where}: no claim of run {run} to act under (was it compacted away?)")
+        self._files, self.epoch, self.run = files, mine[0].epoch, run
+        self.check("following the run that claimed the directory")
+
     def compact(self) -> None:
         """Delete the claims below this run's epoch (fenced already; this run's claim carries the
         bound identity on): after a recovery that went through, so that a refused start deletes

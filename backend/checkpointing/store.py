@@ -126,7 +126,7 @@ class CompletedCheckpointStore:
         self._step = on_step or (lambda _: None)
 
     def recover(
-        self, protect: Protect | None = None, before_delete: Callable[[], None] | None = None
+        self, protect: Protect | None = None, before_delete: Callable[[], None] | None = None, *, clean: bool = True
     ) -> SnapshotMetadata | None:
         """Validate every ``chk-*/_metadata``, keep the newest ``num_retained`` intact ones, rebuild
         the registry from them, void the ids above the latest (``_void``), then delete every
@@ -135,7 +135,9 @@ class CompletedCheckpointStore:
         ownership claims and what ``protect`` names); returns the latest kept checkpoint (None for a
         new job). ``before_delete`` runs before the first write (it may raise: the owner's check).
         Raises ``CheckpointError``, deleting nothing, when a ``_metadata`` names another checkpoint
-        than its directory, or when the newest unfenced one is damaged or names a missing file."""
+        than its directory, or when the newest unfenced one is damaged or names a missing file.
+        ``clean=False``: only read (the checkpoints and registry), void and delete nothing: a process
+        following a run whose recovery happened elsewhere (``CheckpointCoordinator.follow``)."""
         all_files = self.files.list("")
         candidates: dict[int, str] = {}
         fenced: set[int] = set()
@@ -169,6 +171,9 @@ class CompletedCheckpointStore:
         for meta in self.completed:
             self.registry.register(meta.checkpoint_id, meta.referenced_files())
         latest = self.latest()
+        if not clean:
+            self.fences = {c for c in fenced if latest is None or c > latest.checkpoint_id}
+            return latest
         # A fence below the latest checkpoint is moot, as in ``add``: a checkpoint with a higher id
         # committed, so its _metadata, landing late, is never the newest. One is left when its
         # deletion after that commit failed; it goes here, after its _metadata (the order below).

@@ -43,7 +43,8 @@ from typing import Any
 from backend.spark.config import EVENT, PROCESSING, OperatorConfig, SparkOperator, Watermarks
 from backend.spark.handle import TIME_MODES
 from backend.spark.plan import KEY_GROUP, Operator, build, find_watermark, output_column
-from backend.spark.routing import route_session, routed_uid
+from backend.spark.routed_reads import route_reads
+from backend.spark.routing import hook_connect_writer, route_session, routed_uid
 from dstl import ConfigurationError
 
 _OUTPUT_MODES = {"append", "update"}
@@ -61,10 +62,18 @@ def _check_modes(output_mode: str, time_mode: str | None = None) -> None:
 
 def _sparks_own(grouped: Any, method: str, *args: Any) -> Any:
     """Spark's own operator built from the same arguments (pyspark's method, also while
-    ``use_for_session`` routes ``GroupedData``'s): it raises what Spark raises for them."""
-    from pyspark.sql.pandas.group_ops import PandasGroupedOpsMixin
+    ``use_for_session`` routes ``GroupedData``'s, classic or Connect): it raises what Spark raises
+    for them."""
+    from backend.spark.routing import sparks_method
 
-    return getattr(PandasGroupedOpsMixin, method)(grouped, *args)
+    return sparks_method(grouped, method)(grouped, *args)
+
+
+def _hook_connect(grouped: Any) -> None:
+    """On a Connect session, the writer hook a ``foreachBatch`` query of the drop-in needs
+    (``backend.spark.routing.hook_connect_writer``)."""
+    if type(grouped).__module__.startswith("pyspark.sql.connect"):
+        hook_connect_writer()
 
 
 def _rows_to_pandas(rows: Iterable[Any], names: list[str]) -> Any:
@@ -93,6 +102,7 @@ def _transform(
     )
     if not grouped._df.isStreaming:
         return own
+    _hook_connect(grouped)
     _check_modes(output_mode, time_mode)
     if not isinstance(processor, StatefulProcessor):
         raise TypeError(f"statefulProcessor must be a pyspark StatefulProcessor, got {type(processor).__name__}")
@@ -254,6 +264,7 @@ def apply_in_pandas_with_state(
                       timeoutConf)  # fmt: skip
     if not grouped._df.isStreaming:
         return own  # Spark refuses it when it runs: "applyInPandasWithState is unsupported in batch query"
+    _hook_connect(grouped)
     _check_modes(outputMode)
     if timeoutConf == GroupStateTimeout.EventTimeTimeout and find_watermark(grouped._df) is None:
         raise ConfigurationError("EventTimeTimeout needs a watermark: call withWatermark on the input")
@@ -300,7 +311,13 @@ def use_for_session(checkpoint_root: str | None = None, **options: Any) -> Calla
         "transformWithState": transform_with_state,
         "applyInPandasWithState": apply_in_pandas_with_state,
     }
-    restore = route_session(checkpoint_root, options, targets)
+    restore_methods = route_session(checkpoint_root, options, targets)
+    restore_reads = route_reads(checkpoint_root)
+
+    def restore() -> None:
+        restore_methods()
+        restore_reads()
+
     from pyspark.sql import SparkSession
 
     active = SparkSession.getActiveSession()

@@ -12,6 +12,9 @@ driver directly; the tasks from a local property of the query (``ROUTE_PROPERTY`
 the starting thread's local properties to the query's thread and so to every task it runs); the
 no-data batch source, which runs in a Python process of its own on the driver's host, from a file
 there (``route_file``). ``for_task`` and ``on_driver`` turn the shipped config into the bound one.
+A Spark Connect client sets no local property and may be on another host: it binds the operator in
+the plan the start sends instead (``backend.spark.connect_plan``: the task closure holds the bound
+config, the tick source's read option names the directory).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ if TYPE_CHECKING:  # the tick source imports this module: nothing of the state l
 
 __all__ = [
     "EVENT",
+    "FOREACH_BATCH_ID",
+    "FOREACH_QUERY_ID",
     "PROCESSING",
     "ROUTE_PROPERTY",
     "OperatorConfig",
@@ -48,6 +53,11 @@ EVENT = "event"
 
 #: the prefix of the local property carrying a routed operator's state directory to its tasks
 ROUTE_PROPERTY = "dstl.route."
+#: the session confs a Spark Connect ``foreachBatch`` function's batch carries its batch id and
+#: query id in (``backend.spark.connect_plan.ForeachBatch``): Spark propagates a session's
+#: ``spark.*`` confs to its jobs as local properties, where the tasks read them
+FOREACH_BATCH_ID = "spark.dstl.foreachBatch.batchId"
+FOREACH_QUERY_ID = "spark.dstl.foreachBatch.queryId"
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from collections import Counter
 from typing import Any
 
 from backend.checkpointing.coordinator import CheckpointCoordinator
+from backend.checkpointing.errors import OwnershipLostError
 from backend.checkpointing.metadata import PENDING_DIR, SnapshotMetadata, parse_pending_path, pending_dir
 from backend.checkpointing.ownership import Ownership
 from backend.core.errors import CheckpointError
@@ -59,7 +60,7 @@ SPARK_OPERATORS = "spark_operators"
 class DriverCoordinator:
     """One per checkpoint location in a driver process; every operator writing there registers."""
 
-    def __init__(self, cfg: OperatorConfig, num_retained: int = 2) -> None:
+    def __init__(self, cfg: OperatorConfig, num_retained: int = 2, follow: str | None = None) -> None:
         if num_retained < 2:
             raise ConfigurationError(
                 f"under Spark, num_retained must be >= 2 (the next batch may restore from the previous), "
@@ -72,13 +73,23 @@ class DriverCoordinator:
             self.storage.files, job_id=cfg.job_dir, num_retained=num_retained, ownership=self.ownership
         )
         self.operators: dict[str, int] = {}
+        #: the config each operator registered last (what a server-side completer is given)
+        self.configs: dict[str, OperatorConfig] = {}
+        self.num_retained = num_retained
         #: what each operator stands in for (Spark's operator name and modes), recorded per checkpoint
         self.spark_operators: dict[str, dict[str, Any]] = {}
         self.lock = threading.Lock()
         self.completed_batches: list[int] = []
         self._pending_dirs: set[tuple[int, str]] = set()  # (b, uid) of pending/<b>/<uid> not removed yet
         self.errors: list[str] = []
-        self._recover()
+        if follow is None:
+            self._recover()
+        else:  # the completer of a Connect client's run: its recovery happened in the client
+            try:
+                self.coordinator.follow(follow)
+            except BaseException:
+                self.storage.close()
+                raise
 
     def _recover(self) -> None:
         self.coordinator.recover(protect=self._pending_after)
@@ -111,6 +122,7 @@ class DriverCoordinator:
             if known is not None and known != cfg.parallelism:
                 _log.info("operator %s: parallelism %s -> %s", cfg.uid, known, cfg.parallelism)
             self.operators[cfg.uid] = cfg.parallelism
+            self.configs[cfg.uid] = cfg
             if cfg.spark_operator is not None:
                 self.spark_operators[cfg.uid] = dataclasses.asdict(cfg.spark_operator)
 
@@ -229,13 +241,20 @@ _GLOBAL = threading.Lock()
 
 
 def coordinator_for(spark: Any, cfg: OperatorConfig, num_retained: int = 2) -> DriverCoordinator:
-    """The coordinator of ``cfg.job_dir`` in this driver, with a progress listener on ``spark``."""
+    """The coordinator of ``cfg.job_dir`` in this driver, with a progress listener on ``spark``.
+
+    On a Connect session the client is not the driver: this process makes the run's start-up
+    (claim, recovery, checks) and no listener is added here; the server completes the checkpoints
+    in a listener of its own acting under this run's claim (``backend.spark.server_listener``,
+    ``complete_as_follower``)."""
+    from backend.spark.connect import is_connect
+
     with _GLOBAL:
         coordinator = _COORDINATORS.get(cfg.job_dir)
         if coordinator is None:
             coordinator = _COORDINATORS[cfg.job_dir] = DriverCoordinator(cfg, num_retained)
         coordinator.register(cfg)
-        if id(spark) not in _LISTENED:
+        if not is_connect(spark) and id(spark) not in _LISTENED:
             listener = _listener()
             spark.streams.addListener(listener)
             _LISTENED[id(spark)] = listener
@@ -245,6 +264,35 @@ def coordinator_for(spark: Any, cfg: OperatorConfig, num_retained: int = 2) -> D
 def coordinator_at(checkpoint_location: str) -> DriverCoordinator | None:
     """This driver's coordinator of a checkpoint location, if a query built one (tools, demo)."""
     return _COORDINATORS.get(checkpoint_location.rstrip("/"))
+
+
+#: state directory -> the coordinator following a Connect client's run (in the server's listener process)
+_FOLLOWERS: dict[str, DriverCoordinator] = {}
+
+
+def complete_as_follower(configs: list[OperatorConfig], num_retained: int, run: str, batch: int, query: str) -> None:
+    """On a Connect server (``backend.spark.server_listener``): complete checkpoint ``batch`` of
+    query ``query`` in the state directory of ``configs``, under the claim of the client's ``run``
+    (``CheckpointCoordinator.follow``: no recovery of its own). Never raises: a listener must not
+    die; a fenced run logs once and completes nothing more."""
+    job_dir = configs[0].job_dir
+    with _GLOBAL:
+        follower = _FOLLOWERS.get(job_dir)
+    try:
+        if follower is None:
+            follower = DriverCoordinator(configs[0], num_retained, follow=run)
+            for cfg in configs:
+                follower.register(cfg)
+            with _GLOBAL:
+                _FOLLOWERS[job_dir] = follower
+        if not follower.ownership.lost:
+            follower.complete_batch(batch, query)
+    except StorageClosedError:
+        return
+    except OwnershipLostError as exc:
+        _log.warning("checkpoints of %s are completed by a newer run: %s", job_dir, exc)
+    except Exception as exc:  # kept in the log of the server's listener process
+        _log.error("checkpoint of batch %s in %s failed: %s", batch, job_dir, exc)
 
 
 def complete_committed(batch: int, query_id: str | None) -> None:

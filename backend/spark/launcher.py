@@ -27,7 +27,8 @@ executable. Spark runs it as ``<launcher> -m <module>``:
 The launcher is a file, written once per driver process into a private temporary directory:
 ``#!<interpreter>`` and this module's source, which imports the standard library only (so it runs
 without importing the ``backend`` package). It is used only where it can stand in for the
-interpreter exactly (``launcher_for``): Spark's executable for Python (``sc.pythonExec``) is the
+interpreter exactly (``launcher_for``): a classic session (a Spark Connect client is not the driver
+and cannot set the executable), Spark's executable for Python (``sc.pythonExec``) is the
 driver's own interpreter, at a path a ``#!`` line can hold, on a POSIX system, and the master is
 ``local`` or ``local-cluster`` (Spark runs the data source's executable on the executors too, for
 its reads: elsewhere they are other hosts, without this file). Otherwise the tick source runs with
@@ -138,6 +139,8 @@ def launcher_for(spark: Any) -> str | None:
     tick source must run with Spark's own executable (see the module docstring)."""
     import shutil
 
+    if type(spark).__module__.startswith("pyspark.sql.connect"):
+        return None  # a Connect client is not the driver: Spark's executable, as for any data source
     sc = spark.sparkContext
     if os.name != "posix" or not str(sc.master).startswith("local"):
         return None

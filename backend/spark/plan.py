@@ -28,6 +28,11 @@ finds its subtasks by its Spark partition id: the output may be the first input 
 ``checkpoint_location`` (``use_for_session``) is bound to its state directory when its query
 starts (``backend.spark.routing``); its function is named after its route key, so that the start
 finds it in the query's plan.
+
+The same code builds the DataFrame on a classic and on a Spark Connect session: its inputs come
+from API both have (``df.schema``, ``grouped.count()``'s columns, ``spark.conf``); only the default
+number of tasks is asked differently (``backend.spark.connect``). On Connect, the checkpoints are
+completed on the server (``backend.spark.server_listener``).
 """
 
 from __future__ import annotations
@@ -46,9 +51,11 @@ from backend.checkpointing.savepoints import check_state_loading
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
 from backend.spark.batch import coalesced
 from backend.spark.bootstrap import check_restore_location, directory_url
-from backend.spark.config import OperatorConfig, SparkOperator, Watermarks
+from backend.spark.config import FOREACH_BATCH_ID, FOREACH_QUERY_ID, OperatorConfig, SparkOperator, Watermarks
+from backend.spark.connect import check_server, default_parallelism, is_connect
 from backend.spark.driver import coordinator_for
 from backend.spark.schema import input_type, simple_string
+from backend.spark.server_listener import complete_on_server
 from backend.spark.tasks import run_subtasks
 from backend.spark.ticks import TICK, register_tick_source
 from dstl import ChangelogConfig, ConfigurationError
@@ -82,7 +89,12 @@ class Routing(Protocol):
 
     def uid(self) -> str: ...
 
-    def defer(self, cfg: OperatorConfig, bind: Callable[[OperatorConfig], None]) -> None: ...
+    def defer(
+        self,
+        cfg: OperatorConfig,
+        bind: Callable[[OperatorConfig], None],
+        task_for: Callable[[OperatorConfig], Callable[[Iterator[Any]], Iterator[Any]]],
+    ) -> None: ...
 
 
 def _spark_int_hash(value: int) -> int:
@@ -108,12 +120,12 @@ def grouping_columns(grouped: Any) -> list[str]:
     spark.sql.caseSensitive), ``df["id"]``, ``col("id")``. Spark names each grouping column of an
     aggregation as it was given, and an expression after its SQL; an expression is refused (Spark's
     own stateful operators refuse it too: UNRESOLVED_COLUMN)."""
-    count = int(grouped._jgd.groupingExprs().size())
-    if count == 0:
+    counted = grouped.count().columns  # the grouping columns as Spark names them, then "count"
+    if len(counted) <= 1:
         raise ConfigurationError("a stateful operator needs grouping columns: call groupBy with at least one")
     columns = list(grouped._df.columns)
     by_case = {c.lower(): c for c in columns} if _case_insensitive(grouped._df.sparkSession) else {}
-    names = [n if n in columns else by_case.get(n.lower(), n) for n in grouped.count().columns[:count]]
+    names = [n if n in columns else by_case.get(n.lower(), n) for n in counted[:-1]]
     expressions = [n for n in names if n not in columns]
     if expressions:
         raise ConfigurationError(
@@ -128,24 +140,23 @@ def _case_insensitive(spark: Any) -> bool:
 
 
 def find_watermark(df: Any) -> tuple[str, int] | None:
-    """(event time column, delay in ms) of the input's ``withWatermark``, read from its analyzed
-    plan (the watermark itself is computed here, from the event times the tasks see)."""
-    found: list[tuple[str, int]] = []
-    pending = [df._jdf.queryExecution().analyzed()]
-    while pending:
-        node = pending.pop()
-        if node.getClass().getSimpleName() == "EventTimeWatermark":
-            found.append((str(node.eventTime().name()), int(node.getDelayMs(node.delay()))))
-        children = node.children()
-        pending.extend(children.apply(i) for i in range(children.size()))
-    if len(found) > 1:
+    """(event time column, delay in ms) of the input's ``withWatermark``: the column of the input
+    that carries the delay as metadata (``spark.watermarkDelayMs``, which Spark's
+    ``EventTimeWatermark`` puts on it and every projection keeps), the column Spark's own stateful
+    operators judge late rows by. Read from the analyzed schema, which a classic and a Connect
+    session both give (the watermark itself is computed here, from the event times the tasks see)."""
+    found = [
+        (field.name, int(field.metadata[WATERMARK_DELAY_KEY]))
+        for field in df.schema.fields
+        if WATERMARK_DELAY_KEY in (field.metadata or {})
+    ]
+    if len({delay for _, delay in found}) > 1:
         raise NotImplementedError("more than one withWatermark in the input is not supported by this backend")
     return found[0] if found else None
 
 
 def _check_session(spark: Any) -> None:
-    conf = spark.sparkContext.getConf()
-    if conf.get("spark.speculation", "false").lower() == "true":
+    if str(spark.conf.get("spark.speculation", "false")).lower() == "true":
         raise ConfigurationError(
             "spark.speculation is on: two attempts of one task would run one subtask's state at once; "
             "this backend refuses speculative execution"
@@ -228,6 +239,7 @@ def build(
     if not df.isStreaming:  # backend.spark.api runs a batch DataFrame on Spark's own operator
         raise ConfigurationError("this backend keeps the state of streaming DataFrames only")
     _check_session(spark)
+    check_server(spark)
     if isinstance(output_schema, str):
         output_schema = spark._parse_ddl(output_schema)
     if not isinstance(output_schema, StructType):
@@ -238,7 +250,7 @@ def build(
         raise ConfigurationError(f"parallelism must be in 1..{max_parallelism} (max_parallelism), got {parallelism}")
     if tasks is not None and tasks < 1:
         raise ConfigurationError(f"tasks must be positive or None, got {tasks}")
-    tasks = min(tasks or int(spark.sparkContext.defaultParallelism), parallelism)
+    tasks = min(tasks or default_parallelism(spark), parallelism)
     watermark = find_watermark(df)
     if watermark is not None and watermark[0] not in df.columns:
         raise ConfigurationError(f"the watermark's event time column {watermark[0]!r} is not a column of the input")
@@ -261,14 +273,18 @@ def build(
     )  # fmt: skip
     operator = make_operator(keys)
 
+    process = operator.process  # only this is shipped: ``prepare`` holds driver-side objects
+
     def bind(bound: OperatorConfig) -> None:
         check_restore_location(bound)
-        coordinator_for(spark, bound, num_retained)
+        coordinator = coordinator_for(spark, bound, num_retained)
+        if is_connect(spark):  # the client is not the driver: the server completes the checkpoints
+            complete_on_server(spark, coordinator)
         if operator.prepare is not None:
             operator.prepare(bound)
 
     if routing is not None and route is not None:
-        routing.defer(cfg, bind)
+        routing.defer(cfg, bind, lambda bound: _task(bound, process, route))
     else:
         bind(cfg)
     kg = F.pmod(F.hash(*[F.col(k) for k in keys]), F.lit(max_parallelism))
@@ -288,17 +304,31 @@ def build(
         .drop(_ROUTE)
     )
 
-    process = operator.process  # only this is shipped: ``prepare`` holds driver-side objects
+    out = prepared.mapInPandas(_task(cfg, process, route, is_connect(spark)), output_schema)
+    if event_time_column is not None and watermark is not None:
+        out = _with_event_time(out, event_time_column, watermark[1])
+    return out
+
+
+def _task(
+    cfg: OperatorConfig, process: Callable[..., list[Any]], route: str | None, connect: bool = False
+) -> Callable[..., Any]:
+    """The function ``mapInPandas`` runs: ``cfg``'s tasks. A routed operator's is named after its
+    route, so that the start of its query finds it in the plan (``backend.spark.routing``), which
+    on a Connect session puts there the function of the bound config instead."""
 
     def task(frames: Iterator[Any]) -> Iterator[Any]:
         yield from run_partition(cfg, frames, process)
 
-    if route is not None:  # how backend.spark.routing finds the operator in the plan of a query it starts
+    if route is not None:
         task.__name__ = task.__qualname__ = routed_task_name(route)
-    out = prepared.mapInPandas(task, output_schema)
-    if event_time_column is not None and watermark is not None:
-        out = _with_event_time(out, event_time_column, watermark[1])
-    return out
+    elif connect:  # how a Connect writer's start finds the drop-in in a plan (``connect_plan``)
+        task.__name__ = task.__qualname__ = DROP_IN_TASK
+    return task
+
+
+#: the name of an operator's function (not routed) in a Connect plan
+DROP_IN_TASK = "dstl_operator"
 
 
 def routed_task_name(route: str) -> str:
@@ -375,9 +405,15 @@ def run_partition(cfg: OperatorConfig, frames: Iterator[Any], process: Callable[
     from pyspark import TaskContext
 
     context = TaskContext.get()
-    batch_id = context.getLocalProperty("streaming.sql.batchId") if context is not None else None
+    batch_id = None
+    if context is not None:  # a Connect foreachBatch's jobs carry it as a session conf instead
+        batch_id = context.getLocalProperty("streaming.sql.batchId") or context.getLocalProperty(FOREACH_BATCH_ID)
     if context is None or batch_id is None:
-        raise RuntimeError("backend.spark operators run inside a streaming query only (no micro-batch id)")
+        raise RuntimeError(
+            "backend.spark operators run inside a streaming query only (no micro-batch id); on a Spark Connect "
+            "session, a foreachBatch function's query must be started while the drop-in's writer hook is in "
+            "place (use_for_session, or a DataFrame built by backend.spark.api on that session)"
+        )
     cfg = cfg.for_task(context.getLocalProperty)
     task = context.partitionId()
     if task >= cfg.task_count:
@@ -386,7 +422,7 @@ def run_partition(cfg: OperatorConfig, frames: Iterator[Any], process: Callable[
             "sink through an operator that renumbers partitions (a union in which it is not the first input, a "
             "coalesce), which the drop-in does not support"
         )
-    query_id = context.getLocalProperty("sql.streaming.queryId") or ""
+    query_id = context.getLocalProperty("sql.streaming.queryId") or context.getLocalProperty(FOREACH_QUERY_ID) or ""
     subtasks = cfg.subtasks_of_task(task)
     data: dict[int, list[Any]] = {subtask: [] for subtask in subtasks}
     start, end = cfg.key_group_range(subtasks[0]).start, cfg.key_group_range(subtasks[-1]).end

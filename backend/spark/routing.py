@@ -30,20 +30,15 @@ local properties, and each of its tasks sees them); the no-data batch source thr
 driver's host (``config.route_file``). pyspark keeps the writer's options in the JVM only, so the
 wrapper also records them as they are set (``option``, ``options``, ``queryName``).
 
-**Reading its state by Spark's names.** Spark's state sources, ``format("statestore")`` and
-``format("state-metadata")``, read Spark's state store; a routed operator's state is in the drop-in's
-layout, so while routing is on a read by either name whose path holds that layout
-(``state_plan.drop_in_location``: the query's ``checkpointLocation`` with its ``dstl/``, or with a
-``checkpoint_root`` the directory under it that location names, or an operator's own checkpoint
-location) is served by this project's sources (``dstl-state``, ``dstl-state-metadata``) with the same
-options; any other path goes to Spark's source unchanged. pyspark keeps a ``DataFrameReader``'s format
-and options in the JVM only, so they are recorded as they are set (``format``, ``option``,
-``options``), and ``load`` chooses. Spark's source reads, by default, the last batch in the query's
-commit log; the driver completes a batch's checkpoint when the batch's progress event reaches its
-listener, which may come later (also while the next batch runs, so inside a ``foreachBatch`` function).
-Before such a read, the driver does at once what its listener will do for the batches the query has
-reported (``StreamingQuery.recentProgress``) and are not yet checkpoints, so the read sees the state
-of the last committed batch, as Spark's does.
+**On a Spark Connect session** the ``GroupedData`` of pyspark's Connect client is routed the same
+way and its writer's starts are wrapped too; the client is not the driver, so the tasks and the
+tick source learn the directory from the plan the start sends (``backend.spark.connect_plan``),
+the writer's options are read from its request, and a query without a checkpoint location is
+refused (the server's temporary one is unknown here). Spark's own operator is never left to run a
+routed call: what the drop-in cannot serve is refused with an error naming it.
+
+Reading its state by Spark's names (``statestore``, ``state-metadata``) is routed by
+``backend.spark.routed_reads``.
 
 A routed DataFrame runs in one query at a time: starting it under another checkpoint while its last
 query is active is refused (its no-data batch source could not tell the two apart). Its operators
@@ -57,7 +52,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import os
 import tempfile
 import threading
 import uuid
@@ -70,7 +64,7 @@ from backend.spark.operator_ids import resolve_uids
 from backend.spark.plan import routed_task_name
 from dstl import ConfigurationError
 from dstl.atomic import write_atomically
-from dstl.paths import as_name, local_path
+from dstl.paths import as_name
 
 __all__ = ["SessionRouting", "route_session", "routed_uid"]
 
@@ -78,10 +72,6 @@ _ROUTED = ("transformWithStateInPandas", "transformWithState", "applyInPandasWit
 _TASK_PREFIX = routed_task_name("")
 #: where a DataStreamWriter's options are recorded (lower-case keys, as Spark reads them)
 _RECORDED = "_dstl_options"
-#: where a DataFrameReader's format and options are recorded
-_READ = "_dstl_read"
-#: Spark's state sources' names (``_serve_state_read``: each is read by one of ours)
-_SPARK_STATE_SOURCES = ("statestore", "state-metadata")
 
 
 @dataclass
@@ -94,6 +84,8 @@ class _Routed:
     root: str | None
     #: the uid is ``routed_uid``'s (or the placeholder for a nameless function), not the user's
     derived: bool
+    #: the task function of the bound config (a Connect start puts it into the plan)
+    task_for: Callable[[OperatorConfig], Callable[..., Any]]
     job_dir: str | None = None
     query: Any = None
 
@@ -141,11 +133,44 @@ class SessionRouting:
         except ConfigurationError:
             return _NAMELESS
 
-    def defer(self, cfg: OperatorConfig, bind: Callable[[OperatorConfig], None]) -> None:
+    def defer(
+        self,
+        cfg: OperatorConfig,
+        bind: Callable[[OperatorConfig], None],
+        task_for: Callable[[OperatorConfig], Callable[..., Any]],
+    ) -> None:
         if cfg.route is None:
             raise ConfigurationError(f"operator {cfg.uid!r} is bound already")
         with _LOCK:
-            _OPERATORS[cfg.route] = _Routed(cfg, bind, self.root, self.derived)
+            _OPERATORS[cfg.route] = _Routed(cfg, bind, self.root, self.derived, task_for)
+
+
+#: marks a routed method (so that routing twice never saves one as pyspark's own)
+_ROUTED_MARK = "_dstl_routed"
+#: pyspark's own methods of the Connect ``GroupedData`` (saved before routing replaces them; the
+#: classic class inherits its own from ``PandasGroupedOpsMixin``, which routing leaves alone)
+_CONNECT_OWN: dict[str, Callable[..., Any]] = {}
+
+
+def connect_grouped_data() -> type | None:
+    """pyspark's Connect ``GroupedData`` class, or None where the Connect client is not installed
+    (no Connect session can exist then)."""
+    try:
+        from pyspark.sql.connect.group import GroupedData
+    except ImportError:  # pyspark without its connect extra (grpcio, ...)
+        return None
+    return GroupedData
+
+
+def sparks_method(grouped: Any, name: str) -> Callable[..., Any]:
+    """pyspark's own ``GroupedData.<name>`` for ``grouped`` (classic or Connect), also while
+    ``use_for_session`` routes the method."""
+    if type(grouped).__module__.startswith("pyspark.sql.connect"):
+        own = _CONNECT_OWN.get(name)
+        return own if own is not None else getattr(type(grouped), name)
+    from pyspark.sql.pandas.group_ops import PandasGroupedOpsMixin
+
+    return getattr(PandasGroupedOpsMixin, name)  # type: ignore[no-any-return]
 
 
 def route_session(
@@ -155,20 +180,28 @@ def route_session(
     API's functions, by method name), hook the writer."""
     from pyspark.sql.group import GroupedData
 
-    saved = {name: GroupedData.__dict__.get(name) for name in _ROUTED}
-    for name, method in _methods(checkpoint_root, defaults, targets).items():
-        method.__doc__ = getattr(GroupedData, name).__doc__
-        setattr(GroupedData, name, method)
+    classes: list[type] = [GroupedData]
+    connect = connect_grouped_data()
+    if connect is not None:  # a Connect session's GroupedData: routed alike, never left to Spark's operator
+        classes.append(connect)
+        for name in _ROUTED:
+            own = connect.__dict__.get(name)
+            if own is not None and not getattr(own, _ROUTED_MARK, False):
+                _CONNECT_OWN.setdefault(name, own)
+    saved = {(cls, name): cls.__dict__.get(name) for cls in classes for name in _ROUTED}
+    for cls in classes:
+        for name, method in _methods(checkpoint_root, defaults, targets).items():
+            method.__doc__ = getattr(cls, name).__doc__
+            setattr(method, _ROUTED_MARK, True)
+            setattr(cls, name, method)
     _hook_writer()
-    restore_reader = _route_reads(checkpoint_root)
 
     def restore() -> None:
-        for name, method in saved.items():
+        for (cls, name), method in saved.items():
             if method is None:
-                delattr(GroupedData, name)  # pyspark's own, inherited from its mixin
+                delattr(cls, name)  # pyspark's own, inherited from its mixin
             else:
-                setattr(GroupedData, name, method)
-        restore_reader()
+                setattr(cls, name, method)
 
     return restore
 
@@ -255,6 +288,55 @@ def _hook_writer() -> None:
     ):  # fmt: skip
         hooked.__doc__, hooked.__name__ = original.__doc__, original.__name__
         setattr(DataStreamWriter, name, hooked)
+    hook_connect_writer()
+
+
+#: where a Connect writer keeps the user's foreachBatch function (``_start_bound_connect`` wraps it)
+_FOREACH = "_dstl_foreach_batch"
+_CONNECT_HOOKED: list[bool] = []
+
+
+def hook_connect_writer() -> None:
+    """Wrap the Connect ``DataStreamWriter``'s two starts (its options are in its request already)
+    and record its ``foreachBatch`` function, once per process: ``use_for_session``, and the API's
+    functions on a Connect session (a ``foreachBatch`` query of theirs needs it too)."""
+    try:
+        from pyspark.sql.connect.streaming.readwriter import DataStreamWriter
+    except ImportError:  # pyspark without its connect extra: no Connect session can exist
+        return
+    with _LOCK:
+        if _CONNECT_HOOKED:
+            return
+        _CONNECT_HOOKED.append(True)
+    start, to_table, foreach_batch = DataStreamWriter.start, DataStreamWriter.toTable, DataStreamWriter.foreachBatch
+
+    def hooked_foreach_batch(self: Any, func: Callable[[Any, int], None]) -> Any:
+        self.__dict__[_FOREACH] = (func, foreach_batch)
+        return foreach_batch(self, func)
+
+    def hooked_start(
+        self: Any, path: Any = None, format: Any = None, outputMode: Any = None, partitionBy: Any = None,
+        queryName: Any = None, **given: Any,
+    ) -> Any:  # fmt: skip
+        return _start_bound_connect(
+            self, queryName, given, lambda: start(self, path, format, outputMode, partitionBy, queryName, **given)
+        )
+
+    def hooked_to_table(
+        self: Any, tableName: str, format: Any = None, outputMode: Any = None, partitionBy: Any = None,
+        queryName: Any = None, **given: Any,
+    ) -> Any:  # fmt: skip
+        return _start_bound_connect(
+            self, queryName, given,
+            lambda: to_table(self, tableName, format, outputMode, partitionBy, queryName, **given),
+        )  # fmt: skip
+
+    for name, hooked, original in (
+        ("start", hooked_start, start), ("toTable", hooked_to_table, to_table),
+        ("foreachBatch", hooked_foreach_batch, foreach_batch),
+    ):  # fmt: skip
+        hooked.__doc__, hooked.__name__ = original.__doc__, original.__name__
+        setattr(DataStreamWriter, name, hooked)
 
 
 def _record(writer: Any, given: dict[str, Any]) -> None:
@@ -267,24 +349,14 @@ def _record(writer: Any, given: dict[str, Any]) -> None:
 
 def _start_bound(writer: Any, query_name: str | None, given: dict[str, Any], start: Callable[[], Any]) -> Any:
     """Bind the routed operators of ``writer``'s DataFrame to its query, then ``start`` it."""
-    routed = _routed_in(writer._df)
+    routed = _routed_of(_routes_in_analyzed(writer._df))
     if not routed:
         return start()
     _record(writer, given)
     recorded = writer.__dict__[_RECORDED]
     spark = writer._df.sparkSession
     location = _checkpoint_location(writer, spark, recorded, query_name or recorded.get("queryname"))
-    properties: dict[str, str] = {}
-    for op, job_dir in zip(routed, _state_dirs(routed, location), strict=True):
-        if op.query is not None and op.job_dir != job_dir and bool(op.query.isActive):
-            raise ConfigurationError(
-                f"the routed operator {op.cfg.uid!r} runs in query {op.query.id} (state {op.job_dir}): a DataFrame "
-                "with routed stateful operators runs in one query at a time; build it again for another query"
-            )
-        op.bind(op.cfg.bound(job_dir))
-        _write_route_file(op.cfg, job_dir)
-        op.job_dir = job_dir
-        properties[ROUTE_PROPERTY + str(op.cfg.route)] = job_dir
+    properties = {ROUTE_PROPERTY + route: job_dir for route, job_dir in _bind(routed, location, True).items()}
     context = spark.sparkContext
     previous = {key: context.getLocalProperty(key) for key in properties}
     for key, value in properties.items():
@@ -299,11 +371,62 @@ def _start_bound(writer: Any, query_name: str | None, given: dict[str, Any], sta
     return query
 
 
-def _routed_in(df: Any) -> list[_Routed]:
-    """The routed operators of this driver in ``df``'s plan. One that feeds a union other than as
-    its first input is refused: its tasks know their partition by Spark's partition id, which a
-    union renumbers for every input after the first."""
-    found: dict[str, _Routed] = {}
+def _start_bound_connect(writer: Any, query_name: str | None, given: dict[str, Any], start: Callable[[], Any]) -> Any:
+    """``_start_bound`` for a Connect client's writer: the operators are bound in the plan the
+    start sends (``backend.spark.connect_plan``), the options are read from the writer's request;
+    a ``foreachBatch`` function of a query running the drop-in is wrapped so that its batches
+    carry their identity (``connect_plan.ForeachBatch``)."""
+    from pyspark.sql.utils import to_str
+
+    from backend.spark.connect_plan import ForeachBatch, bind_in_plan, holds_drop_in, routed_routes
+    from dstl import ChangelogConfig
+
+    plan = writer._write_stream._child
+    routed = _routed_of(routed_routes(plan))
+    foreach = writer.__dict__.get(_FOREACH)
+    wrap = foreach is not None and writer._write_proto.HasField("foreach_batch") and holds_drop_in(plan)
+    if not routed and not wrap:
+        return start()
+    recorded = {str(k).lower(): str(v) for k, v in writer._write_proto.options.items()}
+    recorded.update({k.lower(): str(to_str(v)) for k, v in given.items() if v is not None})
+    name = query_name or writer._write_proto.query_name or None
+    location = _checkpoint_location(writer, writer._session, recorded, name, connect=True)
+    if routed:
+        job_dirs = _bind(routed, location, False)
+        tasks = {str(op.cfg.route): op.task_for(op.cfg.bound(job_dirs[str(op.cfg.route)])) for op in routed}
+        bind_in_plan(plan, tasks, job_dirs)
+    if wrap:
+        func, set_function = foreach
+        changelog = routed[0].cfg.changelog if routed else ChangelogConfig(base_path=location)
+        set_function(writer, ForeachBatch(func, location, changelog))
+    query = start()
+    for op in routed:
+        op.query = query
+    return query
+
+
+def _bind(routed: list[_Routed], location: str, route_files: bool) -> dict[str, str]:
+    """Bind each routed operator to its state directory under ``location`` (the driver's part:
+    its coordinator, its initial state; on a classic driver also the route file its tick source
+    reads); returns the directory of each route."""
+    job_dirs: dict[str, str] = {}
+    for op, job_dir in zip(routed, _state_dirs(routed, location), strict=True):
+        if op.query is not None and op.job_dir != job_dir and bool(op.query.isActive):
+            raise ConfigurationError(
+                f"the routed operator {op.cfg.uid!r} runs in query {op.query.id} (state {op.job_dir}): a DataFrame "
+                "with routed stateful operators runs in one query at a time; build it again for another query"
+            )
+        op.bind(op.cfg.bound(job_dir))
+        if route_files:
+            _write_route_file(op.cfg, job_dir)
+        op.job_dir = job_dir
+        job_dirs[str(op.cfg.route)] = job_dir
+    return job_dirs
+
+
+def _routes_in_analyzed(df: Any) -> list[tuple[str, bool]]:
+    """(route, renumbered by a union) of each routed operator in a classic DataFrame's analyzed plan."""
+    found: dict[str, bool] = {}
     pending = [(df._jdf.queryExecution().analyzed(), False)]
     while pending:
         node, renumbered = pending.pop()
@@ -312,23 +435,36 @@ def _routed_in(df: Any) -> list[_Routed]:
             name = str(node.functionExpr().name())
             if name.startswith(_TASK_PREFIX):
                 key = name[len(_TASK_PREFIX) :]
-                with _LOCK:
-                    op = _OPERATORS.get(key)
-                if op is None:
-                    raise ConfigurationError(f"the routed operator {name} was not built in this driver")
-                if renumbered:
-                    raise ConfigurationError(
-                        f"the routed stateful operator {op.cfg.uid!r} is an input of a union other than its first: "
-                        "the drop-in's output can be the first input of a union only (write the others first)"
-                    )
-                found[key] = op
+                found[key] = found.get(key, False) or renumbered
         children = node.children()
         pending.extend((children.apply(i), renumbered or (kind == "Union" and i > 0)) for i in range(children.size()))
-    return list(found.values())
+    return list(found.items())
 
 
-def _checkpoint_location(writer: Any, spark: Any, recorded: dict[str, Any], query_name: str | None) -> str:
-    """The query's checkpoint location, as Spark's ``StreamingQueryManager`` will choose it."""
+def _routed_of(routes: list[tuple[str, bool]]) -> list[_Routed]:
+    """The routed operators of this driver a plan holds (``routes``: route, renumbered). One that
+    feeds a union other than as its first input is refused: its tasks know their partition by
+    Spark's partition id, which a union renumbers for every input after the first."""
+    found: list[_Routed] = []
+    for key, renumbered in routes:
+        with _LOCK:
+            op = _OPERATORS.get(key)
+        if op is None:
+            raise ConfigurationError(f"the routed operator {_TASK_PREFIX}{key} was not built in this driver")
+        if renumbered:
+            raise ConfigurationError(
+                f"the routed stateful operator {op.cfg.uid!r} is an input of a union other than its first: "
+                "the drop-in's output can be the first input of a union only (write the others first)"
+            )
+        found.append(op)
+    return found
+
+
+def _checkpoint_location(
+    writer: Any, spark: Any, recorded: dict[str, Any], query_name: str | None, connect: bool = False
+) -> str:
+    """The query's checkpoint location, as Spark's ``StreamingQueryManager`` will choose it. A
+    Connect client cannot know the temporary directory the server would choose: refused there."""
     location = recorded.get("checkpointlocation")
     if location:
         return str(location)
@@ -338,8 +474,16 @@ def _checkpoint_location(writer: Any, spark: Any, recorded: dict[str, Any], quer
             return f"{default.rstrip('/')}/{query_name}"
         chosen = f"{default.rstrip('/')}/{uuid.uuid4()}"  # Spark would choose a random name: choose it for Spark
         writer.option("checkpointLocation", chosen)
-        _record(writer, {"checkpointLocation": chosen})
+        if not connect:
+            _record(writer, {"checkpointLocation": chosen})
         return chosen
+    if connect:
+        raise ConfigurationError(
+            "a query with the drop-in's stateful operators started from a Spark Connect client (routed, or with a "
+            "foreachBatch sink) needs a checkpoint location "
+            "(the writer's checkpointLocation option or spark.sql.streaming.checkpointLocation): the server would "
+            "choose a temporary one this client cannot know, and the state would not follow the query"
+        )
     return tempfile.mkdtemp(prefix="dstl-temporary-")
 
 
@@ -374,113 +518,3 @@ def _write_route_file(cfg: OperatorConfig, job_dir: str) -> None:
     path = route_file(cfg.local_root, str(cfg.route))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, json.dumps({"job_dir": job_dir}))
-
-
-# -- Spark's state sources on a routed query's checkpoint ----------------------------------------
-
-
-def _route_reads(root: str | None) -> Callable[[], None]:
-    """Wrap ``DataFrameReader``'s ``format``, ``option`` and ``options`` (to record them) and its
-    ``load`` (to serve Spark's state sources' names from our sources on the drop-in's layout);
-    returns the function that puts pyspark's methods back."""
-    from pyspark.sql.readwriter import DataFrameReader
-
-    saved = {name: DataFrameReader.__dict__[name] for name in ("format", "option", "options", "load")}
-    format_, option, options, load = saved["format"], saved["option"], saved["options"], saved["load"]
-
-    def hooked_format(self: Any, source: str) -> Any:
-        self.__dict__.setdefault(_READ, {})["format"] = source
-        return format_(self, source)
-
-    def hooked_option(self: Any, key: str, value: Any) -> Any:
-        _record_read(self, {key: value})
-        return option(self, key, value)
-
-    def hooked_options(self: Any, **given: Any) -> Any:
-        _record_read(self, given)
-        return options(self, **given)
-
-    def hooked_load(self: Any, path: Any = None, format: Any = None, schema: Any = None, **given: Any) -> Any:
-        if format is not None:
-            self.format(format)
-        self.options(**given)
-        served = _serve_state_read(self, path, schema, root)
-        return served if served is not None else load(self, path, None, schema)
-
-    for name, hooked in (
-        ("format", hooked_format), ("option", hooked_option), ("options", hooked_options), ("load", hooked_load),
-    ):  # fmt: skip
-        hooked.__doc__, hooked.__name__ = saved[name].__doc__, saved[name].__name__
-        setattr(DataFrameReader, name, hooked)
-
-    def restore() -> None:
-        for name, method in saved.items():
-            setattr(DataFrameReader, name, method)
-
-    return restore
-
-
-def _record_read(reader: Any, given: dict[str, Any]) -> None:
-    """Record options as pyspark sets them: text (``to_str``), a None value not set."""
-    from pyspark.sql.utils import to_str
-
-    recorded = reader.__dict__.setdefault(_READ, {}).setdefault("options", {})
-    for key, value in given.items():
-        if value is not None:
-            recorded[key.lower()] = to_str(value)
-
-
-def _serve_state_read(reader: Any, path: Any, schema: Any, root: str | None) -> Any:
-    """The DataFrame our source reads when ``reader`` names one of Spark's state sources and its
-    path holds the drop-in's checkpoints (module docstring); else None."""
-    recorded = reader.__dict__.get(_READ, {})
-    source = str(recorded.get("format", "")).lower()
-    options = dict(recorded.get("options", {}))
-    location = path if isinstance(path, str) else options.get("path") if path is None else None
-    if source not in _SPARK_STATE_SOURCES or not location:
-        return None
-    from backend.spark.state_plan import drop_in_location
-    from backend.spark.state_source import METADATA_FORMAT, STATE_FORMAT, register
-
-    candidates = [location] if root is None else [_operators_dir(root, location), location]
-    directory = drop_in_location(candidates, options)
-    if directory is None:
-        return None
-    _catch_up(directory)
-    spark = reader._spark
-    register(spark)  # a foreachBatch function's session may not have it yet
-    options.pop("path", None)
-    served = spark.read.format(STATE_FORMAT if source == "statestore" else METADATA_FORMAT).options(**options)
-    if schema is not None:
-        served = served.schema(schema)
-    return served.load(directory)
-
-
-def _catch_up(directory: str) -> None:
-    """Complete the checkpoints of the batches the routed queries with operators in ``directory``
-    reported and the driver's listener has not completed yet (module docstring)."""
-    from backend.spark.driver import complete_committed, coordinator_at
-
-    with _LOCK:
-        ops = [
-            op for op in _OPERATORS.values()
-            if op.query is not None and op.job_dir and _same_directory(op.job_dir.rsplit("/", 1)[0], directory)
-        ]  # fmt: skip
-    for op in ops:
-        coordinator = coordinator_at(str(op.job_dir))
-        if coordinator is None:
-            continue
-        latest = coordinator.latest()
-        done = -1 if latest is None else latest.checkpoint_id
-        query_id = str(op.query.id)
-        for batch in sorted({int(p.batchId) for p in op.query.recentProgress}):
-            if batch > done:
-                complete_committed(batch, query_id)
-
-
-def _same_directory(a: str, b: str) -> bool:
-    """Whether two spellings name one directory (a local one: the same absolute path)."""
-    local_a, local_b = local_path(a), local_path(b)
-    if local_a is not None and local_b is not None:
-        return os.path.abspath(local_a) == os.path.abspath(local_b)
-    return a.rstrip("/") == b.rstrip("/")

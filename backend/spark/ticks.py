@@ -41,10 +41,12 @@ from backend.spark.config import EVENT, PROCESSING, OperatorConfig, watermark_af
 from backend.spark.launcher import launcher_for, register_data_source
 from dstl import ChangelogStorage, StateChangelogStorage
 
-__all__ = ["TICK", "needs_batch", "register_tick_source"]
+__all__ = ["JOB_DIR_OPTION", "TICK", "needs_batch", "register_tick_source", "tick_source_name"]
 
 #: the column that marks tick rows in the operator's input
 TICK = "__dstl_tick"
+#: the read option carrying a routed operator's state directory to its tick source (Connect)
+JOB_DIR_OPTION = "dstl.job_dir"
 _KEPT_BATCHES = 4
 
 
@@ -100,6 +102,12 @@ class TickDecider:
             self.storage = None
 
 
+def tick_source_name(route: str) -> str:
+    """The format name of a routed operator's tick source (``backend.spark.routing`` finds its
+    read in a Connect plan by it)."""
+    return f"dstl_ticks_{route}"
+
+
 def register_tick_source(spark: Any, cfg: OperatorConfig) -> str:
     """Register the tick source of ``cfg``'s operator with ``spark``; returns its format name.
 
@@ -107,11 +115,13 @@ def register_tick_source(spark: Any, cfg: OperatorConfig) -> str:
     pyspark; cloudpickle ships them (and ``cfg``) by value to the Python worker that runs them."""
     from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
-    name = f"dstl_ticks_{uuid.uuid4().hex}"
+    name = tick_source_name(cfg.route) if cfg.route is not None else f"dstl_ticks_{uuid.uuid4().hex}"
 
     class TickReader(DataSourceStreamReader):
-        def __init__(self) -> None:
-            self.decider = TickDecider(cfg)
+        def __init__(self, job_dir: str | None) -> None:
+            # a routed operator started from a Connect client: its state directory rides in the
+            # read's options (``backend.spark.routing``); on a classic driver, in its route file
+            self.decider = TickDecider(cfg if job_dir is None else cfg.bound(job_dir))
 
         def initialOffset(self) -> dict[str, Any]:
             return {"after": -1}
@@ -140,7 +150,7 @@ def register_tick_source(spark: Any, cfg: OperatorConfig) -> str:
             return "subtask int"
 
         def streamReader(self, schema: Any) -> Any:
-            return TickReader()
+            return TickReader(self.options.get(JOB_DIR_OPTION))
 
     register_data_source(spark, TickSource, launcher_for(spark))
     return name

@@ -77,6 +77,49 @@ def test_a_second_driver_on_the_location_takes_it_over(tmp_path: Path) -> None:
         second.close()
 
 
+def test_a_follower_completes_under_the_runs_claim_deletes_nothing_at_start_and_is_fenced_with_it(
+    tmp_path: Path,
+) -> None:
+    """Under Spark Connect the client makes the run's start-up and the server's listener completes
+    the checkpoints, following the client's claim (``backend.spark.server_listener``): it
+    completes and subsumes as the driver would, deletes nothing when it starts (a materialization
+    may be uploading), and is fenced when a new run (a restarted client) claims the directory."""
+    cfg = config(tmp_path, parallelism=1)
+    client = DriverCoordinator(cfg)  # the run's start-up: claim and recovery
+    client.register(cfg)
+    stray = tmp_path / "state" / "stray-chunk"
+    stray.write_bytes(b"uploading")  # a file no checkpoint names yet
+    follower = DriverCoordinator(cfg, follow=client.ownership.run)
+    follower.register(cfg)
+    try:
+        assert stray.exists()
+        assert follower.ownership.epoch == client.ownership.epoch
+        for batch in range(3):
+            run_subtask(cfg, 0, batch, "q", NOW, timers_at(None))
+            meta = follower.complete_batch(batch, "q")
+            assert meta is not None and meta.checkpoint_id == batch
+        assert [m.checkpoint_id for m in follower.coordinator.completed] == [1, 2]  # chk-0 subsumed
+        restarted = DriverCoordinator(cfg)  # a new client's run
+        run_subtask(cfg, 0, 3, "q", NOW, timers_at(None))
+        with pytest.raises(OwnershipLostError, match="taken over by a newer run"):
+            follower.complete_batch(3, "q")
+        driver.complete_as_follower([cfg], 2, client.ownership.run, 3, "q")  # logs, completes nothing
+        assert not (tmp_path / "state" / "chk-3").exists()
+        restarted.register(cfg)
+        assert restarted.complete_batch(3, "q") is not None
+        restarted.close()
+    finally:
+        client.close()
+        follower.close()
+
+
+def test_a_follower_of_a_run_that_never_claimed_is_refused(tmp_path: Path) -> None:
+    cfg = config(tmp_path, parallelism=1)
+    DriverCoordinator(cfg).close()
+    with pytest.raises(CheckpointError, match="no claim of run"):
+        DriverCoordinator(cfg, follow="not-a-run")
+
+
 @pytest.mark.spark
 def test_two_queries_started_at_once_on_one_checkpoint_location(spark: Any, tmp_path: Path) -> None:
     """Both queries have input before they start, so their first batches run at the same time."""

@@ -160,11 +160,8 @@ def test_speculative_execution_is_refused() -> None:
         def get(self, key: str, default: str) -> str:
             return "true" if key == "spark.speculation" else default
 
-    class Session:
-        class sparkContext:
-            @staticmethod
-            def getConf() -> Conf:
-                return Conf()
+    class Session:  # what the check reads of a session, classic or Connect: its conf
+        conf = Conf()
 
     with pytest.raises(ValueError, match="speculation"):
         _check_session(Session())

@@ -13,6 +13,10 @@ finished the round
 (its trigger timestamp is later) and that lies ``Scenario.settle_batches`` batches after the one
 that read the round's file, so every timer the round made due has fired. A scenario's pauses let
 time pass between rounds; they are input, not synchronization.
+
+On a Spark Connect session the ``foreachBatch`` function runs in a process of the server's,
+without the harness's variables: it leaves each batch's rows in a file the harness reads
+(``file_sink``).
 """
 
 from __future__ import annotations
@@ -76,6 +80,16 @@ class Side:
     query: Any = None
     batches: dict[int, Rows] = field(default_factory=dict)
     bounds: list[int] = field(default_factory=list)  # the last batch id of each round
+    #: on a Connect session: where the sink (on the server) writes each batch's rows
+    batch_dir: Path | None = None
+
+    def read_batches(self) -> None:
+        """Take the batches the Connect sink wrote (a ``foreachBatch`` function runs on the
+        server there, in a process of its own: it cannot add to ``batches`` itself)."""
+        if self.batch_dir is not None:
+            for path in self.batch_dir.glob("*.json"):
+                rows = json.loads(path.read_text())
+                self.batches[int(path.stem)] = Counter(_hashable(row) for row in rows)
 
     def round_rows(self) -> list[Rows]:
         out: list[Rows] = []
@@ -171,16 +185,45 @@ def _dataframe(spark: Any, scenario: Scenario, engine: str, source: Path, work: 
     return ours(grouped, proc, OUTPUT_SCHEMA, output_mode, mode, initialState=initial, **options)
 
 
+def _hashable(value: Any) -> Any:
+    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+
+
 def _start(side: Side, df: Any, scenario: Scenario, checkpoint: Path) -> None:
+    from backend.spark.connect import is_connect
+
     def collect(batch_df: Any, batch_id: int) -> None:
         side.batches[batch_id] = Counter(tuple(row) for row in batch_df.collect())
 
+    sink = collect
+    if is_connect(df.sparkSession):  # the function runs on the server: it leaves the rows in files
+        side.batch_dir = checkpoint.parent / "batches"
+        side.batch_dir.mkdir(parents=True, exist_ok=True)
+        sink = file_sink(str(side.batch_dir))
     side.query = (
         df.writeStream.outputMode(scenario.output_mode.lower())
-        .foreachBatch(collect)
+        .foreachBatch(sink)
         .option("checkpointLocation", str(checkpoint))
         .start()
     )
+
+
+def file_sink(directory: str) -> Any:
+    """A ``foreachBatch`` function writing each batch's rows to ``<directory>/<batch id>.json``
+    (values JSON cannot hold as their ``repr``: both sides go through the same conversion). On a
+    Connect session it runs in a process of the server's, without the harness's variables."""
+
+    def write(batch_df: Any, batch_id: int) -> None:
+        import json
+        import os
+
+        rows = [list(row) for row in batch_df.collect()]
+        tmp = os.path.join(directory, f".{batch_id}.tmp")
+        with open(tmp, "w") as out:
+            json.dump(rows, out, default=repr)
+        os.replace(tmp, os.path.join(directory, f"{batch_id}.json"))
+
+    return write
 
 
 def _failure(side: Side, what: str) -> HarnessError:
@@ -302,9 +345,18 @@ def run_scenario(spark: Any, scenario: Scenario, engines: tuple[str, str] = ("ou
     if scenario.max_records is not None:
         confs[ARROW_BATCH_CONF] = str(scenario.max_records)
     saved = {name: spark.conf.get(name, None) for name in confs}  # None: not set
+    from backend.spark.connect import is_connect
+
     sides = [Side(engine, engine == "spark" and scenario.runs_continuously) for engine in engines]
     progress = ProgressLog()
-    spark.streams.addListener(progress.listener)
+    # only a side Spark runs continuously is followed by progress events; pyspark's Connect client
+    # can deadlock removing a listener while an event is delivered, and stops delivering them once
+    # a query with a Python data source reports its accumulators: not on Connect
+    listening = any(side.continuous for side in sides)
+    if listening and is_connect(spark):
+        raise HarnessError(f"a side Spark runs continuously is not followed on a Connect session: {scenario!r}")
+    if listening:
+        spark.streams.addListener(progress.listener)
     driver.forget_all()
     with tempfile.TemporaryDirectory(prefix="parity-") as tmp:
         root = Path(tmp)
@@ -329,6 +381,7 @@ def run_scenario(spark: Any, scenario: Scenario, engines: tuple[str, str] = ("ou
                         side.bounds.append(progress.wait_settled(side, index, after, scenario.settle_batches))
                     else:
                         _process_all(side)
+                        side.read_batches()
                         side.bounds.append(max(side.batches, default=-1))
                     after = _now_ms()
                 let_time_pass(round_.pause_ms)
@@ -348,6 +401,9 @@ def run_scenario(spark: Any, scenario: Scenario, engines: tuple[str, str] = ("ou
                     spark.conf.unset(name)
                 else:
                     spark.conf.set(name, old)
-            spark.streams.removeListener(progress.listener)
+            if listening:
+                spark.streams.removeListener(progress.listener)
             driver.forget_all()
+            for side in sides:
+                side.read_batches()
     return Outcome(scenario, sides)
