@@ -57,13 +57,19 @@ def complete_on_server(spark: Any, coordinator: DriverCoordinator) -> None:
     configs = list(coordinator.configs.values())
     listener = _completer_class()(configs, coordinator.num_retained, coordinator.ownership.run)
     job_dir = configs[0].job_dir
-    _listener_command(spark, "add_listener", listener._id, listener)
     key = (str(spark.session_id), job_dir)
     with _LOCK:
-        replaced = _REGISTERED.get(key)
-        _REGISTERED[key] = listener._id
+        replaced = _REGISTERED.pop(key, None)
+    # The old listener goes first: two listeners of one run, each with its own registry in a
+    # process of its own, would both complete a batch whose event reached both, and each subsume
+    # by what it knows. A batch whose event falls between the two calls is not completed, which
+    # costs nothing: the next batch restores from its pending handles, and the next completion
+    # covers it.
     if replaced is not None:
         _listener_command(spark, "remove_listener", replaced)
+    _listener_command(spark, "add_listener", listener._id, listener)
+    with _LOCK:
+        _REGISTERED[key] = listener._id
 
 
 def remove_server_listeners(spark: Any) -> None:

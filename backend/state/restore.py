@@ -230,7 +230,9 @@ class SpanReader:
 
 class LoggedChanges:
     """The records of the owned key groups of a restore's logs (oldest first), read before its
-    chunks are loaded, applied per key group (module doc). A malformed record raises
+    chunks are loaded, applied per key group (module doc). They are held in memory until applied:
+    a materialization bounds the log (``size_trigger_bytes``), so a restore holds about as much as
+    the log since the last one. A malformed record raises
     ``CorruptChangelogError`` naming its log's files; a record of an unknown state
     ``StateRestoreError``.
 
@@ -297,7 +299,7 @@ def record_kinds(states: Mapping[str, Mapping[str, Any]]) -> dict[int, tuple[str
 def apply_record(txn: Any, db: Any, kind: str, op: Op, ck: bytes, rest: bytes) -> int:
     """Apply one change record to ``db`` in ``txn``; returns the number of key changes it held.
 
-    A malformed record raises ``SerializationError``; ``replay_log`` reports it against the log."""
+    A malformed record raises ``SerializationError``; ``LoggedChanges`` reports it against the log."""
     if op in rec.BATCH_OPS:
         pairs = rec.split_batch(op, rest)
         txn.cursor(db=db).putmulti(pairs)
