@@ -36,9 +36,11 @@ PAYLOAD = 1000
 #: what an operator may append before its append blocks: the bound, plus what it appends before
 #: the loop thread next looks. The operator copies 1,000-byte changes at memory speed (GB/s) and
 #: the loop thread gets the GIL only at the interpreter's switch interval (5 ms), so one late look
-#: is worth tens of MiB: the margin is three bounds. The defect this guards against (the loop
-#: blocked by the S3 client's creation) let hundreds of MiB through.
-ALLOWED = 4 * LIMIT
+#: is worth tens of MiB, and more since an append is two list appends with no size check of its
+#: own (the bound is only the loop thread's looks: a known softness, to be made hard): the margin
+#: is seven bounds. The defect this guards against (the loop blocked by the S3 client's creation)
+#: let hundreds of MiB through.
+ALLOWED = 8 * LIMIT
 
 
 @dataclass
