@@ -515,9 +515,7 @@ class ChangelogKeyedStateBackend(KeyContext):
         if self._states or self.timers.has_timers() or self.tables.entry_count():
             raise StateRestoreError("restore() must be called on a fresh backend, before any state is used")
         handles = list(handles)
-        for handle in handles:
-            restoring.check_compatible(handle, self.operator_id, self.max_parallelism)
-            restoring.merge_metadata(self._restored_meta, handle.states)
+        restoring.check_handles(handles, self.operator_id, self.max_parallelism, self._restored_meta)
         reader = source or self.storage
         if handles and reader is None:
             raise StateRestoreError("restoring changelog handles needs a changelog storage")
@@ -529,17 +527,8 @@ class ChangelogKeyedStateBackend(KeyContext):
                 lineage.materialized, lineage.carried, progress, self._end_lazy,
             )  # fmt: skip
         else:
-            logs = list(restoring.owned_logs(handles, self.key_group_range))
-            logged = restoring.LoggedChanges(reader, logs, tables) if logs and reader is not None else None
-            applied = restoring.load_materialized(
-                self.tables, handles, self.key_group_range, tables, lineage.materialized, load_chunk, progress, reader,
-                logged,
-            )  # fmt: skip
-            if logged is not None:
-                applied += logged.apply_rest(self.tables)
-                if progress is not None:
-                    progress(applied)
-            lineage.carried += [LogEntry(log, rng) for log, rng in logs]
+            applied = restoring.restore_eagerly(self.tables, handles, self.key_group_range, tables, lineage,
+                                                load_chunk, progress, reader)  # fmt: skip
         self.timers.load()
         self.log_bytes_since_materialization = lineage.carried_bytes()
         return applied

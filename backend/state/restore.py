@@ -28,7 +28,7 @@ import lmdb
 
 from backend.core import records as rec
 from backend.core.errors import SerializationError, StateRestoreError
-from backend.core.handles import CHUNK_HASH, KeyedStateHandle, chunk_digest, intersect, read_chunk
+from backend.core.handles import CHUNK_HASH, KeyedStateHandle, LogEntry, chunk_digest, intersect, read_chunk
 from backend.core.records import Op
 from backend.state import versions
 from backend.state.lmdb_tables import LmdbTables
@@ -44,12 +44,14 @@ __all__ = [
     "apply_record",
     "bulk_put",
     "check_compatible",
+    "check_handles",
     "check_tables",
     "load_materialized",
     "merge_metadata",
     "owned_logs",
     "owned_parts",
     "record_kinds",
+    "restore_eagerly",
 ]
 
 #: (path, file bytes, the handle's entry naming the chunk, key groups) -> {state name: [(table key,
@@ -71,6 +73,15 @@ def check_compatible(handle: KeyedStateHandle, operator_id: str, max_parallelism
             f"handle has max parallelism {handle.max_parallelism}, this backend {max_parallelism}: "
             "key groups would not match"
         )
+
+
+def check_handles(
+    handles: Sequence[KeyedStateHandle], operator_id: str, max_parallelism: int, known: dict[str, dict[str, Any]]
+) -> None:
+    """``check_compatible`` every handle and ``merge_metadata`` its states into ``known``."""
+    for handle in handles:
+        check_compatible(handle, operator_id, max_parallelism)
+        merge_metadata(known, handle.states)
 
 
 def merge_metadata(known: dict[str, dict[str, Any]], states: dict[str, dict[str, Any]]) -> None:
@@ -133,6 +144,32 @@ def check_tables(path: str, names: Iterable[str], states: Mapping[str, Any]) -> 
     for name in names:
         if name != TIMERS_DB and name not in states:
             raise StateRestoreError(f"chunk {path} holds state {name!r} missing from the handle")
+
+
+def restore_eagerly(
+    tables: LmdbTables,
+    handles: list[KeyedStateHandle],
+    owned: KeyGroupRange,
+    states: Mapping[str, Any],
+    lineage: Any,
+    load_chunk: ChunkLoader | None,
+    progress: Progress | None,
+    reader: ChangelogStorage | None,
+) -> int:
+    """Load the owned chunks with the logs' records (module doc) and carry the logs into
+    ``lineage`` (``truncation.SnapshotLineage``: its ``materialized`` and ``carried``); returns
+    the entries loaded and key changes applied."""
+    logs = list(owned_logs(handles, owned))
+    logged = LoggedChanges(reader, logs, states) if logs and reader is not None else None
+    applied = load_materialized(
+        tables, handles, owned, states, lineage.materialized, load_chunk, progress, reader, logged
+    )
+    if logged is not None:
+        applied += logged.apply_rest(tables)
+        if progress is not None:
+            progress(applied)
+    lineage.carried += [LogEntry(log, rng) for log, rng in logs]
+    return applied
 
 
 def load_materialized(
