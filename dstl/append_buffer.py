@@ -4,15 +4,25 @@ Every writer, local (``dstl.writer.ChangelogWriter``) or remote (``dstl.service.
 one ``AppendBuffer``; whoever drives it (the storage's loop thread for a local writer, the
 connection's sender for a remote one) calls only the public methods below. Why it is shaped so:
 
-- *The hot path is two list appends.* ``append`` appends the key group, then the payload, to a
-  list: two ``list.append`` calls, which CPython runs inline without a call of their own (a pair
-  appended as ``+= (key_group, data)`` builds a tuple and takes the generic in-place path: half
-  again the cost of the whole append). No size check, lock or validation runs per call (each
-  would cost as much as the append itself). A writer's ``append`` and ``append_many`` are
-  closures the buffer gives it (``Appender``), which find the list in their cell: CPython calls a
-  plain function kept in an instance attribute and reads a cell faster than it calls a method
-  and reads ``self._records`` (and a bound method kept in an attribute, such as the buffer's
-  own, is slower still).
+- *The hot path is two list appends and a countdown.* ``append`` appends the key group, then the
+  payload, to a list: two ``list.append`` calls, which CPython runs inline without a call of their
+  own (a pair appended as ``+= (key_group, data)`` builds a tuple and takes the generic in-place
+  path: half again the cost of the whole append). No size check, lock or validation runs per
+  call (each would cost as much as the append itself). A writer's ``append`` and ``append_many``
+  are closures the buffer gives it (``Appender``), which find the list in their cell: CPython
+  calls a plain function kept in an instance attribute and reads a cell faster than it calls a
+  method and reads ``self._records`` (and a bound method kept in an attribute, such as the
+  buffer's own, is slower still).
+- *The bound holds without the driver.* The driver measures and gates every few milliseconds,
+  but only when it runs: a loop thread that a loaded machine does not schedule, or that a slow
+  call holds, let an operator append tens of megabytes past every bound. So every
+  ``LOOK_EVERY`` changes (a countdown of small ints: a fraction of the append's cost), and before
+  every ``append_many``, the appending thread looks itself: it adds ``LOOK_EVERY`` times the
+  length of the change in hand to ``estimate`` (the bytes appended since the last cut) and calls
+  its owner's ``look``, which cuts or waits as the driver would. Measuring every change there
+  would double the append's cost; one length per look is exact for changes of one size and close
+  for changes of similar sizes, and the driver's measure and the cut stay exact. Whether the
+  driver runs or not, a buffer holds about its owner's bound plus ``LOOK_EVERY`` changes.
 - *Pairs, even when cut halfway.* The list holds ``key_group, data, key_group, data, ...``. A
   thread switch may fall between the two appends of one change, so whoever reads the list takes
   an even number of items: ``cut`` and ``measure`` leave a lone key group for the next time, when
@@ -52,6 +62,7 @@ drops it before a stand-in waits).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import sys
 import threading
@@ -63,11 +74,14 @@ from typing import Any
 from dstl.errors import ChangelogError, ConfigurationError, WriterClosedError
 from dstl.types import KeyGroupRange
 
-__all__ = ["AppendBuffer", "Appender", "BufferStatus", "Cut", "check_changes"]
+__all__ = ["LOOK_EVERY", "AppendBuffer", "Appender", "BufferStatus", "Cut", "check_changes"]
 
 _GIL_ENABLED = getattr(sys, "_is_gil_enabled", lambda: True)()
 #: the measured size of a buffer holding a change without a length: past every bound
 UNMEASURABLE = 1 << 62
+#: the appending thread looks at its owner's bounds itself every this many changes (module doc);
+#: at most 256, so that the countdown stays among CPython's cached small ints (no allocation)
+LOOK_EVERY = 255
 
 
 class BufferStatus(enum.Enum):
@@ -134,20 +148,36 @@ class Appender:
     append_many: Callable[[list[Any]], None]
 
 
-def _appenders() -> tuple[Callable[[int, bytes], None], Callable[[list[Any]], None], Callable[[Any], None]]:
+def _appenders(
+    look: Callable[[Any, int], None],
+) -> tuple[Callable[[int, bytes], None], Callable[[list[Any]], None], Callable[[Any], None]]:
     """``append`` and ``append_many`` of one writer, and ``point``, which re-points both at another
-    list or stand-in: a closure's cell is read faster than an attribute of ``self`` (module doc)."""
+    list or stand-in: a closure's cell is read faster than an attribute of ``self`` (module doc).
+    Every ``LOOK_EVERY`` changes, and for every ``append_many``, before appending, they call
+    ``look(sample, changes)``: a payload of the changes appended since the last look, and how many
+    there were (module doc, the bound)."""
     records: Any = None
+    left = LOOK_EVERY
 
     def append(key_group: int, data: bytes) -> None:
-        """Append one change of ``key_group``; in memory, never does I/O (``dstl.append_buffer``)."""
+        """Append one change of ``key_group``; in memory, never does I/O, may wait for room
+        (``dstl.append_buffer``)."""
+        nonlocal left
+        left -= 1
+        if left < 0:
+            look(data, LOOK_EVERY)  # may wait, or raise: this change is not appended, the next call looks
+            left = LOOK_EVERY
         records.append(key_group)  # the cell read twice: cheaper than a local, and re-pointing
         records.append(data)  # between the two is safe (module doc, pairs)
 
     def append_many(pairs: list[Any]) -> None:
         """Append many changes at once: ``[key_group, data, key_group, data, ...]``, in order."""
+        nonlocal left
         if len(pairs) % 2:
             raise ConfigurationError(f"append_many(pairs): {len(pairs)} items are not key group and data pairs")
+        if pairs:
+            look(pairs[-1], LOOK_EVERY - left + len(pairs) // 2)
+            left = LOOK_EVERY
         target = records
         target += pairs
 
@@ -163,7 +193,10 @@ class AppendBuffer:
 
     ``wait``: called by an append at the gate, on the appending thread; returns once the append
     may go on (or raises, e.g. ``WriterClosedError`` when the owner closes meanwhile). ``wake``:
-    called after an append at the waker, to wake a sleeping driver (``park``)."""
+    called after an append at the waker, to wake a sleeping driver (``park``). ``look``: called
+    by the appending thread every ``LOOK_EVERY`` changes and before every ``append_many`` with
+    ``estimate`` (module doc, the bound), to hold the owner's bounds without the driver; it may
+    cut, or wait as ``wait`` does."""
 
     def __init__(
         self,
@@ -173,6 +206,7 @@ class AppendBuffer:
         *,
         wait: Callable[[], None],
         wake: Callable[[], None] = lambda: None,
+        look: Callable[[int], None] = lambda estimate: None,
     ) -> None:
         self.log_id = log_id
         self.key_group_range = key_group_range
@@ -183,7 +217,10 @@ class AppendBuffer:
         self._active: list[Any] = []
         #: whose ``append`` extends ``_records``: ``_active`` or one of the stand-ins
         self._owner = owner
-        owner.append, owner.append_many, self._point_appenders = _appenders()
+        self._look = look
+        #: the bytes appended since the last cut, as the appending thread's looks estimate them
+        self.estimate = 0
+        owner.append, owner.append_many, self._point_appenders = _appenders(self._estimate)
         self._point(self._active)
         self._gate = _Gate(self)
         self._waker = _Waker(self)
@@ -218,6 +255,12 @@ class AppendBuffer:
                 records += pairs
                 return
         records += pairs  # a stand-in: it may wait, and takes the lock itself to append
+
+    def _estimate(self, sample: Any, changes: int) -> None:
+        """The appending thread's look: ``changes`` more changes of about ``sample``'s length."""
+        with contextlib.suppress(TypeError):  # not bytes: the next cut fails the writer
+            self.estimate += changes * len(sample)
+        self._look(self.estimate)
 
     def _extend(self, items: list[Any]) -> list[Any]:
         """A stand-in's append, once it may go on: raises if the buffer stopped taking changes
@@ -336,7 +379,7 @@ class AppendBuffer:
             payloads = active[1:n:2]
             del active[:n]
             lengths, self._measured_lengths = self._measured_lengths, []
-            self._measured = self._measured_bytes = 0
+            self._measured = self._measured_bytes = self.estimate = 0
             if self._status is not BufferStatus.OPEN:
                 return None
         try:

@@ -7,7 +7,9 @@ and hands it to its storage:
 
 - *Memory bound (pre-emptive persist).* The storage's loop thread looks at every writer every few
   milliseconds (``check_preemptive``); when the buffer measures past
-  ``preemptive_persist_threshold`` it is cut and the changeset queued for upload.
+  ``preemptive_persist_threshold`` it is cut and the changeset queued for upload. The appending
+  thread looks too, every ``LOOK_EVERY`` changes (``_look_at_bounds``), so the bounds hold when
+  the loop thread does not run.
 - *Backpressure.* When the bytes held for uploads (changesets uploading or failed, and their
   encoded files) exceed ``max_in_flight_bytes``, the loop thread gates the buffer: the next
   append waits in ``WriterStorage.wait_for_capacity`` until they drain, then appends; if the
@@ -73,7 +75,9 @@ class ChangelogWriter(Appender):
         self._storage = storage
         self._threshold = storage.config.preemptive_persist_threshold
         #: the changes of the active changeset, driven by the storage's loop thread
-        self.buffer = AppendBuffer(self, log_id, key_group_range, wait=self._wait_for_capacity)
+        self.buffer = AppendBuffer(
+            self, log_id, key_group_range, wait=self._wait_for_capacity, look=self._look_at_bounds
+        )
         self._cut_lock = threading.Lock()
         self._active_sqn = 1
         #: closed, not yet truncated changesets by SQN (ascending); guarded by the storage lock
@@ -91,6 +95,19 @@ class ChangelogWriter(Appender):
         """An append at the gate: wait until the bytes not yet durable are within the bound."""
         self._storage.wait_for_capacity(self)
         self.buffer.ungate()
+
+    def _look_at_bounds(self, estimate: int) -> None:
+        """The appending thread's own look (every ``LOOK_EVERY`` changes: ``dstl.append_buffer``),
+        what the loop thread's look does, for when it does not run: cut and queue the active
+        changeset once ``estimate`` (its bytes) passes the pre-emptive threshold, then wait while
+        more than the bound is not durable."""
+        if estimate >= self._threshold:
+            with self._cut_lock:
+                entry = self._cut_locked(scheduled=True)
+            if entry is not None:
+                self._storage.queue_preemptive(self, entry)
+        if self._storage.over_limit:
+            self._storage.wait_for_capacity(self)
 
     # -- changesets -----------------------------------------------------------------------
 
@@ -303,6 +320,16 @@ class WriterStorage(Protocol):
 
     def wait_for_capacity(self, writer: StateChangelogWriter) -> None:
         """Block an append of ``writer`` while more bytes than the bound are not yet durable."""
+        ...
+
+    @property
+    def over_limit(self) -> bool:
+        """Whether more bytes than the bound are not durable (read without a lock)."""
+        ...
+
+    def queue_preemptive(self, writer: StateChangelogWriter, entry: UploadEntry) -> None:
+        """Count ``entry`` (cut past the pre-emptive threshold, marked scheduled) in flight and
+        queue its upload; from the appending thread."""
         ...
 
     def reserve_in_flight(self, writer: StateChangelogWriter, size: int, retried: int) -> None:

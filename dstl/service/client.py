@@ -80,7 +80,12 @@ class RemoteChangelogWriter(Appender):
         self._conn = conn
         #: the changes not yet shipped; the connection's sender drives it (``outbox``)
         self.buffer = AppendBuffer(
-            self, log_id, key_group_range, wait=lambda: conn.outbox.wait_drained(self), wake=conn.outbox.wake
+            self,
+            log_id,
+            key_group_range,
+            wait=lambda: conn.outbox.wait_drained(self),
+            wake=conn.outbox.wake,
+            look=lambda estimate: conn.outbox.look(self, estimate),
         )
         #: appends that waited for the sender (client-side backpressure)
         self.backpressure_waits = 0

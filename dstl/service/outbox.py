@@ -11,7 +11,8 @@ Why it is shaped so:
   and the frames stay queued. The sender never blocks on the socket, so it keeps measuring: while
   the queued frames exceed ``preemptive_persist_threshold`` no writer is cut, and a writer with
   more than that many bytes unsent is gated: its next append blocks the appending thread until
-  the sender cut its buffer; closing the writer or losing the connection meanwhile raises
+  the sender cut its buffer (the appending thread's own look, every ``LOOK_EVERY`` changes, gates
+  it too when the sender has not run); closing the writer or losing the connection meanwhile raises
   ``WriterClosedError`` (``ServiceUnavailableError`` is one). That wait has no deadline of its
   own: the connection's liveness rule ends it by declaring the connection lost (``liveness``).
 - *An idle sender sleeps.* When every buffer is empty and nothing is queued, the sender parks
@@ -129,6 +130,14 @@ class Outbox:
             self._drained.wait_for(lambda: not writer.buffer.gated)
             if writer.buffer.status is BufferStatus.CLOSED:
                 raise WriterClosedError(f"changelog writer {writer.log_id} closed while its append waited")
+
+    def look(self, writer: BufferedWriter, estimate: int) -> None:
+        """The appending thread's own look (``dstl.append_buffer``, the bound): a buffer holding
+        about more than the bound unsent (``estimate``) is gated and waits for the sender's cut,
+        as the sender's own look would do, had it run."""
+        if estimate > self._bound:
+            writer.buffer.gate()
+            self.wait_drained(writer)  # returns at once if the sender cut it meanwhile
 
     def discard_locked(self, writer: BufferedWriter) -> bool:
         """The writer is closed: drop its buffered changes and wake appends waiting at its gate.

@@ -92,7 +92,7 @@ class StateChangelogStorage:
             in_flight=self._in_flight,
         )
         self._reader = HandleReader(self._loop, self._uploader, self.files.policy)
-        monitor = WriterMonitor(
+        self._writer_monitor = monitor = WriterMonitor(
             self._registry.writers,
             self._in_flight,
             self._scheduler,
@@ -145,6 +145,16 @@ class StateChangelogStorage:
     def wait_for_capacity(self, writer: StateChangelogWriter) -> None:
         """Backpressure for appends: block while more than the bound is not yet durable."""
         self._in_flight.wait_for_capacity(writer)
+
+    @property
+    def over_limit(self) -> bool:
+        return self._in_flight.over_limit
+
+    def queue_preemptive(self, writer: StateChangelogWriter, entry: UploadEntry) -> None:
+        """A changeset ``writer`` cut past its pre-emptive threshold on its own thread: counted in
+        flight at once (the appending thread's next wait sees it), queued on the loop."""
+        self._in_flight.add(entry.size)
+        self._loop.call(self._writer_monitor.submit_preemptive, writer.log_id, entry)
 
     def submit_persist(
         self,

@@ -9,11 +9,14 @@ or it is truncated, so leaving it out of the count (as Flink's ``UploadThrottle`
 fine there because a failed upload fails the task) would let a refusing DFS grow memory without
 bound; leaving the files out would let memory reach about twice the bound on a stalled one.
 
-Neither check may run per append (``ChangelogWriter.append`` is two list appends), so both are
-driven from the loop thread: ``WriterMonitor`` looks at every writer every ``MONITOR_INTERVAL_S``,
-cuts and queues changesets past the threshold, and gates a writer's ``AppendBuffer``
-(``dstl.append_buffer``) while the bound is exceeded: its appends wait in
-``InFlightBytes.wait_for_capacity``.
+Neither check may run per append (``ChangelogWriter.append`` is two list appends and a
+countdown), so both are driven from the loop thread: ``WriterMonitor`` looks at every writer every
+``MONITOR_INTERVAL_S``, cuts and queues changesets past the threshold, and gates a writer's
+``AppendBuffer`` (``dstl.append_buffer``) while the bound is exceeded: its appends wait in
+``InFlightBytes.wait_for_capacity``. The loop thread looks only when it runs, so the appending
+thread also looks itself every ``LOOK_EVERY`` changes (``ChangelogWriter``: the same cut, counted
+at once and queued on the loop, and the same wait): the bound holds while the loop thread is
+held or not scheduled.
 
 What ends a wait: bytes becoming durable (an upload succeeds), failed changesets released (their
 writer truncates them or closes), or the writer or storage closing (the append then raises
@@ -266,9 +269,8 @@ class WriterMonitor:
         for writer in writers:
             entry = writer.check_preemptive()
             if entry is not None:  # created already marked as scheduled (ChangelogWriter.check_preemptive)
-                self._metrics.preemptive_persists += 1
                 self._in_flight.add(entry.size)
-                self._scheduler.submit(writer.log_id, [entry], persist_request=False)
+                self.submit_preemptive(writer.log_id, entry)
         self._in_flight.prune_failed()
         over = self._in_flight.over_limit
         for writer in writers:
@@ -277,6 +279,12 @@ class WriterMonitor:
             else:
                 writer.buffer.ungate()
         self._retry_while_blocked(over, now)
+
+    def submit_preemptive(self, log_id: str, entry: UploadEntry) -> None:
+        """Queue a changeset cut past its writer's pre-emptive threshold (counted in flight by
+        whoever cut it: the loop thread here, or the appending thread's own look)."""
+        self._metrics.preemptive_persists += 1
+        self._scheduler.submit(log_id, [entry], persist_request=False)
 
     def _retry_while_blocked(self, over: bool, now: float) -> None:
         """While appends are blocked, upload failed changesets again, one file's worth per round

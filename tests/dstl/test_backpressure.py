@@ -28,6 +28,7 @@ import pytest
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from dstl import ChangelogConfig, HedgingPolicy, KeyGroupRange, StateChangelogStorage
 from dstl import format as format_module
+from dstl.append_buffer import LOOK_EVERY
 from dstl.errors import UploadFailedError, WriterClosedError
 from dstl.uploaders.fsspec import FsspecUploader
 from dstl.writer import ChangelogWriter
@@ -129,6 +130,38 @@ def test_appends_block_on_a_stalled_dfs_and_resume_when_it_comes_back(tmp_path: 
         assert_everything_durable(storage, op)
     finally:
         plan.release()
+        storage.close()
+
+
+def test_appends_stop_at_the_bound_while_the_loop_thread_is_held(tmp_path: Path, plan: FaultPlan) -> None:
+    """The bound does not rest on the loop thread's looks. Here a coroutine holds the storage's
+    loop thread (in production: a slow call on it, or a loaded machine that does not schedule
+    it), so the loop neither cuts, nor uploads, nor gates: the operator's appends must still stop
+    within the bound plus what one look of the appending thread's own lets through."""
+    held, release = threading.Event(), threading.Event()
+
+    async def hold_the_loop() -> None:
+        held.set()
+        release.wait(WAIT_S)  # blocks the loop thread itself, on purpose
+
+    storage = storage_over(tmp_path, plan)
+    holder = threading.Thread(target=storage.run, args=(hold_the_loop(),), daemon=True)
+    try:
+        writer = storage.create_writer("op", RANGE)
+        holder.start()
+        assert held.wait(WAIT_S)
+        op = Operator(writer)
+        wait_until(lambda: storage.metrics.backpressure_waits >= 1 or op.done.is_set(), "an append to wait")
+        slack = 2 * LOOK_EVERY * len(PAYLOAD)  # the changes between two looks, twice (cut, then wait)
+        assert not op.done.is_set() and op.appended * len(PAYLOAD) <= LIMIT + slack, (
+            f"{op.appended * len(PAYLOAD)} bytes appended while the loop thread was held, "
+            f"against a bound of {LIMIT} bytes (+ {slack})"
+        )
+        release.set()
+        holder.join(WAIT_S)
+        assert_everything_durable(storage, op)
+    finally:
+        release.set()
         storage.close()
 
 

@@ -1,8 +1,9 @@
 """The in-flight bound on S3 holds from a writer's first append on a fresh storage.
 
 The bound is applied from the storage's loop thread (``dstl.storage.throttle``): it cuts the
-active changesets and gates appends every few milliseconds. Whatever blocks that loop lets an
-operator append without any bound meanwhile, and the S3 client's creation (importing aiobotocore,
+active changesets and gates appends every few milliseconds; the appending thread looks too, every
+``LOOK_EVERY`` changes. Before it did, whatever blocked that loop let an operator append without
+any bound meanwhile, and the S3 client's creation (importing aiobotocore,
 loading botocore's service models) is slow, CPU-bound work on it: created by a storage's first
 upload, it let an operator that had just started run far past the bound. Here every PUT stalls
 behind the fault proxy (``benchmarks.support.fault_proxy``) in front of moto, so nothing ever
@@ -22,6 +23,7 @@ from benchmarks.support.fault_plan import Fault, FaultPlan
 from benchmarks.support.fault_proxy import FaultProxy
 from benchmarks.support.s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server
 from dstl import ChangelogConfig, HedgingPolicy, KeyGroupRange, S3Options, StateChangelogStorage, StateChangelogWriter
+from dstl.append_buffer import LOOK_EVERY
 from tests.support import polling
 from tests.support.s3 import new_bucket
 
@@ -33,14 +35,10 @@ LIMIT = 16 * MiB
 #: small, so that the first upload (and the client's creation) starts long before the bound
 THRESHOLD = 256 * 1024
 PAYLOAD = 1000
-#: what an operator may append before its append blocks: the bound, plus what it appends before
-#: the loop thread next looks. The operator copies 1,000-byte changes at memory speed (GB/s) and
-#: the loop thread gets the GIL only at the interpreter's switch interval (5 ms), so one late look
-#: is worth tens of MiB, and more since an append is two list appends with no size check of its
-#: own (the bound is only the loop thread's looks: a known softness, to be made hard): the margin
-#: is seven bounds. The defect this guards against (the loop blocked by the S3 client's creation)
-#: let hundreds of MiB through.
-ALLOWED = 8 * LIMIT
+#: what an operator may append before its append blocks: the bound, the active changeset (cut
+#: past the threshold) and what it appends between two of its own looks, twice (the look that cuts,
+#: then the one that waits; ``dstl.append_buffer``): the loop thread's looks may come late
+ALLOWED = LIMIT + THRESHOLD + 2 * LOOK_EVERY * PAYLOAD
 
 
 @dataclass
