@@ -16,7 +16,8 @@ group (u16be)`` for a key group hydrated. Each record is written in the transact
 the data it describes (``record_loaded``, ``record_hydrated``), so a crash never leaves a key
 marked local without its entries or its entries without the mark; ``adopted`` reads it back. The
 key groups still cold are not kept: they are those a chunk part covers that are not hydrated,
-and those with pending changes (a key group's are deleted when it is hydrated).
+and those with pending changes that are not hydrated (a hydration applies a key group's pending
+changes and leaves them: the table goes when every key group is hydrated).
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ class LocalKeys:
         found = cursor.first()
         while found:
             kg = key_group_of(cursor.key())
-            self.cold[kg] = True
+            if kg not in hydrated:  # a hydrated key group's pending changes were applied and stay
+                self.cold[kg] = True
             found = kg < len(self.cold) - 1 and cursor.set_range(key_group_prefix(kg + 1))
         for ck in _records(txn, self.db, KEY_LOADED):
             if self.cold[key_group_of(ck)]:

@@ -10,7 +10,8 @@ groups) and its entries put but those of the keys already local (loaded on acces
 changed since: their entries in LMDB are newer than the chunk's; they are cut out of the part's
 sorted entries by a binary search per local key, not by a test of every entry), then the pending
 changes of the unit's key groups (all of keys not local: a key's are deleted when it is loaded) are
-applied in log order and deleted, and the key groups are marked hydrated. A step's units go in
+applied in log order (and left in their table, which goes when every key group is hydrated), and
+the key groups are marked hydrated. A step's units go in
 one transaction (a new one after ``TXN_ENTRIES`` entries or ``TXN_BYTES`` of chunks), so that none
 of its key groups is visible before all of them are, and a crash leaves the tables as before it.
 
@@ -42,7 +43,7 @@ import concurrent.futures
 import itertools
 import operator
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,7 @@ MOVE_FRACTION = 0.25
 MOVE_ALWAYS = 1024
 #: the pending changes' keys are ``ckey | seq:u64be`` (``backend.state.lazy``)
 _SEQ_BYTES = 8
+_WITHOUT_SEQ = slice(-_SEQ_BYTES)
 _FIRST = operator.itemgetter(0)
 
 Sections = Mapping[str, Sequence[tuple[bytes, bytes]]]
@@ -202,34 +204,52 @@ class Hydration:
         self.local.record_hydrated(txn, rng)  # in the same transaction: an adopting process sees both or neither
 
     def _apply_pending(self, txn: Any, start: bytes, end: bytes) -> None:
-        """Apply and delete the pending changes of the keys in ``[start, end)`` (module doc)."""
+        """Apply the pending changes of the keys in ``[start, end)`` (module doc). They are left in
+        their table: no later load reads them (their key groups are hydrated now, and an adopting
+        backend takes only those of key groups not hydrated: ``LocalKeys.adopted``), and the table
+        goes when every key group is hydrated; a delete per change cost as much as applying it."""
         cursor = txn.cursor(db=self.pending)
         if not cursor.set_range(start):
             return
-        records = list(itertools.takewhile((end,).__gt__, cursor.iternext()))  # the keys below ``end``
-        if not records:
+        keys = list(itertools.takewhile(end.__gt__, cursor.iternext(values=False)))  # the keys below ``end``
+        if not keys:
             return
         cursor.set_range(start)
-        for _ in records:
-            cursor.delete()
-        set_heads, head = self._set_heads, len(next(iter(self._set_heads)))
+        datas = list(itertools.islice(cursor.iternext(keys=False), len(keys)))
+        cks: list[bytes] = list(map(operator.getitem, keys, itertools.repeat(_WITHOUT_SEQ)))
+        head = len(next(iter(self._set_heads)))
+        heads: list[bytes] = list(map(operator.getitem, datas, itertools.repeat(slice(head))))
+        sid = self._set_heads.get(heads[0])
+        if sid is not None and heads.count(heads[0]) == len(heads):  # all SETs of one state: in C
+            starts = map(operator.add, itertools.repeat(head), map(len, cks))
+            values = map(operator.getitem, datas, map(slice, starts, itertools.repeat(None)))
+            last = dict(zip(cks, values))  # noqa: B905 (one value per record); the last SET of each key
+            db = self.tables.database_in(txn, self.kinds[sid][0])
+            txn.cursor(db=db).putmulti(list(last.items()))
+            return
+        self._apply_mixed(txn, cks, datas, heads)
+
+    def _apply_mixed(self, txn: Any, cks: list[bytes], datas: list[bytes], heads: list[bytes]) -> None:
+        """Apply pending changes of several states or kinds: a key with only SETs comes down to its
+        last SET of each state, a key with any other change has its records applied in log order."""
+        head = len(heads[0])
         last_sets: dict[int, dict[bytes, bytes]] = {sid: {} for sid in self.kinds}  # sid -> ckey -> value
         others: set[bytes] = set()  # the keys with a change other than a SET
-        for key, data in records:
-            sid = set_heads.get(data[:head])
+        for ck, data, first in zip(cks, datas, heads):  # noqa: B905 (one of each per record)
+            sid = self._set_heads.get(first)
             if sid is None:
-                others.add(key[:-_SEQ_BYTES])
+                others.add(ck)
             else:
-                last_sets[sid][key[:-_SEQ_BYTES]] = data[head + len(key) - _SEQ_BYTES :]
+                last_sets[sid][ck] = data[head + len(ck) :]
         if others:
             for values in last_sets.values():
                 for ck in others.intersection(values):
                     del values[ck]
-            for key, data in records:  # a key's records lie together, in log order
-                if key[:-_SEQ_BYTES] in others:
-                    op, sid, ck, rest = rec.parse_record(data)
+            for ck, data in zip(cks, datas):  # noqa: B905 (a key's records lie together, in log order)
+                if ck in others:
+                    op, sid, key, rest = rec.parse_record(data)
                     name, kind = self.kinds[sid]
-                    restoring.apply_record(txn, self.tables.database_in(txn, name), kind, op, ck, rest)
+                    restoring.apply_record(txn, self.tables.database_in(txn, name), kind, op, key, rest)
         for sid, values in last_sets.items():
             if values:
                 db = self.tables.database_in(txn, self.kinds[sid][0])
@@ -349,9 +369,9 @@ class _Moved:
                 held = self.held[name] = _Held(db, taken)
         cursor = self.txn.cursor(db=db)
         if held is None:
-            cursor.putmulti(_spliced(entries, cks, []))
+            cursor.putmulti(_Spliced(entries, cks, []))
             return
-        merged = _spliced(entries, cks, held.below(end))
+        merged = _Spliced(entries, cks, held.below(end))
         consumed, added = cursor.putmulti(merged, append=True)
         if added != consumed:  # a key of the table's was in the chunk's too: plain puts, the table's last
             cursor.putmulti(merged)
@@ -364,44 +384,57 @@ class _Moved:
                 restoring.bulk_put(self.txn, held.db, inside)
 
 
-def _spliced(entries: Sequence[tuple[bytes, bytes]], cks: list[bytes], extra: list[tuple[bytes, bytes]]) -> Entries:
+class _Spliced:
     """``entries`` (sorted by table key) without those of the keys ``cks`` (sorted) and with the
-    ``extra`` entries (sorted), in order, an extra entry after an entry of the same table key: one
-    ``Entries`` whose columns are slices of the given ones, so that one ``putmulti`` puts them. A
-    key's entries are the table keys starting with its ckey (no ckey is a prefix of another one):
-    found by a binary search per key and per extra entry, not a test of every entry."""
-    if not isinstance(entries, Entries):  # a partly owned chunk's pairs, or a unit's merged parts
-        entries = Entries([k for k, _ in entries], [v for _, v in entries])
-    if not cks and not extra:
-        return entries
-    keys, values = entries.keys, entries.values
-    out_keys: list[bytes] = []
-    out_values: list[bytes] = []
-    taken = 0  # the entries copied or skipped so far
+    ``extra`` entries (sorted), in order, an extra entry after an entry of the same table key: an
+    iterable of pairs for ``putmulti``, iterable again for a second try. A key's entries are the
+    table keys starting with its ckey (no ckey is a prefix of another one): found by a binary
+    search per key and per extra entry, not a test of every entry. Iterating chains, in C, runs
+    of one iterator over the columns (``islice``: a run kept, or an empty one that skips the
+    run of a local key) and the extra entries: no entry is copied, where copying the runs into
+    new columns cost about as much as putting them."""
 
-    def copy(upto: int) -> None:
-        nonlocal taken
-        if upto > taken:
-            out_keys.extend(keys[taken:upto])
-            out_values.extend(values[taken:upto])
-            taken = upto
+    def __init__(
+        self, entries: Sequence[tuple[bytes, bytes]], cks: list[bytes], extra: list[tuple[bytes, bytes]]
+    ) -> None:
+        if not isinstance(entries, Entries):  # a partly owned chunk's pairs, or a unit's merged parts
+            entries = Entries([k for k, _ in entries], [v for _, v in entries])
+        self.entries = entries
+        keys = entries.keys
+        #: (entries to keep, entries to skip, extra entries to put after them), in order
+        self.steps: list[tuple[int, int, list[tuple[bytes, bytes]]]] = []
+        taken = x = 0  # the entries kept or skipped so far; the extra entries placed so far
+        for ck in cks:
+            while x < len(extra) and extra[x][0] < ck:  # the extra entries before this key's
+                at = bisect.bisect_right(keys, extra[x][0], taken)
+                self.steps.append((at - taken, 0, [extra[x]]))
+                taken, x = at, x + 1
+            at = bisect.bisect_left(keys, ck, taken)
+            skip = at
+            while skip < len(keys) and keys[skip].startswith(ck):  # the key's entries: left out
+                skip += 1
+            self.steps.append((at - taken, skip - at, []))
+            taken = skip
+        for item in extra[x:]:
+            at = bisect.bisect_right(keys, item[0], taken)
+            self.steps.append((at - taken, 0, [item]))
+            taken = at
+        self.rest = len(keys) - taken
 
-    x = 0
-    for ck in cks:
-        while x < len(extra) and extra[x][0] < ck:  # the extra entries before this key's
-            copy(bisect.bisect_right(keys, extra[x][0], taken))
-            out_keys.append(extra[x][0])
-            out_values.append(extra[x][1])
-            x += 1
-        copy(bisect.bisect_left(keys, ck, taken))
-        while taken < len(keys) and keys[taken].startswith(ck):  # the key's entries: left out
-            taken += 1
-    for key, value in extra[x:]:
-        copy(bisect.bisect_right(keys, key, taken))
-        out_keys.append(key)
-        out_values.append(value)
-    copy(len(keys))
-    return Entries(out_keys, out_values)
+    def __iter__(self) -> Iterator[tuple[bytes, bytes]]:
+        if not self.steps:
+            return iter(self.entries)
+        columns = iter(self.entries)
+        runs: list[Iterable[tuple[bytes, bytes]]] = []
+        for keep, skip, extra in self.steps:
+            if keep:
+                runs.append(itertools.islice(columns, keep))
+            if skip:
+                runs.append(itertools.islice(columns, skip, skip))  # consumes ``skip``, yields none
+            if extra:
+                runs.append(extra)
+        runs.append(columns)
+        return itertools.chain.from_iterable(runs)
 
 
 def _follows(run: list[Part], part: Part) -> bool:

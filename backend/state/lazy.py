@@ -27,10 +27,11 @@ What is read when (docs/architecture.md, "Lazy restore"):
   ranged read, as the eager restore, prefetched with at most ``HYDRATION_BYTES`` in flight), checked
   (``ChunkSource.load``: size, hash, footer, as the eager restore), bulk-put skipping the keys
   already local (they may have changed since), then the pending changes of the key groups applied
-  and deleted, and the key groups marked hydrated. When every key group is, the pending table is
-  dropped, the hooks on ``set_current_key`` are removed and the backend is as after an eager
-  restore. Why the owner drives it and no thread writes: the hot read path holds no lock, and a
-  write renews the LMDB read view under it (``lmdb_tables``); the prefetch threads only read the DFS.
+  (and left: they are never read again), and the key groups marked hydrated. When every key
+  group is, the pending table is dropped, the hooks on ``set_current_key`` are removed and the
+  backend is as after an eager restore. Why the owner drives it and no thread writes: the hot read
+  path holds no lock, and a write renews the LMDB read view under it (``lmdb_tables``); the
+  prefetch threads only read the DFS.
 - **Adopted** (``adopt_lazily``, by ``adopt_local`` in a backend of another process: Spark runs a
   subtask's next task in any Python worker of the host): the tables hold the pending changes, the
   timers and what is local, the keys loaded and the key groups hydrated (``chunk_parts.LocalKeys``,
