@@ -120,16 +120,29 @@ class ForeachBatch:
     the drop-in's tasks while it runs (module docstring). Pickled with the writer's request: it
     holds the function, the query's checkpoint location and how to read it."""
 
-    def __init__(self, func: Callable[[Any, int], Any], location: str, changelog: ChangelogConfig) -> None:
-        self.func, self.location, self.changelog = func, location, changelog
+    def __init__(
+        self,
+        func: Callable[[Any, int], Any],
+        location: str,
+        changelog: ChangelogConfig,
+        reads: tuple[str | None] | None = None,
+    ) -> None:
+        """``reads``: ``(checkpoint_root,)`` when ``use_for_session`` routes the query: the function's
+        reads of Spark's state sources are routed too (``routed_reads.routing_in_foreach_batch``)."""
+        self.func, self.location, self.changelog, self.reads = func, location, changelog, reads
         self.query_id: str | None = None
 
     def __call__(self, batch_df: Any, batch_id: int) -> Any:
+        from backend.spark.routed_reads import routing_in_foreach_batch
+
         conf = batch_df.sparkSession.conf
         conf.set(FOREACH_BATCH_ID, str(batch_id))
         conf.set(FOREACH_QUERY_ID, self._query())
         try:
-            return self.func(batch_df, batch_id)
+            if self.reads is None:
+                return self.func(batch_df, batch_id)
+            with routing_in_foreach_batch(self.reads[0], batch_id):
+                return self.func(batch_df, batch_id)
         finally:
             conf.unset(FOREACH_BATCH_ID)
             conf.unset(FOREACH_QUERY_ID)

@@ -14,23 +14,58 @@ listener, which may come later (also while the next batch runs, so inside a ``fo
 Before such a read, the driver does at once what its listener will do for the batches the query has
 reported (``StreamingQuery.recentProgress``) and are not yet checkpoints, so the read sees the state
 of the last committed batch, as Spark's does.
+
+**On a Spark Connect session** the reader keeps its format and options in Python, and its ``load``
+is wrapped alike (``route_connect_reads``), on the client while routing is on, and in the server's
+process that runs a routed query's ``foreachBatch`` function while the function runs
+(``connect_plan.ForeachBatch``: Spark's tests read a query's state from its ``foreachBatch``).
+The server's listener, not the client, completes a batch's checkpoint there, so instead of
+completing it the read waits (``WAIT_S`` at most) until the checkpoint of the batch Spark's source
+would read is complete: the last batch a routed query of the client reported, or in a
+``foreachBatch`` of batch ``n``, batch ``n - 1`` (its commit log's last when the function runs).
+A read that gives ``batchId`` waits for nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from backend.spark.routing import _LOCK, _OPERATORS, _operators_dir
 from dstl.paths import local_path
 
-__all__ = ["route_reads"]
+__all__ = ["WAIT_S", "route_connect_reads", "route_reads", "routing_in_foreach_batch"]
+
+_log = logging.getLogger(__name__)
 
 #: where a DataFrameReader's format and options are recorded
 _READ = "_dstl_read"
 #: Spark's state sources' names (``_serve_state_read``: each is read by one of ours)
 _SPARK_STATE_SOURCES = ("statestore", "state-metadata")
+#: the longest a Connect read waits for the server to complete the checkpoint it must read
+WAIT_S = 60.0
+_POLL_S = 0.05
+
+
+class _ConnectRouting(threading.local):
+    """Whether this thread's Connect reads are routed: the checkpoint root (``active``, None for
+    none) and the batch a ``foreachBatch`` function runs (None outside one)."""
+
+    active = False
+    root: str | None = None
+    batch: int | None = None
+
+
+_CONNECT = _ConnectRouting()
+#: the Connect client's routing, for the threads that set none of their own
+_CLIENT: list[str | None] = []
+_CONNECT_HOOK: list[Callable[..., Any]] = []
+_CONNECT_LOCK = threading.Lock()
 
 
 def route_reads(root: str | None) -> Callable[[], None]:
@@ -67,11 +102,76 @@ def route_reads(root: str | None) -> Callable[[], None]:
         hooked.__doc__, hooked.__name__ = saved[name].__doc__, saved[name].__name__
         setattr(DataFrameReader, name, hooked)
 
+    restore_connect = route_connect_reads(root)
+
     def restore() -> None:
         for name, method in saved.items():
             setattr(DataFrameReader, name, method)
+        restore_connect()
 
     return restore
+
+
+def _hook_connect_reader() -> bool:
+    """Wrap the Connect ``DataFrameReader.load`` once per process; False without pyspark's Connect
+    client. The wrapper routes a read only while this thread's or the client's routing is on."""
+    try:
+        from pyspark.sql.connect.readwriter import DataFrameReader
+    except ImportError:  # pyspark without its connect extra: no Connect session can exist
+        return False
+    with _CONNECT_LOCK:
+        if _CONNECT_HOOK:
+            return True
+        load = DataFrameReader.load
+        _CONNECT_HOOK.append(load)
+
+    def hooked_load(self: Any, path: Any = None, format: Any = None, schema: Any = None, **given: Any) -> Any:
+        if _CONNECT.active:
+            root, batch = _CONNECT.root, _CONNECT.batch
+        elif _CLIENT:
+            root, batch = _CLIENT[-1], None
+        else:
+            return load(self, path, format, schema, **given)
+        source = str(format if format is not None else self._format or "").lower()
+        options = {str(k).lower(): v for k, v in self._options.items()}
+        options.update({k.lower(): str(v) for k, v in given.items() if v is not None})
+        served = _serve(self._client, source, options, path, schema, root, batch)
+        return served if served is not None else load(self, path, format, schema, **given)
+
+    hooked_load.__doc__, hooked_load.__name__ = load.__doc__, load.__name__
+    setattr(DataFrameReader, "load", hooked_load)  # noqa: B010 (a method, replaced)
+    return True
+
+
+def route_connect_reads(root: str | None) -> Callable[[], None]:
+    """Route the Connect client's reads of Spark's state sources (module docstring) until the
+    returned function is called."""
+    if not _hook_connect_reader():
+        return lambda: None
+    with _CONNECT_LOCK:
+        _CLIENT.append(root)
+
+    def restore() -> None:
+        with _CONNECT_LOCK:
+            if root in _CLIENT:
+                _CLIENT.remove(root)
+
+    return restore
+
+
+@contextmanager
+def routing_in_foreach_batch(root: str | None, batch: int) -> Iterator[None]:
+    """While a routed query's ``foreachBatch`` function runs batch ``batch`` in a Connect server's
+    process: its reads of Spark's state sources are routed (module docstring)."""
+    if not _hook_connect_reader():
+        yield
+        return
+    saved = _CONNECT.active, _CONNECT.root, _CONNECT.batch
+    _CONNECT.active, _CONNECT.root, _CONNECT.batch = True, root, batch
+    try:
+        yield
+    finally:
+        _CONNECT.active, _CONNECT.root, _CONNECT.batch = saved
 
 
 def _record_read(reader: Any, given: dict[str, Any]) -> None:
@@ -85,14 +185,22 @@ def _record_read(reader: Any, given: dict[str, Any]) -> None:
 
 
 def _serve_state_read(reader: Any, path: Any, schema: Any, root: str | None) -> Any:
-    """The DataFrame our source reads when ``reader`` names one of Spark's state sources and its
-    path holds the drop-in's checkpoints (module docstring); else None."""
+    """The DataFrame our source reads when ``reader`` (a classic one) names one of Spark's state
+    sources and its path holds the drop-in's checkpoints (module docstring); else None."""
     recorded = reader.__dict__.get(_READ, {})
     source = str(recorded.get("format", "")).lower()
-    options = dict(recorded.get("options", {}))
+    return _serve(reader._spark, source, dict(recorded.get("options", {})), path, schema, root, None)
+
+
+def _serve(
+    spark: Any, source: str, options: dict[str, Any], path: Any, schema: Any, root: str | None, batch: int | None
+) -> Any:
+    """Our source's DataFrame for a read of Spark's ``source`` with these options, if its path holds
+    the drop-in's checkpoints; else None. ``batch``: in a Connect ``foreachBatch``, its batch id."""
     location = path if isinstance(path, str) else options.get("path") if path is None else None
     if source not in _SPARK_STATE_SOURCES or not location:
         return None
+    from backend.spark.connect import is_connect
     from backend.spark.state_plan import drop_in_location
     from backend.spark.state_source import METADATA_FORMAT, STATE_FORMAT, register
 
@@ -100,14 +208,51 @@ def _serve_state_read(reader: Any, path: Any, schema: Any, root: str | None) -> 
     directory = drop_in_location(candidates, options)
     if directory is None:
         return None
-    _catch_up(directory)
-    spark = reader._spark
+    if not is_connect(spark):
+        _catch_up(directory)
+    elif "batchid" not in options:
+        wanted = batch - 1 if batch is not None else _reported(directory)
+        if wanted is not None and wanted >= 0:
+            _wait_for_checkpoint(directory, options, wanted)
     register(spark)  # a foreachBatch function's session may not have it yet
     options.pop("path", None)
     served = spark.read.format(STATE_FORMAT if source == "statestore" else METADATA_FORMAT).options(**options)
     if schema is not None:
         served = served.schema(schema)
     return served.load(directory)
+
+
+def _reported(directory: str) -> int | None:
+    """The last batch the routed queries of this client with operators in ``directory`` reported."""
+    with _LOCK:
+        queries = [op.query for op in _OPERATORS.values() if op.query is not None and op.job_dir and _same_directory(
+            op.job_dir.rsplit("/", 1)[0], directory)]  # fmt: skip
+    batches = [int(p.batchId) for q in queries for p in q.recentProgress]
+    return max(batches) if batches else None
+
+
+def _wait_for_checkpoint(directory: str, options: Mapping[str, Any], batch: int) -> None:
+    """Wait (``WAIT_S`` at most) until every operator in ``directory`` has a completed checkpoint of
+    ``batch`` or a later one; past the deadline the read goes on with what is complete."""
+    from backend.spark.state_options import parse_options, storage_of
+    from backend.spark.state_plan import completed_checkpoints, locate, open_storage
+
+    given = {**options, "path": directory}
+    operators = locate(parse_options(given))
+    deadline = time.monotonic() + WAIT_S
+    for op in operators:
+        with open_storage(storage_of(given, op.job_dir), op.job_dir) as storage:
+            while True:
+                retained = completed_checkpoints(storage.files)
+                if retained and retained[-1] >= batch:
+                    break
+                if time.monotonic() >= deadline:
+                    _log.warning(
+                        "%s has no completed checkpoint of batch %s after %.0f s (the latest is %s): read as it is",
+                        op.job_dir, batch, WAIT_S, retained[-1] if retained else None,
+                    )  # fmt: skip
+                    break
+                time.sleep(_POLL_S)
 
 
 def _catch_up(directory: str) -> None:

@@ -33,8 +33,10 @@ wrapper also records them as they are set (``option``, ``options``, ``queryName`
 **On a Spark Connect session** the ``GroupedData`` of pyspark's Connect client is routed the same
 way and its writer's starts are wrapped too; the client is not the driver, so the tasks and the
 tick source learn the directory from the plan the start sends (``backend.spark.connect_plan``),
-the writer's options are read from its request, and a query without a checkpoint location is
-refused (the server's temporary one is unknown here). Spark's own operator is never left to run a
+the writer's options are read from its request, and a query without a checkpoint location gets a
+temporary one the client chooses and sets as the option (the server's own is unknown here: a new
+directory of the client's host when the server runs there, else one under ``checkpoint_root``;
+without either, refused). Spark's own operator is never left to run a
 routed call: what the drop-in cannot serve is refused with an error naming it.
 
 Reading its state by Spark's names (``statestore``, ``state-metadata``) is routed by
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import socket
 import tempfile
 import threading
 import uuid
@@ -390,7 +393,8 @@ def _start_bound_connect(writer: Any, query_name: str | None, given: dict[str, A
     recorded = {str(k).lower(): str(v) for k, v in writer._write_proto.options.items()}
     recorded.update({k.lower(): str(to_str(v)) for k, v in given.items() if v is not None})
     name = query_name or writer._write_proto.query_name or None
-    location = _checkpoint_location(writer, writer._session, recorded, name, connect=True)
+    root = routed[0].root if routed else None
+    location = _checkpoint_location(writer, writer._session, recorded, name, connect=True, root=root)
     if routed:
         job_dirs = _bind(routed, location, False)
         tasks = {str(op.cfg.route): op.task_for(op.cfg.bound(job_dirs[str(op.cfg.route)])) for op in routed}
@@ -398,7 +402,8 @@ def _start_bound_connect(writer: Any, query_name: str | None, given: dict[str, A
     if wrap:
         func, set_function = foreach
         changelog = routed[0].cfg.changelog if routed else ChangelogConfig(base_path=location)
-        set_function(writer, ForeachBatch(func, location, changelog))
+        reads = (root,) if routed else None  # use_for_session routes the function's reads too
+        set_function(writer, ForeachBatch(func, location, changelog, reads))
     query = start()
     for op in routed:
         op.query = query
@@ -461,10 +466,16 @@ def _routed_of(routes: list[tuple[str, bool]]) -> list[_Routed]:
 
 
 def _checkpoint_location(
-    writer: Any, spark: Any, recorded: dict[str, Any], query_name: str | None, connect: bool = False
+    writer: Any,
+    spark: Any,
+    recorded: dict[str, Any],
+    query_name: str | None,
+    connect: bool = False,
+    root: str | None = None,
 ) -> str:
-    """The query's checkpoint location, as Spark's ``StreamingQueryManager`` will choose it. A
-    Connect client cannot know the temporary directory the server would choose: refused there."""
+    """The query's checkpoint location, as Spark's ``StreamingQueryManager`` will choose it. Where
+    Spark would choose a temporary directory: on a classic driver one of its own for the state;
+    from a Connect client one it sets as the option (``_connect_temporary``)."""
     location = recorded.get("checkpointlocation")
     if location:
         return str(location)
@@ -478,13 +489,28 @@ def _checkpoint_location(
             _record(writer, {"checkpointLocation": chosen})
         return chosen
     if connect:
-        raise ConfigurationError(
-            "a query with the drop-in's stateful operators started from a Spark Connect client (routed, or with a "
-            "foreachBatch sink) needs a checkpoint location "
-            "(the writer's checkpointLocation option or spark.sql.streaming.checkpointLocation): the server would "
-            "choose a temporary one this client cannot know, and the state would not follow the query"
-        )
+        chosen = _connect_temporary(spark, root)
+        writer.option("checkpointLocation", chosen)
+        return chosen
     return tempfile.mkdtemp(prefix="dstl-temporary-")
+
+
+def _connect_temporary(spark: Any, root: str | None) -> str:
+    """A temporary checkpoint location for a Connect query started without one, where the client
+    and the server both reach it: a new directory of this host's when the server runs here, else
+    one under the routing's ``checkpoint_root`` (the state's storage, which both reach); refused
+    otherwise (the server's own temporary directory is unknown here)."""
+    host = str(getattr(spark.client, "host", "") or "")
+    if host in ("localhost", "127.0.0.1", "::1") or host in (socket.gethostname(), socket.getfqdn()):
+        return tempfile.mkdtemp(prefix="dstl-temporary-")
+    if root is not None:
+        return f"{root.rstrip('/')}/temporary-{uuid.uuid4()}"
+    raise ConfigurationError(
+        "a query with the drop-in's stateful operators started from a Spark Connect client (routed, or with a "
+        f"foreachBatch sink) on a server of another host ({host}) needs a checkpoint location (the writer's "
+        "checkpointLocation option or spark.sql.streaming.checkpointLocation) or a checkpoint_root: the server would "
+        "choose a temporary one this client cannot reach, and the state would not follow the query"
+    )
 
 
 def _state_dirs(routed: list[_Routed], location: str) -> list[str]:

@@ -160,17 +160,22 @@ def test_a_routed_row_api_processor_keeps_its_state_across_batches(routed: Any, 
     assert not (tmp_path / "chk" / "state").exists()
 
 
-def test_routing_refuses_what_it_cannot_serve_and_spark_runs_again_after_restore(connect: Any, tmp_path: Path) -> None:
-    """A routed query without a checkpoint location is refused (the server's temporary one is
-    unknown to the client) rather than run on Spark's operator; once routing is restored,
-    Spark's own operator runs (its state store is in the checkpoint)."""
+def test_a_routed_query_without_a_checkpoint_location_runs_on_the_drop_in_and_spark_runs_after_restore(
+    connect: Any, tmp_path: Path
+) -> None:
+    """A routed query without a checkpoint location (Spark's tests start most queries so) runs on
+    the drop-in, under a temporary location the client chooses and sets (the server runs on this
+    host), never on Spark's operator; once routing is restored, Spark's own operator runs (its
+    state store is in the checkpoint)."""
+    import tempfile
+
     from backend.spark.api import use_for_session
-    from dstl import ConfigurationError
 
     spark = connect
     source = tmp_path / "in"
     source.mkdir()
     _input(source, "a", ["a"])
+    temporary = set(glob.glob(f"{tempfile.gettempdir()}/dstl-temporary-*"))
     restore = use_for_session(local_dir=str(tmp_path / "local"))
     try:
         out = (
@@ -178,9 +183,18 @@ def test_routing_refuses_what_it_cannot_serve_and_spark_runs_again_after_restore
             .groupBy("user")
             .applyInPandasWithState(_count, "user string, n long", "n long", "Update", "NoTimeout")
         )
-        with pytest.raises(ConfigurationError, match="checkpoint location"):
-            out.writeStream.format("memory").queryName("unplaced").outputMode("update").start()
-        assert not [q for q in spark.streams.active if q.name == "unplaced"]
+        query = out.writeStream.format("memory").queryName("unplaced").outputMode("update").start()
+        try:
+            query.processAllAvailable()
+            assert _rows(spark, "unplaced") == [("a", 1)]
+        finally:
+            query.stop()
+        # the new temporary directories (another test process may make some too): the query's holds
+        # the drop-in's checkpoints, and nothing of Spark's state store
+        new = set(glob.glob(f"{tempfile.gettempdir()}/dstl-temporary-*")) - temporary
+        chosen = [d for d in new if glob.glob(f"{d}/dstl/*/chk-*/_metadata")]
+        assert chosen, f"no new temporary location holds the drop-in's state: {sorted(new)}"
+        assert not any(Path(d, "state").exists() for d in chosen)
     finally:
         restore()
     out = (
