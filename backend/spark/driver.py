@@ -35,6 +35,7 @@ import json
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from backend.checkpointing.coordinator import CheckpointCoordinator
@@ -48,6 +49,7 @@ from backend.spark.committed import latest_per_subtask, read_pending, read_pendi
 from backend.spark.config import OperatorConfig
 from backend.spark.errors import GroupingKeyChangedError
 from dstl import ConfigurationError, StateChangelogStorage, StorageClosedError
+from dstl.api import DfsFiles
 from dstl.uploaders import make_uploader
 
 _log = logging.getLogger(__name__)
@@ -60,13 +62,24 @@ SPARK_OPERATORS = "spark_operators"
 class DriverCoordinator:
     """One per checkpoint location in a driver process; every operator writing there registers."""
 
-    def __init__(self, cfg: OperatorConfig, num_retained: int = 2, follow: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: OperatorConfig,
+        num_retained: int = 2,
+        follow: str | None = None,
+        *,
+        details: Mapping[str, str] | None = None,
+        before_claim: Callable[[DfsFiles], None] | None = None,
+    ) -> None:
+        """``details``: what the run's claim records of it (``Ownership.details``);
+        ``before_claim``: a check of the directory, given its files, before the run claims it
+        (``live_runs.refuse_if_running``): what it raises refuses the start, nothing claimed."""
         if num_retained < 2:
             raise ConfigurationError(
                 f"under Spark, num_retained must be >= 2 (the next batch may restore from the previous), "
                 f"got {num_retained}"
             )
-        self.ownership = Ownership(cfg.job_dir)
+        self.ownership = Ownership(cfg.job_dir, details)
         guarded = self.ownership.guard(make_uploader(cfg.changelog))
         self.storage = StateChangelogStorage(cfg.changelog, uploader=guarded)
         self.coordinator = CheckpointCoordinator(
@@ -83,7 +96,13 @@ class DriverCoordinator:
         self._pending_dirs: set[tuple[int, str]] = set()  # (b, uid) of pending/<b>/<uid> not removed yet
         self.errors: list[str] = []
         if follow is None:
-            self._recover()
+            try:
+                if before_claim is not None:
+                    before_claim(self.storage.files)
+                self._recover()
+            except BaseException:
+                self.storage.close()
+                raise
         else:  # the completer of a Connect client's run: its recovery happened in the client
             try:
                 self.coordinator.follow(follow)
@@ -248,11 +267,16 @@ def coordinator_for(spark: Any, cfg: OperatorConfig, num_retained: int = 2) -> D
     in a listener of its own acting under this run's claim (``backend.spark.server_listener``,
     ``complete_as_follower``)."""
     from backend.spark.connect import is_connect
+    from backend.spark.live_runs import claim_details, refuse_if_running
 
     with _GLOBAL:
         coordinator = _COORDINATORS.get(cfg.job_dir)
         if coordinator is None:
-            coordinator = _COORDINATORS[cfg.job_dir] = DriverCoordinator(cfg, num_retained)
+            coordinator = DriverCoordinator(
+                cfg, num_retained, details=claim_details(spark),
+                before_claim=lambda files: refuse_if_running(spark, files, cfg.job_dir),
+            )  # fmt: skip
+            _COORDINATORS[cfg.job_dir] = coordinator
         coordinator.register(cfg)
         if not is_connect(spark) and id(spark) not in _LISTENED:
             listener = _listener()

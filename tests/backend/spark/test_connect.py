@@ -283,3 +283,52 @@ def test_a_foreach_batch_sink_runs_the_drop_in_on_connect(connect: Any, tmp_path
     finally:
         if restore is not None:
             restore()
+
+
+def test_a_client_is_refused_a_state_directory_whose_query_still_runs_on_the_server(
+    connect: Any, connect_url: str, tmp_path: Path
+) -> None:
+    """A client that builds the query again on a state directory whose query still runs on the
+    server (from another client's session, or from this session after its client process
+    restarted) would recover the directory under the running query, deleting the chunks its tasks
+    have uploaded and not yet named: it is refused, naming the location and the running query, and
+    claims nothing (the running query's checkpoints go on being completed). Once the query is
+    stopped, the same build is accepted."""
+    from backend.checkpointing.errors import DirectoryOwnedError
+    from backend.spark import driver, server_listener
+    from backend.spark.api import transform_with_state_in_pandas
+
+    source, state, batches = tmp_path / "in", tmp_path / "state", tmp_path / "batches"
+    source.mkdir()
+    options = {"checkpoint_location": str(state), "operator_uid": "counts", "local_dir": str(tmp_path / "local")}
+
+    def build(spark: Any) -> Any:
+        grouped = _stream(spark, source).groupBy("user")
+        return transform_with_state_in_pandas(
+            grouped, _counting_processor(), "user string, n long", "Update", "None", **options
+        )
+
+    _input(source, "a", ["a", "b", "a"])
+    query = _run_to_files(build(connect), tmp_path / "chk", batches)
+    second = connect_client(connect_url)
+    try:
+        claims = sorted(p.name for p in (state / "_owner").iterdir())
+        for client in (second, connect):  # another client; this one after a restart of its process
+            driver.forget_all()
+            with pytest.raises(DirectoryOwnedError) as refused:
+                build(client)
+            assert str(state) in str(refused.value) and str(query.id) in str(refused.value)
+        assert sorted(p.name for p in (state / "_owner").iterdir()) == claims  # nobody was fenced
+        _input(source, "b", ["a"])
+        query.processAllAvailable()
+        wait_until(lambda: (state / "chk-1" / "_metadata").exists(), "the server completed checkpoint 1", _BATCH_S)
+        assert _file_rows(batches) == [("a", 2), ("a", 3), ("b", 1)]
+        query.stop()
+        driver.forget_all()
+        _input(source, "c", ["b"])
+        query = _run_to_files(build(second), tmp_path / "chk", batches)
+        assert _file_rows(batches) == [("a", 2), ("a", 3), ("b", 1), ("b", 2)]
+    finally:
+        query.stop()
+        server_listener.remove_server_listeners(second)
+        second.stop()
