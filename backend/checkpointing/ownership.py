@@ -255,12 +255,17 @@ class Ownership:
         """Act under the claim another process of the same run made (``run``: its ``Ownership.run``):
         a process that completes checkpoints for a run whose start-up (claim, recovery) happened
         elsewhere (under Spark Connect, the server-side listener of a client's query). It claims
-        nothing and is fenced exactly when that run is; ``OwnershipLostError`` if it already is,
-        ``CheckpointError`` if no such claim exists."""
+        nothing and is fenced exactly when that run is; ``OwnershipLostError`` if it already is
+        (also when its claim is gone while another run's stands: a newer run's recovery deleted it),
+        ``CheckpointError`` if no run claimed the directory."""
         claims = _claims(files)
         mine = [c for c in claims if c.kind == "run" and c.path == _claim_path(c.epoch, "run", run)]
+        runs = [c for c in claims if c.kind == "run"]
+        if not mine and runs:  # a newer run's recovery compacted the claim away: that run took over
+            self.lost_to = f"taken over by a newer run ({_describe(files, runs[-1])})"
+            raise OwnershipLostError(f"{self.where}: no claim of run {run} to act under: it was {self.lost_to}")
         if not mine:
-            raise CheckpointError(f"{self.where}: no claim of run {run} to act under (was it compacted away?)")
+            raise CheckpointError(f"{self.where}: no claim of run {run} to act under")
         self._files, self.epoch, self.run = files, mine[0].epoch, run
         self.check("following the run that claimed the directory")
 
