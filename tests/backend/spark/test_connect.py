@@ -332,3 +332,59 @@ def test_a_client_is_refused_a_state_directory_whose_query_still_runs_on_the_ser
         query.stop()
         server_listener.remove_server_listeners(second)
         second.stop()
+
+
+@pytest.fixture(scope="module")
+def server_without_the_package(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Connect server whose Python workers run an interpreter with pyspark, pandas and pyarrow
+    (the test environment's packages, by a path file) but not this package (whose editable
+    install a path file does not bring: its hook runs from the environment's own path file)."""
+    import site
+    import venv
+
+    pytest.importorskip("grpc")
+    where = tmp_path_factory.mktemp("workers-env")
+    venv.EnvBuilder(with_pip=False).create(where)
+    (target,) = where.glob("lib/python*/site-packages")
+    (target / "test_packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    from tests.backend.spark.conftest import connect_server
+
+    with connect_server("--workers-python", str(where / "bin" / "python")) as url:
+        yield url
+
+
+@pytest.mark.parametrize("entry", ["function", "routed"])
+def test_a_server_whose_workers_lack_the_package_is_refused_naming_it(
+    server_without_the_package: str, tmp_path: Path, entry: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both entry points refuse the operator when it is built, naming the missing module, and
+    nothing runs: neither the drop-in nor Spark's own operator (no state anywhere)."""
+    from backend.spark import driver
+    from backend.spark.api import transform_with_state_in_pandas, use_for_session
+    from dstl import ConfigurationError
+
+    monkeypatch.setenv("SPARK_CONNECT_MODE_ENABLED", "1")  # as in the ``connect`` fixture
+    client = connect_client(server_without_the_package)
+    source, state = tmp_path / "in", tmp_path / "state"
+    source.mkdir()
+    _input(source, "a", ["a"])
+    restore = use_for_session(local_dir=str(tmp_path / "local")) if entry == "routed" else None
+    try:
+        grouped = _stream(client, source).groupBy("user")
+        with pytest.raises(ConfigurationError) as refused:
+            if restore is None:
+                transform_with_state_in_pandas(
+                    grouped, _counting_processor(), "user string, n long", "Update", "None",
+                    checkpoint_location=str(state), operator_uid="counts", local_dir=str(tmp_path / "local"),
+                )  # fmt: skip
+            else:
+                grouped.transformWithStateInPandas(_counting_processor(), "user string, n long", "Update", "None")
+        message = str(refused.value)
+        assert "cannot import this package" in message and "No module named 'backend'" in message, message
+        assert not client.streams.active
+        assert not state.exists()
+    finally:
+        if restore is not None:
+            restore()
+        driver.forget_all()
+        client.stop()
