@@ -293,7 +293,7 @@ def test_a_client_is_refused_a_state_directory_whose_query_still_runs_on_the_ser
     restarted) would recover the directory under the running query, deleting the chunks its tasks
     have uploaded and not yet named: it is refused, naming the location and the running query, and
     claims nothing (the running query's checkpoints go on being completed). Once the query is
-    stopped, the same build is accepted."""
+    stopped, or its session released, the same build is accepted."""
     from backend.checkpointing.errors import DirectoryOwnedError
     from backend.spark import driver, server_listener
     from backend.spark.api import transform_with_state_in_pandas
@@ -332,6 +332,8 @@ def test_a_client_is_refused_a_state_directory_whose_query_still_runs_on_the_ser
         query.stop()
         server_listener.remove_server_listeners(second)
         second.stop()
+    driver.forget_all()
+    build(connect)  # the last run's session is released: nothing of it runs
 
 
 @pytest.fixture(scope="module")
