@@ -46,6 +46,10 @@ directory, any store whose listing shows every completed write, as S3 has since 
   (``DirectoryOwnedError`` naming it), or, if both withdrew, tries again. A claim left by a process
   that died mid-binding is ignored from the next run's epoch on. A run's claim inherits the bound
   query, so a restarted query keeps its directory and another query is refused by every run.
+- **A claim says who made it** (``holder``: host, pid, start; ``details``: what the caller adds,
+  such as the Spark Connect session a run's query runs in). The next run may read the newest
+  claim (``last_run``) and the bound query (``bound_identity``) before it claims anything, to
+  refuse a start while that query still runs (``backend.spark.live_runs``).
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +78,9 @@ __all__ = [
     "LEGACY_OWNER_FILE",
     "Ownership",
     "bind_identity",
+    "bound_identity",
     "is_ownership_file",
+    "last_run",
 ]
 
 _log = logging.getLogger(__name__)
@@ -181,16 +187,35 @@ def _bound(files: DfsFiles, claims: Sequence[_Claim]) -> tuple[str, str] | None:
     return (str(query), LEGACY_OWNER_FILE) if query else None
 
 
+def last_run(files: DfsFiles) -> dict[str, Any] | None:
+    """The claim of the newest run of the directory (its body: ``run``, ``holder``, ``details``),
+    or None if no run claimed it; read only, it claims nothing."""
+    for claim in reversed(_claims(files)):
+        if claim.kind == "run":
+            body = _read(files, claim.path)
+            if body is not None:
+                return body
+    return None
+
+
+def bound_identity(files: DfsFiles) -> str | None:
+    """The identity (under Spark, the streaming query's id) the directory is bound to, or None."""
+    bound = _bound(files, _claims(files))
+    return None if bound is None else bound[0]
+
+
 class Ownership:
     """A run's ownership of one job directory: ``claim`` it, ``check`` it before anything a newer
     owner must not see, ``guard`` the run's uploader so that nothing is written or deleted once a
     check found the directory taken over (a fenced run's storage and backends go on releasing files
     otherwise: files a checkpoint names that the new owner may have resumed from)."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, details: Mapping[str, str] | None = None) -> None:
         self.where = where
         self.run = uuid.uuid4().hex
         self.holder = _holder()
+        #: what else the claim records of the run, for the next run to read (``last_run``)
+        self.details = dict(details or {})
         self.epoch = 0  # not claimed yet
         self._files: DfsFiles | None = None
         #: why this run writes no more, once known (a newer run's claim, or ``relinquish``): from
@@ -207,6 +232,8 @@ class Ownership:
         epoch = max((c.epoch for c in _claims(files)), default=0) + 1
         path = _claim_path(epoch, "run", self.run)
         body: dict[str, Any] = {"kind": "run", "epoch": epoch, "run": self.run, "holder": self.holder, "identity": ""}
+        if self.details:
+            body["details"] = self.details
         _put(files, path, body)
         claims = _claims(files)
         rivals = [c for c in claims if c.kind == "run" and c.epoch >= epoch and c.path != path]
@@ -228,12 +255,17 @@ class Ownership:
         """Act under the claim another process of the same run made (``run``: its ``Ownership.run``):
         a process that completes checkpoints for a run whose start-up (claim, recovery) happened
         elsewhere (under Spark Connect, the server-side listener of a client's query). It claims
-        nothing and is fenced exactly when that run is; ``OwnershipLostError`` if it already is,
-        ``CheckpointError`` if no such claim exists."""
+        nothing and is fenced exactly when that run is; ``OwnershipLostError`` if it already is
+        (also when its claim is gone while another run's stands: a newer run's recovery deleted it),
+        ``CheckpointError`` if no run claimed the directory."""
         claims = _claims(files)
         mine = [c for c in claims if c.kind == "run" and c.path == _claim_path(c.epoch, "run", run)]
+        runs = [c for c in claims if c.kind == "run"]
+        if not mine and runs:  # a newer run's recovery compacted the claim away: that run took over
+            self.lost_to = f"taken over by a newer run ({_describe(files, runs[-1])})"
+            raise OwnershipLostError(f"{self.where}: no claim of run {run} to act under: it was {self.lost_to}")
         if not mine:
-            raise CheckpointError(f"{self.where}: no claim of run {run} to act under (was it compacted away?)")
+            raise CheckpointError(f"{self.where}: no claim of run {run} to act under")
         self._files, self.epoch, self.run = files, mine[0].epoch, run
         self.check("following the run that claimed the directory")
 

@@ -35,6 +35,7 @@ import json
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from backend.checkpointing.coordinator import CheckpointCoordinator
@@ -48,6 +49,7 @@ from backend.spark.committed import latest_per_subtask, read_pending, read_pendi
 from backend.spark.config import OperatorConfig
 from backend.spark.errors import GroupingKeyChangedError
 from dstl import ConfigurationError, StateChangelogStorage, StorageClosedError
+from dstl.api import DfsFiles
 from dstl.uploaders import make_uploader
 
 _log = logging.getLogger(__name__)
@@ -60,13 +62,24 @@ SPARK_OPERATORS = "spark_operators"
 class DriverCoordinator:
     """One per checkpoint location in a driver process; every operator writing there registers."""
 
-    def __init__(self, cfg: OperatorConfig, num_retained: int = 2, follow: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: OperatorConfig,
+        num_retained: int = 2,
+        follow: str | None = None,
+        *,
+        details: Mapping[str, str] | None = None,
+        before_claim: Callable[[DfsFiles], None] | None = None,
+    ) -> None:
+        """``details``: what the run's claim records of it (``Ownership.details``);
+        ``before_claim``: a check of the directory, given its files, before the run claims it
+        (``live_runs.refuse_if_running``): what it raises refuses the start, nothing claimed."""
         if num_retained < 2:
             raise ConfigurationError(
                 f"under Spark, num_retained must be >= 2 (the next batch may restore from the previous), "
                 f"got {num_retained}"
             )
-        self.ownership = Ownership(cfg.job_dir)
+        self.ownership = Ownership(cfg.job_dir, details)
         guarded = self.ownership.guard(make_uploader(cfg.changelog))
         self.storage = StateChangelogStorage(cfg.changelog, uploader=guarded)
         self.coordinator = CheckpointCoordinator(
@@ -83,7 +96,13 @@ class DriverCoordinator:
         self._pending_dirs: set[tuple[int, str]] = set()  # (b, uid) of pending/<b>/<uid> not removed yet
         self.errors: list[str] = []
         if follow is None:
-            self._recover()
+            try:
+                if before_claim is not None:
+                    before_claim(self.storage.files)
+                self._recover()
+            except BaseException:
+                self.storage.close()
+                raise
         else:  # the completer of a Connect client's run: its recovery happened in the client
             try:
                 self.coordinator.follow(follow)
@@ -118,13 +137,30 @@ class DriverCoordinator:
             self._check_grouping_key(cfg)
             if cfg.restore_from is not None and not self._holds_state():
                 check_restore_from(cfg)
-            known = self.operators.get(cfg.uid)
-            if known is not None and known != cfg.parallelism:
-                _log.info("operator %s: parallelism %s -> %s", cfg.uid, known, cfg.parallelism)
-            self.operators[cfg.uid] = cfg.parallelism
-            self.configs[cfg.uid] = cfg
-            if cfg.spark_operator is not None:
-                self.spark_operators[cfg.uid] = dataclasses.asdict(cfg.spark_operator)
+            self._record(cfg)
+
+    def follow_configs(self, configs: list[OperatorConfig]) -> None:
+        """A follower's ``register`` (``follow``): the operators as the run it follows registered
+        them. It writes nothing: that run's start-up recorded the grouping key and checked
+        ``restore_from``, and a follower may already be fenced without knowing it (a registration
+        that wrote would put a stale ``_keys`` over the newer run's). When the configs changed
+        (the first event, an operator added, another parallelism), the run's ownership is checked
+        first: ``OwnershipLostError`` once it was taken over."""
+        if {cfg.uid: cfg for cfg in configs} == self.configs:
+            return
+        self.ownership.check("registering the operators of the run it follows")
+        with self.lock:
+            for cfg in configs:
+                self._record(cfg)
+
+    def _record(self, cfg: OperatorConfig) -> None:
+        known = self.operators.get(cfg.uid)
+        if known is not None and known != cfg.parallelism:
+            _log.info("operator %s: parallelism %s -> %s", cfg.uid, known, cfg.parallelism)
+        self.operators[cfg.uid] = cfg.parallelism
+        self.configs[cfg.uid] = cfg
+        if cfg.spark_operator is not None:
+            self.spark_operators[cfg.uid] = dataclasses.asdict(cfg.spark_operator)
 
     def _check_grouping_key(self, cfg: OperatorConfig) -> None:
         """Refuse an operator whose grouping columns' types differ from those its state directory
@@ -248,11 +284,16 @@ def coordinator_for(spark: Any, cfg: OperatorConfig, num_retained: int = 2) -> D
     in a listener of its own acting under this run's claim (``backend.spark.server_listener``,
     ``complete_as_follower``)."""
     from backend.spark.connect import is_connect
+    from backend.spark.live_runs import claim_details, refuse_if_running
 
     with _GLOBAL:
         coordinator = _COORDINATORS.get(cfg.job_dir)
         if coordinator is None:
-            coordinator = _COORDINATORS[cfg.job_dir] = DriverCoordinator(cfg, num_retained)
+            coordinator = DriverCoordinator(
+                cfg, num_retained, details=claim_details(spark),
+                before_claim=lambda files: refuse_if_running(spark, files, cfg.job_dir),
+            )  # fmt: skip
+            _COORDINATORS[cfg.job_dir] = coordinator
         coordinator.register(cfg)
         if not is_connect(spark) and id(spark) not in _LISTENED:
             listener = _listener()
@@ -266,31 +307,42 @@ def coordinator_at(checkpoint_location: str) -> DriverCoordinator | None:
     return _COORDINATORS.get(checkpoint_location.rstrip("/"))
 
 
-#: state directory -> the coordinator following a Connect client's run (in the server's listener process)
-_FOLLOWERS: dict[str, DriverCoordinator] = {}
+#: (state directory, run) -> the coordinator following that run of a Connect client (in the
+#: server's listener process): kept for the run's events, not rebuilt for each
+_FOLLOWERS: dict[tuple[str, str], DriverCoordinator] = {}
+#: (state directory, run) of the followers that learned their run was taken over: they do nothing more
+_FENCED: set[tuple[str, str]] = set()
 
 
 def complete_as_follower(configs: list[OperatorConfig], num_retained: int, run: str, batch: int, query: str) -> None:
     """On a Connect server (``backend.spark.server_listener``): complete checkpoint ``batch`` of
     query ``query`` in the state directory of ``configs``, under the claim of the client's ``run``
-    (``CheckpointCoordinator.follow``: no recovery of its own). Never raises: a listener must not
-    die; a fenced run logs once and completes nothing more."""
+    (``CheckpointCoordinator.follow``: no recovery of its own). One follower per directory and
+    run, built on the run's first event; its registration writes nothing and checks the run's
+    ownership first (``DriverCoordinator.follow_configs``). Never raises: a listener must not
+    die; a fenced run logs once, closes its storage and does nothing on later events."""
     job_dir = configs[0].job_dir
+    key = (job_dir, run)
     with _GLOBAL:
-        follower = _FOLLOWERS.get(job_dir)
+        if key in _FENCED:
+            return
+        follower = _FOLLOWERS.get(key)
     try:
         if follower is None:
             follower = DriverCoordinator(configs[0], num_retained, follow=run)
-            for cfg in configs:
-                follower.register(cfg)
             with _GLOBAL:
-                _FOLLOWERS[job_dir] = follower
-        if not follower.ownership.lost:
-            follower.complete_batch(batch, query)
+                _FOLLOWERS[key] = follower
+        follower.follow_configs(configs)
+        follower.complete_batch(batch, query)
     except StorageClosedError:
         return
     except OwnershipLostError as exc:
-        _log.warning("checkpoints of %s are completed by a newer run: %s", job_dir, exc)
+        _log.warning("checkpoints of %s are completed by a newer run; this one's completer stops: %s", job_dir, exc)
+        with _GLOBAL:
+            _FENCED.add(key)
+            fenced = _FOLLOWERS.pop(key, None)
+        if fenced is not None:
+            fenced.close()
     except Exception as exc:  # kept in the log of the server's listener process
         _log.error("checkpoint of batch %s in %s failed: %s", batch, job_dir, exc)
 
@@ -316,11 +368,13 @@ def detach(spark: Any) -> None:
 
 
 def forget_all() -> None:
-    """Close every coordinator of this driver (tests; a restarted driver builds new ones)."""
+    """Close every coordinator (and follower) of this process (tests; a restarted driver builds new ones)."""
     with _GLOBAL:
-        for coordinator in _COORDINATORS.values():
+        for coordinator in [*_COORDINATORS.values(), *_FOLLOWERS.values()]:
             coordinator.close()
         _COORDINATORS.clear()
+        _FOLLOWERS.clear()
+        _FENCED.clear()
 
 
 def _listener() -> Any:

@@ -22,8 +22,11 @@ the client's run is.
 
 **Disconnects and restarts.** Completion no longer needs the client: a client that disconnects
 leaves its query and this listener running on the server (until Spark ends the session). A client
-that starts the query again (a new process, a new session) makes a new run: its claim fences the
-old listener, whose next completion fails (``OwnershipLostError``) and writes nothing; its
+that builds the query again while it still runs is refused (``backend.spark.live_runs``); once it
+was stopped, a client that starts it again (a new process, a new session) makes a new run: its
+claim fences the old listener, whose next completion fails (``OwnershipLostError``) and writes
+nothing, and which from then on does nothing (``driver.complete_as_follower`` keeps one follower
+per run, whose registration writes nothing and checks the run's ownership first). The new run's
 recovery keeps the pending handles after the latest checkpoint, from which the next batch
 restores. A batch whose checkpoint was not completed (the listener was fenced or gone) loses
 nothing: the next batch's tasks restore from its pending handles, as after a driver's crash on a

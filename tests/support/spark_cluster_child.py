@@ -2,7 +2,7 @@
 ``local-cluster[2,1,1024]`` master (a driver and two executor JVMs of one core each), with faults
 injected at deterministic points.
 
-    python -m tests.support.spark_cluster_child DIR      (cwd: the project root)
+    python -m tests.support.spark_cluster_child DIR [--connect]      (cwd: the project root)
 
 The query is ``transform_with_state_in_pandas`` over a JSON file source with one input file per
 micro-batch (``maxFilesPerTrigger=1``); the processor keeps a running count and total per key in
@@ -32,6 +32,15 @@ files (``DIR/input``) and compares. The phases, in order, each a few batches:
 The phases run in one child so that the cluster starts once. A phase that fails records its error
 and ends the run. ``DIR/result.json`` says what happened (the parent's only other inputs are the
 input and output files); the executors' logs are moved to ``DIR/executor-logs``.
+
+With ``--connect`` the query is started from a Spark Connect client: the child's SparkContext on
+the cluster runs Spark's bundled Connect server (its plugin, on 127.0.0.1), and the query is built
+and started through a Connect session on it, as a remote user's program does; the phases are
+``warm-up``, ``executor-kill``, ``restart`` and ``state-read`` (through the client; the number of
+partitions is not recorded: Connect has no ``DataFrame.rdd``). The client is not the driver: the
+server completes the checkpoints (``backend.spark.server_listener``), so a batch is finished once
+its ``chk-<b>/_metadata`` is on disk. Both sessions share this process only because the cluster
+is started once here; the client uses nothing of the server's Python objects.
 
 Everything the processor uses is defined in this module, which runs as ``__main__``: cloudpickle
 ships it to the executors by value (they cannot import ``tests``).
@@ -68,6 +77,7 @@ WAIT_S = 240.0
 POLL_S = 0.05
 
 PHASES = ["warm-up", "executor-kill", "local-dir-wipe", "service-kill", "restart", "state-read"]
+CONNECT_PHASES = ["warm-up", "executor-kill", "restart", "state-read"]
 
 
 # -- in the executors ----------------------------------------------------------------------------
@@ -79,8 +89,12 @@ def fault_point(control: str) -> None:
     appears."""
     from pyspark import TaskContext
 
+    from backend.spark.config import FOREACH_BATCH_ID
+
     context = TaskContext.get()
-    batch = context.getLocalProperty("streaming.sql.batchId")
+    # a Connect query's foreachBatch function evaluates the batch in jobs of its own, which the
+    # drop-in tells the batch id by a property of its own
+    batch = context.getLocalProperty("streaming.sql.batchId") or context.getLocalProperty(FOREACH_BATCH_ID)
     directory = Path(control)
     try:
         os.rename(directory / f"block-{batch}", directory / f"claimed-{batch}")
@@ -230,8 +244,28 @@ def batch_rows(batch: int) -> list[tuple[str, int]]:
     return [(f"k{rng.randrange(KEYS)}", rng.randrange(1, 100)) for _ in range(ROWS_PER_BATCH)]
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _checkpoint_properties(state: str, batch: int) -> dict[str, Any] | None:
+    """The properties of checkpoint ``batch`` once its ``_metadata`` is on disk (the Connect
+    server completes it), else None."""
+    from backend.checkpointing.metadata import SnapshotMetadata, metadata_path
+
+    path = Path(state) / metadata_path(batch)
+    try:
+        return dict(SnapshotMetadata.loads(path.read_bytes(), str(path)).properties)
+    except FileNotFoundError:
+        return None
+
+
 class Run:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, connect: bool = False) -> None:
         self.root = root
         self.control = root / "control"
         self.local = root / "local"
@@ -242,13 +276,28 @@ class Run:
         os.environ[RUN_ENV] = self.token
         self.batches = 0
         self.query: Any = None
-        self.result: dict[str, Any] = {"master": MASTER, "phases": {}, "restored_from": {}}
+        self.result: dict[str, Any] = {"master": MASTER, "connect": connect, "phases": {}, "restored_from": {}}
+        self.connect = connect
 
         from backend.spark.session import local_session
 
         began = time.monotonic()
-        self.spark = local_session("dstl-cluster-tests", MASTER)
-        self.app_id = self.spark.sparkContext.applicationId
+        conf: dict[str, str] = {}
+        if connect:
+            port = _free_port()
+            conf = {
+                "spark.plugins": "org.apache.spark.sql.connect.SparkConnectPlugin",
+                "spark.connect.grpc.binding.address": "127.0.0.1",
+                "spark.connect.grpc.binding.port": str(port),
+            }
+        self.server = local_session("dstl-cluster-tests", MASTER, **conf)
+        self.app_id = self.server.sparkContext.applicationId
+        self.spark = self.server
+        if connect:
+            from pyspark.sql.connect.session import SparkSession
+
+            os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"  # pyspark's functions build Connect columns
+            self.spark = SparkSession.builder.remote(f"sc://127.0.0.1:{port}").create()
         self.result.update(app_id=self.app_id, start_s=round(time.monotonic() - began, 1))
 
     def start(self, parallelism: int) -> None:
@@ -294,6 +343,8 @@ class Run:
         self.query.processAllAvailable()
 
         def completed() -> dict[str, Any] | None:
+            if self.connect:
+                return _checkpoint_properties(self.state, batch)
             coordinator = coordinator_at(self.state)
             latest = coordinator.latest() if coordinator is not None else None
             return dict(latest.properties) if latest is not None and latest.checkpoint_id >= batch else None
@@ -377,11 +428,12 @@ class Run:
         df = self.spark.read.format("dstl-state").option("stateVarName", "acc").option("numPartitions", 3)
         state = df.load(self.state)
         rows = sorted([r["key"]["k"], r["value"]["count"], r["value"]["total"]] for r in state.collect())
-        return {"rows": rows, "partitions": state.rdd.getNumPartitions(), "batch": self.batches - 1}
+        partitions = None if self.connect else state.rdd.getNumPartitions()
+        return {"rows": rows, "partitions": partitions, "batch": self.batches - 1}
 
     def run(self) -> None:
         phases = self.result["phases"]
-        for name in PHASES:
+        for name in CONNECT_PHASES if self.connect else PHASES:
             began = time.monotonic()
             try:
                 phase = getattr(self, f"phase_{name.replace('-', '_')}")()
@@ -402,7 +454,12 @@ class Run:
         finally:
             driver.detach(self.spark)
             driver.forget_all()
-            self.spark.stop()
+            if self.connect:
+                from backend.spark import server_listener
+
+                server_listener.remove_server_listeners(self.spark)
+                self.spark.stop()
+            self.server.stop()
             for pid in services(self.token, self.app_id)[0]:  # started by this run's workers: stop them
                 os.kill(pid, signal.SIGTERM)
             from pyspark.find_spark_home import _find_spark_home
@@ -415,7 +472,7 @@ class Run:
 
 def main(argv: list[str]) -> int:
     began = time.monotonic()
-    run = Run(Path(argv[0]))
+    run = Run(Path(argv[0]), connect="--connect" in argv[1:])
     try:
         run.run()
     finally:

@@ -6,6 +6,7 @@ a Spark Connect session on a server of its own (``connect_server.py``), one for 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -65,14 +66,12 @@ def backend(tmp_path: Path) -> Iterator[ChangelogKeyedStateBackend]:
 CONNECT_START_S = 240.0
 
 
-@pytest.fixture(scope="session")
-def connect_url() -> Iterator[str]:
-    """A Spark Connect server in a process of its own (``tests/backend/spark/connect_server.py``),
-    for the whole test session; its URL. It stops when its standard input closes."""
-    pytest.importorskip("pyspark")
-    pytest.importorskip("grpc")
+@contextlib.contextmanager
+def connect_server(*args: str) -> Iterator[str]:
+    """A Spark Connect server in a process of its own (``tests/backend/spark/connect_server.py``,
+    given ``args``) while the context lasts; its URL. It stops when its standard input closes."""
     server = subprocess.Popen(
-        [sys.executable, "-m", "tests.backend.spark.connect_server"],
+        [sys.executable, "-m", "tests.backend.spark.connect_server", *args],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert server.stdout is not None and server.stdin is not None
@@ -91,6 +90,15 @@ def connect_url() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+@pytest.fixture(scope="session")
+def connect_url() -> Iterator[str]:
+    """The test session's Spark Connect server (``connect_server``); its URL."""
+    pytest.importorskip("pyspark")
+    pytest.importorskip("grpc")
+    with connect_server() as url:
+        yield url
 
 
 def connect_client(url: str) -> Any:

@@ -297,3 +297,110 @@ def test_a_foreach_batch_sink_runs_the_drop_in_on_connect(connect: Any, tmp_path
     finally:
         if restore is not None:
             restore()
+
+
+def test_a_client_is_refused_a_state_directory_whose_query_still_runs_on_the_server(
+    connect: Any, connect_url: str, tmp_path: Path
+) -> None:
+    """A client that builds the query again on a state directory whose query still runs on the
+    server (from another client's session, or from this session after its client process
+    restarted) would recover the directory under the running query, deleting the chunks its tasks
+    have uploaded and not yet named: it is refused, naming the location and the running query, and
+    claims nothing (the running query's checkpoints go on being completed). Once the query is
+    stopped, or its session released, the same build is accepted."""
+    from backend.checkpointing.errors import DirectoryOwnedError
+    from backend.spark import driver, server_listener
+    from backend.spark.api import transform_with_state_in_pandas
+
+    source, state, batches = tmp_path / "in", tmp_path / "state", tmp_path / "batches"
+    source.mkdir()
+    options = {"checkpoint_location": str(state), "operator_uid": "counts", "local_dir": str(tmp_path / "local")}
+
+    def build(spark: Any) -> Any:
+        grouped = _stream(spark, source).groupBy("user")
+        return transform_with_state_in_pandas(
+            grouped, _counting_processor(), "user string, n long", "Update", "None", **options
+        )
+
+    _input(source, "a", ["a", "b", "a"])
+    query = _run_to_files(build(connect), tmp_path / "chk", batches)
+    second = connect_client(connect_url)
+    try:
+        claims = sorted(p.name for p in (state / "_owner").iterdir())
+        for client in (second, connect):  # another client; this one after a restart of its process
+            driver.forget_all()
+            with pytest.raises(DirectoryOwnedError) as refused:
+                build(client)
+            assert str(state) in str(refused.value) and str(query.id) in str(refused.value)
+        assert sorted(p.name for p in (state / "_owner").iterdir()) == claims  # nobody was fenced
+        _input(source, "b", ["a"])
+        query.processAllAvailable()
+        wait_until(lambda: (state / "chk-1" / "_metadata").exists(), "the server completed checkpoint 1", _BATCH_S)
+        assert _file_rows(batches) == [("a", 2), ("a", 3), ("b", 1)]
+        query.stop()
+        driver.forget_all()
+        _input(source, "c", ["b"])
+        query = _run_to_files(build(second), tmp_path / "chk", batches)
+        assert _file_rows(batches) == [("a", 2), ("a", 3), ("b", 1), ("b", 2)]
+    finally:
+        query.stop()
+        server_listener.remove_server_listeners(second)
+        second.stop()
+    driver.forget_all()
+    build(connect)  # the last run's session is released: nothing of it runs
+
+
+@pytest.fixture(scope="module")
+def server_without_the_package(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Connect server whose Python workers run an interpreter with pyspark, pandas and pyarrow
+    (the test environment's packages, by a path file) but not this package (whose editable
+    install a path file does not bring: its hook runs from the environment's own path file)."""
+    import site
+    import venv
+
+    pytest.importorskip("grpc")
+    where = tmp_path_factory.mktemp("workers-env")
+    venv.EnvBuilder(with_pip=False).create(where)
+    (target,) = where.glob("lib/python*/site-packages")
+    (target / "test_packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    from tests.backend.spark.conftest import connect_server
+
+    with connect_server("--workers-python", str(where / "bin" / "python")) as url:
+        yield url
+
+
+@pytest.mark.parametrize("entry", ["function", "routed"])
+def test_a_server_whose_workers_lack_the_package_is_refused_naming_it(
+    server_without_the_package: str, tmp_path: Path, entry: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both entry points refuse the operator when it is built, naming the missing module, and
+    nothing runs: neither the drop-in nor Spark's own operator (no state anywhere)."""
+    from backend.spark import driver
+    from backend.spark.api import transform_with_state_in_pandas, use_for_session
+    from dstl import ConfigurationError
+
+    monkeypatch.setenv("SPARK_CONNECT_MODE_ENABLED", "1")  # as in the ``connect`` fixture
+    client = connect_client(server_without_the_package)
+    source, state = tmp_path / "in", tmp_path / "state"
+    source.mkdir()
+    _input(source, "a", ["a"])
+    restore = use_for_session(local_dir=str(tmp_path / "local")) if entry == "routed" else None
+    try:
+        grouped = _stream(client, source).groupBy("user")
+        with pytest.raises(ConfigurationError) as refused:
+            if restore is None:
+                transform_with_state_in_pandas(
+                    grouped, _counting_processor(), "user string, n long", "Update", "None",
+                    checkpoint_location=str(state), operator_uid="counts", local_dir=str(tmp_path / "local"),
+                )  # fmt: skip
+            else:
+                grouped.transformWithStateInPandas(_counting_processor(), "user string, n long", "Update", "None")
+        message = str(refused.value)
+        assert "cannot import this package" in message and "No module named 'backend'" in message, message
+        assert not client.streams.active
+        assert not state.exists()
+    finally:
+        if restore is not None:
+            restore()
+        driver.forget_all()
+        client.stop()
