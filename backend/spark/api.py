@@ -44,7 +44,7 @@ from backend.spark.config import EVENT, PROCESSING, OperatorConfig, SparkOperato
 from backend.spark.handle import TIME_MODES
 from backend.spark.plan import KEY_GROUP, Operator, build, find_watermark, output_column
 from backend.spark.routed_reads import route_reads
-from backend.spark.routing import hook_connect_writer, route_session, routed_uid
+from backend.spark.routing import hook_connect_writer, route_session, routed_queries, routed_uid
 from dstl import ConfigurationError
 
 _OUTPUT_MODES = {"append", "update"}
@@ -312,7 +312,7 @@ def use_for_session(checkpoint_root: str | None = None, **options: Any) -> Calla
         "applyInPandasWithState": apply_in_pandas_with_state,
     }
     restore_methods = route_session(checkpoint_root, options, targets)
-    restore_reads = route_reads(checkpoint_root)
+    restore_reads = route_reads(checkpoint_root, routed_queries)
 
     def restore() -> None:
         restore_methods()

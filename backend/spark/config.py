@@ -19,6 +19,7 @@ config, the tick source's read option names the directory).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from backend.core.keygroups import key_group_range_for_subtask
 from dstl import ChangelogConfig, KeyGroupRange
+from dstl.paths import as_name
 from materializer.options import MaterializationOptions
 
 if TYPE_CHECKING:  # the tick source imports this module: nothing of the state layers at run time
@@ -41,6 +43,7 @@ __all__ = [
     "OperatorConfig",
     "SparkOperator",
     "Watermarks",
+    "operators_dir",
     "route_file",
     "watermark_after",
 ]
@@ -197,6 +200,17 @@ class OperatorConfig:
     def local_dir(self, subtask: int) -> Path:
         name = self.job_dir.replace("://", "_").replace("/", "_").strip("_")
         return Path(self.local_root) / name / self.uid / f"{subtask}-of-{self.parallelism}"
+
+
+def operators_dir(root: str | None, location: str) -> str:
+    """The directory of a routed query's operators' state directories: ``<location>/dstl``, or with
+    a ``checkpoint_root`` ``<root>/<last name of the location>-<its hash>`` (``backend.spark.routing``)."""
+    location = location.rstrip("/")
+    if root is None:
+        return f"{location}/dstl"
+    tail = as_name(location.rsplit("/", 1)[-1]) or "query"
+    digest = hashlib.sha256(location.encode()).hexdigest()[:12]
+    return f"{root.rstrip('/')}/{tail}-{digest}"
 
 
 def route_file(local_root: str, route: str) -> Path:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from backend.spark.routing import _LOCK, _OPERATORS, _operators_dir
+from backend.spark.config import operators_dir
 from dstl.paths import local_path
 
 __all__ = ["WAIT_S", "route_connect_reads", "route_reads", "routing_in_foreach_batch"]
@@ -62,13 +62,16 @@ class _ConnectRouting(threading.local):
 
 
 _CONNECT = _ConnectRouting()
+#: the state directory and query of each routed operator of this driver that ran in a query
+#: (``routing.routed_queries``, given by ``route_reads``)
+_QUERIES: list[Callable[[], list[tuple[str, Any]]]] = []
 #: the Connect client's routing, for the threads that set none of their own
 _CLIENT: list[str | None] = []
 _CONNECT_HOOK: list[Callable[..., Any]] = []
 _CONNECT_LOCK = threading.Lock()
 
 
-def route_reads(root: str | None) -> Callable[[], None]:
+def route_reads(root: str | None, queries: Callable[[], list[tuple[str, Any]]]) -> Callable[[], None]:
     """Wrap ``DataFrameReader``'s ``format``, ``option`` and ``options`` (to record them) and its
     ``load`` (to serve Spark's state sources' names from our sources on the drop-in's layout);
     returns the function that puts pyspark's methods back."""
@@ -103,6 +106,7 @@ def route_reads(root: str | None) -> Callable[[], None]:
         setattr(DataFrameReader, name, hooked)
 
     restore_connect = route_connect_reads(root)
+    _QUERIES[:] = [queries]
 
     def restore() -> None:
         for name, method in saved.items():
@@ -204,7 +208,7 @@ def _serve(
     from backend.spark.state_plan import drop_in_location
     from backend.spark.state_source import METADATA_FORMAT, STATE_FORMAT, register
 
-    candidates = [location] if root is None else [_operators_dir(root, location), location]
+    candidates = [location] if root is None else [operators_dir(root, location), location]
     directory = drop_in_location(candidates, options)
     if directory is None:
         return None
@@ -222,12 +226,15 @@ def _serve(
     return served.load(directory)
 
 
+def _queries_in(directory: str) -> list[tuple[str, Any]]:
+    """The routed operators' (state directory, query) with their state in ``directory``."""
+    listed = _QUERIES[0]() if _QUERIES else []
+    return [(job_dir, query) for job_dir, query in listed if _same_directory(job_dir.rsplit("/", 1)[0], directory)]
+
+
 def _reported(directory: str) -> int | None:
     """The last batch the routed queries of this client with operators in ``directory`` reported."""
-    with _LOCK:
-        queries = [op.query for op in _OPERATORS.values() if op.query is not None and op.job_dir and _same_directory(
-            op.job_dir.rsplit("/", 1)[0], directory)]  # fmt: skip
-    batches = [int(p.batchId) for q in queries for p in q.recentProgress]
+    batches = [int(p.batchId) for _, query in _queries_in(directory) for p in query.recentProgress]
     return max(batches) if batches else None
 
 
@@ -260,19 +267,14 @@ def _catch_up(directory: str) -> None:
     reported and the driver's listener has not completed yet (module docstring)."""
     from backend.spark.driver import complete_committed, coordinator_at
 
-    with _LOCK:
-        ops = [
-            op for op in _OPERATORS.values()
-            if op.query is not None and op.job_dir and _same_directory(op.job_dir.rsplit("/", 1)[0], directory)
-        ]  # fmt: skip
-    for op in ops:
-        coordinator = coordinator_at(str(op.job_dir))
+    for job_dir, query in _queries_in(directory):
+        coordinator = coordinator_at(str(job_dir))
         if coordinator is None:
             continue
         latest = coordinator.latest()
         done = -1 if latest is None else latest.checkpoint_id
-        query_id = str(op.query.id)
-        for batch in sorted({int(p.batchId) for p in op.query.recentProgress}):
+        query_id = str(query.id)
+        for batch in sorted({int(p.batchId) for p in query.recentProgress}):
             if batch > done:
                 complete_committed(batch, query_id)
 

@@ -52,7 +52,6 @@ without routed operators starts as before.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import socket
 import tempfile
@@ -62,14 +61,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from backend.spark.config import ROUTE_PROPERTY, OperatorConfig, route_file
+from backend.spark.config import ROUTE_PROPERTY, OperatorConfig, operators_dir, route_file
 from backend.spark.operator_ids import resolve_uids
 from backend.spark.plan import routed_task_name
 from dstl import ConfigurationError
 from dstl.atomic import write_atomically
 from dstl.paths import as_name
 
-__all__ = ["SessionRouting", "route_session", "routed_uid"]
+__all__ = ["SessionRouting", "route_session", "routed_queries", "routed_uid"]
 
 _ROUTED = ("transformWithStateInPandas", "transformWithState", "applyInPandasWithState")
 _TASK_PREFIX = routed_task_name("")
@@ -518,7 +517,7 @@ def _state_dirs(routed: list[_Routed], location: str) -> list[str]:
     (``operator_ids``). Operators of one query share a root: ``use_for_session`` is per driver."""
     by_directory: dict[str, list[int]] = {}
     for i, op in enumerate(routed):
-        by_directory.setdefault(_operators_dir(op.root, location), []).append(i)
+        by_directory.setdefault(operators_dir(op.root, location), []).append(i)
     dirs = [""] * len(routed)
     for directory, places in by_directory.items():
         ops = [routed[i] for i in places]
@@ -528,14 +527,10 @@ def _state_dirs(routed: list[_Routed], location: str) -> list[str]:
     return dirs
 
 
-def _operators_dir(root: str | None, location: str) -> str:
-    """The directory of a query's routed operators' state directories."""
-    location = location.rstrip("/")
-    if root is None:
-        return f"{location}/dstl"
-    tail = as_name(location.rsplit("/", 1)[-1]) or "query"
-    digest = hashlib.sha256(location.encode()).hexdigest()[:12]
-    return f"{root.rstrip('/')}/{tail}-{digest}"
+def routed_queries() -> list[tuple[str, Any]]:
+    """The state directory and query of each routed operator of this driver that ran in a query."""
+    with _LOCK:
+        return [(op.job_dir, op.query) for op in _OPERATORS.values() if op.query is not None and op.job_dir]
 
 
 def _write_route_file(cfg: OperatorConfig, job_dir: str) -> None:
