@@ -57,6 +57,30 @@ def _stream(spark: Any, source: Path) -> Any:
     return spark.readStream.schema("user string").json(str(source))
 
 
+def _counts(source: Path, state: Path, local: Path) -> Any:
+    """A function building, on a session, the counting query over ``source`` with the drop-in's
+    explicit entry point, its state in ``state`` (operator uid ``counts``)."""
+    from backend.spark.api import transform_with_state_in_pandas
+
+    def build(spark: Any) -> Any:
+        grouped = _stream(spark, source).groupBy("user")
+        return transform_with_state_in_pandas(
+            grouped, _counting_processor(), "user string, n long", "Update", "None",
+            checkpoint_location=str(state), operator_uid="counts", local_dir=str(local),
+        )  # fmt: skip
+
+    return build
+
+
+def _counted(spark: Any, source: Path) -> Any:
+    """The counting query over ``source`` through ``applyInPandasWithState`` (routed or Spark's)."""
+    return (
+        _stream(spark, source)
+        .groupBy("user")
+        .applyInPandasWithState(_count, "user string, n long", "n long", "Update", "NoTimeout")
+    )
+
+
 def _input(source: Path, name: str, users: list[str]) -> None:
     publish(source / f"{name}.json", "".join(f'{{"user": "{u}"}}\n' for u in users))
 
@@ -178,11 +202,7 @@ def test_a_routed_query_without_a_checkpoint_location_runs_on_the_drop_in_and_sp
     temporary = set(glob.glob(f"{tempfile.gettempdir()}/dstl-temporary-*"))
     restore = use_for_session(local_dir=str(tmp_path / "local"))
     try:
-        out = (
-            _stream(spark, source)
-            .groupBy("user")
-            .applyInPandasWithState(_count, "user string, n long", "n long", "Update", "NoTimeout")
-        )
+        out = _counted(spark, source)
         query = out.writeStream.format("memory").queryName("unplaced").outputMode("update").start()
         try:
             query.processAllAvailable()
@@ -197,11 +217,7 @@ def test_a_routed_query_without_a_checkpoint_location_runs_on_the_drop_in_and_sp
         assert not any(Path(d, "state").exists() for d in chosen)
     finally:
         restore()
-    out = (
-        _stream(spark, source)
-        .groupBy("user")
-        .applyInPandasWithState(_count, "user string, n long", "n long", "Update", "NoTimeout")
-    )
+    out = _counted(spark, source)
     query = _run(out, tmp_path / "chk", "sparks_own")
     query.stop()
     assert (tmp_path / "chk" / "state").exists()
@@ -216,17 +232,10 @@ def test_checkpoints_complete_on_the_server_and_a_new_client_resumes(
     another client (a new session, as a restarted program has) starts the query again from its
     checkpoint and the counts go on from the state."""
     from backend.spark import driver
-    from backend.spark.api import transform_with_state_in_pandas
 
     source, state = tmp_path / "in", tmp_path / "state"
     source.mkdir()
-    options = {"checkpoint_location": str(state), "operator_uid": "counts", "local_dir": str(tmp_path / "local")}
-
-    def build(spark: Any) -> Any:
-        grouped = _stream(spark, source).groupBy("user")
-        return transform_with_state_in_pandas(
-            grouped, _counting_processor(), "user string, n long", "Update", "None", **options
-        )
+    build = _counts(source, state, tmp_path / "local")
 
     batches = tmp_path / "batches"
     _input(source, "a", ["a", "b", "a"])
@@ -310,17 +319,10 @@ def test_a_client_is_refused_a_state_directory_whose_query_still_runs_on_the_ser
     stopped, or its session released, the same build is accepted."""
     from backend.checkpointing.errors import DirectoryOwnedError
     from backend.spark import driver, server_listener
-    from backend.spark.api import transform_with_state_in_pandas
 
     source, state, batches = tmp_path / "in", tmp_path / "state", tmp_path / "batches"
     source.mkdir()
-    options = {"checkpoint_location": str(state), "operator_uid": "counts", "local_dir": str(tmp_path / "local")}
-
-    def build(spark: Any) -> Any:
-        grouped = _stream(spark, source).groupBy("user")
-        return transform_with_state_in_pandas(
-            grouped, _counting_processor(), "user string, n long", "Update", "None", **options
-        )
+    build = _counts(source, state, tmp_path / "local")
 
     _input(source, "a", ["a", "b", "a"])
     query = _run_to_files(build(connect), tmp_path / "chk", batches)

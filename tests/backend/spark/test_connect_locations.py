@@ -60,7 +60,7 @@ def test_sparks_state_source_reads_a_routed_connect_query_from_the_client_and_fr
     on the server, where it reads the last batch before the running one (as Spark's source reads
     the last batch of the commit log)."""
     from backend.spark.api import use_for_session
-    from tests.backend.spark.test_connect import _count, _input, _stream
+    from tests.backend.spark.test_connect import _counted, _input
 
     source, reads, checkpoint = tmp_path / "in", tmp_path / "reads", str(tmp_path / "chk")
     source.mkdir()
@@ -68,11 +68,7 @@ def test_sparks_state_source_reads_a_routed_connect_query_from_the_client_and_fr
     _input(source, "a", ["a", "b", "a"])
     restore = use_for_session(local_dir=str(tmp_path / "local"))
     try:
-        out = (
-            _stream(connect, source)
-            .groupBy("user")
-            .applyInPandasWithState(_count, "user string, n long", "n long", "Update", "NoTimeout")
-        )
+        out = _counted(connect, source)
         query = (
             out.writeStream.outputMode("update").foreachBatch(_state_reader(checkpoint, str(reads)))
             .option("checkpointLocation", checkpoint).start()
