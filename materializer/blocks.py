@@ -556,8 +556,12 @@ def entries_in_ranges(
     values_out: list[bytes] = []
     at = 0
     for low, high in ranges:
-        lo = bisect_left(range(count), low, at, key=key_at)
-        hi = count if high is None else bisect_left(range(count), high, lo, key=key_at)
+        if width and len(low) == width:  # a whole key of a block of keys of one length: found in C
+            lo = _find_key(raw, low, cols.keys_start, at, width, count)
+            lo, hi = (lo, lo + 1) if lo >= 0 else (at, at)  # not there: the next range searches from here
+        else:
+            lo = bisect_left(range(count), low, at, key=key_at)
+            hi = count if high is None else bisect_left(range(count), high, lo, key=key_at)
         at = hi
         if lo >= hi:
             continue
@@ -567,6 +571,18 @@ def entries_in_ranges(
         keys_out += keys[lo - a : hi - a]
         values_out += _split(raw, value_start(lo), cols.value_lens[lo:hi])
     return keys_out, values_out
+
+
+def _find_key(raw: bytes, key: bytes, keys_start: int, at: int, width: int, count: int) -> int:
+    """The index (``at`` or after) of ``key`` among the ``count`` keys of ``width`` bytes each from
+    ``keys_start`` in ``raw``, or -1. ``bytes.find`` scans in C, where a binary search steps in
+    Python; a match that is not at a key's start (the end of one key and the start of the next) is
+    skipped."""
+    end = keys_start + count * width
+    found = raw.find(key, keys_start + at * width, end)
+    while found != -1 and (found - keys_start) % width:
+        found = raw.find(key, found + 1, end)
+    return -1 if found == -1 else (found - keys_start) // width
 
 
 def block_entries(

@@ -219,6 +219,24 @@ def test_any_chunk_round_trips_and_every_point_read_equals_a_filter(
             assert found == [(k, v) for k, v in entries if any(k.startswith(p) for p in keys)]
 
 
+def test_a_key_whose_bytes_straddle_two_keys_of_one_length_is_not_found_there() -> None:
+    """A point read of a whole key in a block of keys of one length searches the keys' bytes: the
+    end of one key and the start of the next may spell the key wanted, which is not there."""
+    before, wanted, after = key(3, b"\x00\x00\x00\x03"), key(3, b"\x00\x03\x11\x22"), key(3, b"\x11\x22\x33\x44")
+    assert (before + after)[4:10] == wanted  # the two keys' bytes spell it, across their boundary
+    for keys in ([before, after], [before, wanted, after]):
+        entries = [(k, bytes([i]) * 8) for i, k in enumerate(keys)]
+        encoded = encode_chunk(RANGE, 5, {"values": entries})
+        index = chunk_info(PATH, encoded)
+        expected = [(k, v) for k, v in entries if k == wanted]
+        assert point_read(encoded, index, "values", wanted) == expected
+        section = index.table("values")
+        assert section is not None
+        (block,) = section.blocks
+        data = encoded[block.offset : block.offset + block.length]
+        assert index.decode_block_prefixes(data, block, [wanted, after]) == [*expected, entries[-1]]
+
+
 def test_a_map_keys_entries_spanning_blocks_are_all_found(sample: bytes) -> None:
     index = chunk_info(PATH, sample)
     section = index.table("map")
