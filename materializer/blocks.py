@@ -463,7 +463,7 @@ def decode_block(
         checked_payload(path, payload, block)
     decompressor = decompressor or thread_decompressor()
     if prefix is not None:
-        return entries_between(path, payload, block, prefix, prefix_end(prefix), decompressor)
+        return entries_between(path, payload, block, prefix, prefix_end(prefix), decompressor, prefixes=True)
     cols = _columns(path, payload, block, decompressor)
     keys = _split(cols.raw, cols.keys_start, cols.key_lens)
     if keys:
@@ -510,6 +510,7 @@ def entries_between(
     low: bytes,
     high: bytes | None,
     decompressor: zstandard.ZstdDecompressor,
+    prefixes: bool = False,
 ) -> tuple[list[bytes], list[bytes]]:
     """The keys and values of a block (checksum checked) with ``low <= key < high`` (None: no bound).
 
@@ -517,7 +518,7 @@ def entries_between(
     sliced out (a binary search over the keys); the block's first and last keys are checked
     against the index (or a version-1 footer) as a whole decode checks them.
     """
-    return entries_in_ranges(path, payload, block, [(low, high)], decompressor)
+    return entries_in_ranges(path, payload, block, [(low, high)], decompressor, prefixes)
 
 
 def entries_in_ranges(
@@ -526,10 +527,13 @@ def entries_in_ranges(
     block: BlockInfo,
     ranges: Sequence[tuple[bytes, bytes | None]],
     decompressor: zstandard.ZstdDecompressor,
+    prefixes: bool = False,
 ) -> tuple[list[bytes], list[bytes]]:
     """``entries_between`` for several ``(low, high)`` ranges (sorted, not overlapping) at once: the
     block is decompressed and its columns checked once, each range found by its own binary search
-    (a batch's keys that share a block cost one decode, not one each)."""
+    (a batch's keys that share a block cost one decode, not one each). ``prefixes``: each range is
+    the keys starting with ``low`` (``high`` is ``prefix_end(low)``), so a ``low`` as long as every
+    key of the block is one key, found by a search of the keys' bytes."""
     cols = _columns(path, payload, block, decompressor)
     raw, count, width = cols.raw, block.count, cols.key_width
     if not count:
@@ -556,7 +560,7 @@ def entries_in_ranges(
     values_out: list[bytes] = []
     at = 0
     for low, high in ranges:
-        if width and len(low) == width:  # a whole key of a block of keys of one length: found in C
+        if prefixes and width and len(low) == width:  # one whole key of keys of one length: found in C
             lo = _find_key(raw, low, cols.keys_start, at, width, count)
             lo, hi = (lo, lo + 1) if lo >= 0 else (at, at)  # not there: the next range searches from here
         else:

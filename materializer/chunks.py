@@ -184,7 +184,7 @@ class ChunkIndex:
         the entries whose key starts with one of them, in key order; the block decoded once."""
         ranges = [(p, prefix_end(p)) for p in prefixes]
         keys, values = entries_in_ranges(
-            self.path, checked_payload(self.path, data, block), block, ranges, thread_decompressor()
+            self.path, checked_payload(self.path, data, block), block, ranges, thread_decompressor(), prefixes=True
         )
         return list(zip(keys, values, strict=True))
 
