@@ -53,8 +53,8 @@ _POLL_S = 0.05
 
 
 class _ConnectRouting(threading.local):
-    """Whether this thread's Connect reads are routed: the checkpoint root (``active``, None for
-    none) and the batch a ``foreachBatch`` function runs (None outside one)."""
+    """This thread's routing of Connect reads: whether it is on (``active``), with which checkpoint
+    root (None: none), and the batch the ``foreachBatch`` function running here runs."""
 
     active = False
     root: str | None = None
