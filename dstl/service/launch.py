@@ -73,6 +73,10 @@ _log = logging.getLogger(__name__)
 # -- the files of a service -------------------------------------------------------------------
 
 
+#: where the sockets go when the temporary directory's path is too long for one (AF_UNIX)
+_SHORT_TMP = "/tmp"
+
+
 def default_socket_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"dstl-svc-{os.getuid()}")
 
@@ -81,9 +85,15 @@ def service_socket_path(config: ChangelogConfig, socket_dir: str | os.PathLike[s
     """The socket of the service for ``config``: ``<dir>/<fingerprint prefix>.v<protocol>.sock``
     under ``socket_dir`` or ``<tmp>/dstl-svc-<uid>``. Named by the config's fingerprint, so that
     workers with different configurations never share a service; short, because AF_UNIX paths
-    are limited (``ConfigurationError`` if the directory makes it too long)."""
+    are limited. A given ``socket_dir`` that makes it too long is refused (``ConfigurationError``);
+    the default falls back to ``/tmp/dstl-svc-<uid>`` when ``TMPDIR`` is too long (a deep
+    temporary directory, as notebooks and test harnesses make: every worker of that environment
+    computes the same fallback)."""
+    name = f"{fingerprint(config)[:24]}.v{PROTOCOL_VERSION}.sock"
     directory = os.fspath(socket_dir) if socket_dir is not None else default_socket_dir()
-    path = os.path.join(os.path.abspath(directory), f"{fingerprint(config)[:24]}.v{PROTOCOL_VERSION}.sock")
+    path = os.path.join(os.path.abspath(directory), name)
+    if socket_dir is None and len(os.fsencode(path)) > SOCKET_PATH_MAX and os.path.isdir(_SHORT_TMP):
+        path = os.path.join(_SHORT_TMP, f"dstl-svc-{os.getuid()}", name)
     if len(os.fsencode(path)) > SOCKET_PATH_MAX:
         raise ConfigurationError(
             f"changelog service socket path {path} is {len(os.fsencode(path))} bytes, more than the "

@@ -16,6 +16,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -195,6 +196,18 @@ def test_a_service_whose_ready_line_nobody_reads_serves_on(tmp_path: Path, harne
 
 
 # -- the files next to the socket -----------------------------------------------------------------------
+
+
+def test_a_temporary_directory_too_deep_for_a_socket_falls_back_to_tmp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default socket directory is under the temporary directory; one whose path leaves no room
+    for a socket (a deep TMPDIR) falls back to /tmp, where it did fail every worker's first task."""
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    path = service_socket_path(local_config(tmp_path))
+    assert path.startswith(f"/tmp/dstl-svc-{os.getuid()}/") and len(os.fsencode(path)) <= 107
 
 
 def test_the_socket_and_the_files_next_to_it_are_checked(tmp_path: Path, harness: Harness) -> None:
