@@ -129,8 +129,10 @@ def _check_payloads_and_key_groups(key_groups: list[Any], payloads: list[Any]) -
 
 def _lengths(lengths: list[int]) -> array[int]:
     """The payloads' ``lengths`` as ``array('I')`` (the changelog format's 32-bit lengths)."""
+    column = array("I")
     try:
-        return array("I", lengths)
+        column.fromlist(lengths)  # a little cheaper than the constructor
+        return column
     except OverflowError:
         longest = max(lengths)
         raise ConfigurationError(f"a change of {longest} bytes is longer than a change may be (4 GiB - 1)") from None
@@ -163,9 +165,9 @@ def _appenders(
         """Append one change of ``key_group``; in memory, never does I/O, may wait for room
         (``dstl.append_buffer``)."""
         nonlocal left
-        left -= 1
-        if left < 0:
-            look(data, LOOK_EVERY)  # may wait, or raise: this change is not appended, the next call looks
+        if not (left := left - 1):  # one decrement, its result tested as it is stored
+            left = 1  # if the look raises, this change is not appended and the next call looks
+            look(data, LOOK_EVERY)  # may wait, or raise
             left = LOOK_EVERY
         records.append(key_group)  # the cell read twice: cheaper than a local, and re-pointing
         records.append(data)  # between the two is safe (module doc, pairs)
@@ -379,12 +381,15 @@ class AppendBuffer:
             payloads = active[1:n:2]
             del active[:n]
             lengths, self._measured_lengths = self._measured_lengths, []
+            size = self._measured_bytes  # of the lengths measured: the cut adds those of the rest
             self._measured = self._measured_bytes = self.estimate = 0
             if self._status is not BufferStatus.OPEN:
                 return None
         try:
             kgs = _check_payloads_and_key_groups(key_groups, payloads)
-            lengths += map(len, payloads[len(lengths) :])  # all bytes now: the measured ones are whole
+            rest = list(map(len, payloads[len(lengths) :]))  # all bytes now: the measured ones are whole
+            size += sum(rest)
+            lengths += rest
             lengths_column = _lengths(lengths)
         except ConfigurationError as exc:
             self.fail(ConfigurationError(f"changelog writer {self.log_id}: bad change appended: {exc}"))
@@ -400,7 +405,7 @@ class AppendBuffer:
                 )
             )
             return None
-        return Cut(kgs, payloads, lengths_column, sum(lengths), lo, hi)
+        return Cut(kgs, payloads, lengths_column, size, lo, hi)
 
     @property
     def gated(self) -> bool:
