@@ -121,6 +121,8 @@ class ChangelogWriter(Appender):
         if cut is None:
             return None
         sqn = self._active_sqn
+        parts = cut.payloads  # the cut's own list: the columns' head goes in front, not into a copy
+        parts.insert(0, columns_head(cut.key_groups, cut.lengths))
         entry = UploadEntry(
             changeset=ChangeSet(
                 self.log_id,
@@ -130,7 +132,7 @@ class ChangelogWriter(Appender):
                 cut.size,
                 lengths=cut.lengths,
                 bounds=(cut.min_key_group, cut.max_key_group),
-                columns=b"".join([columns_head(cut.key_groups, cut.lengths), *cut.payloads]),
+                columns=b"".join(parts),
             ),
             sqn=sqn,
             size=cut.size,

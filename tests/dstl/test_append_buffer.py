@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from dstl import ChangelogError, ConfigurationError, KeyGroupRange, WriterClosedError
-from dstl.append_buffer import UNMEASURABLE, AppendBuffer, Appender, BufferStatus
+from dstl.append_buffer import LOOK_EVERY, UNMEASURABLE, AppendBuffer, Appender, BufferStatus
 from tests.support.polling import wait_until
 
 RANGE = KeyGroupRange(0, 15)
@@ -217,3 +217,50 @@ def test_gating_parking_and_killing_leave_a_closed_buffer_closed() -> None:
     assert not w.buffer.gated and w.buffer.status is BufferStatus.CLOSED
     with pytest.raises(WriterClosedError):
         w.append(1, b"x")
+
+
+class LookingWriter(Appender):
+    """A buffer's owner whose ``look`` records each estimate it is given, and raises when told."""
+
+    def __init__(self) -> None:
+        self.looks: list[int] = []
+        self.refuse = False
+        self.buffer = AppendBuffer(self, "log-1", RANGE, wait=lambda: None, look=self._look)
+
+    def _look(self, estimate: int) -> None:
+        self.looks.append(estimate)
+        if self.refuse:
+            raise WriterClosedError("refused by the test")
+
+
+def test_the_appending_thread_looks_every_look_every_changes_with_the_bytes_since_the_cut() -> None:
+    w = LookingWriter()
+    for _ in range(LOOK_EVERY - 1):
+        w.append(3, b"0123456789")
+    assert w.looks == []
+    w.append(3, b"0123456789")  # the LOOK_EVERY-th change: the look counts it, then it is appended
+    assert w.looks == [10 * LOOK_EVERY]
+    for _ in range(LOOK_EVERY):
+        w.append(3, b"0123456789")
+    assert w.looks == [10 * LOOK_EVERY, 20 * LOOK_EVERY]
+    cut = w.buffer.cut()
+    assert cut is not None and len(cut.payloads) == 2 * LOOK_EVERY and cut.size == 20 * LOOK_EVERY
+    for _ in range(LOOK_EVERY):
+        w.append(3, b"01234")
+    assert w.looks[-1] == 5 * LOOK_EVERY  # the cut started the estimate again
+
+
+def test_an_append_whose_look_raises_is_not_appended_and_the_next_append_looks_again() -> None:
+    w = LookingWriter()
+    for _ in range(LOOK_EVERY - 1):
+        w.append(3, b"x")
+    w.refuse = True
+    with pytest.raises(WriterClosedError, match="refused by the test"):
+        w.append(3, b"refused")
+    with pytest.raises(WriterClosedError, match="refused by the test"):
+        w.append(3, b"refused again")
+    w.refuse = False
+    w.append(3, b"y")
+    assert len(w.looks) == 3
+    cut = w.buffer.cut()
+    assert cut is not None and cut.payloads == [b"x"] * (LOOK_EVERY - 1) + [b"y"]
