@@ -49,8 +49,8 @@ import mmh3
 
 from backend.checkpointing.savepoints import check_state_loading
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
-from backend.spark.batch import coalesced
 from backend.spark.bootstrap import check_restore_location, directory_url
+from backend.spark.coalesce import coalesced
 from backend.spark.config import FOREACH_BATCH_ID, FOREACH_QUERY_ID, OperatorConfig, SparkOperator, Watermarks
 from backend.spark.connect import check_server, default_parallelism, is_connect
 from backend.spark.driver import coordinator_for
