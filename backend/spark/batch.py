@@ -56,7 +56,6 @@ __all__ = [
     "Partition",
     "RowTypes",
     "byte_chunks",
-    "coalesced",
     "key_order",
     "outputs",
     "read_ahead",
@@ -559,28 +558,3 @@ def outputs(result: Any, use_pandas: bool, what: str) -> Iterator[Any]:
         if use_pandas and not hasattr(item, "iloc"):
             raise TypeError(f"{what} must yield pandas.DataFrame, got {type(item).__name__}")
         yield item
-
-
-def coalesced(frames: Iterable[Any], max_rows: int) -> Iterator[Any]:
-    """``frames`` (pandas), consecutive ones with the same columns and dtypes concatenated into
-    frames of at most ``max_rows`` rows (a frame larger than that stays whole), in order.
-
-    Why: Spark converts every frame a ``mapInPandas`` task yields to an Arrow batch of its own, and
-    a user's processor yields a frame per key, so a partition of 10,000 keys cost 10,000
-    conversions, the largest part of a heavy batch. Concatenating only frames of one schema keeps
-    each value's conversion what it was (no dtype is widened by the concatenation)."""
-    import pandas as pd  # type: ignore[import-untyped, unused-ignore]
-
-    run: list[Any] = []
-    rows = 0
-    signature: tuple[Any, ...] | None = None
-    for frame in frames:
-        this = (tuple(frame.columns), tuple(frame.dtypes))
-        if run and (this != signature or rows + len(frame) > max_rows):
-            yield run[0] if len(run) == 1 else pd.concat(run, ignore_index=True)
-            run, rows = [], 0
-        run.append(frame)
-        rows += len(frame)
-        signature = this
-    if run:
-        yield run[0] if len(run) == 1 else pd.concat(run, ignore_index=True)

@@ -5,7 +5,7 @@ partitions of a query. We build the operator from Spark's public parts instead (
 
     input --withColumn(key group = pmod(hash(grouping columns), max_parallelism))   (JVM, Spark SQL hash)
          [--unionByName(ticks: one row per subtask when a batch without input is due)]  (backend.spark.ticks)
-          --withColumn(batch time = current_timestamp())                             (fixed per batch)
+          --withColumn(batch time = current_timestamp())      (fixed per batch, BATCH_TIME_SQL)
           --repartition(tasks, route(task of the key group's subtask))
           --mapInPandas(task: its subtasks of one micro-batch, backend.spark.tasks)  -> output rows
 
@@ -49,8 +49,8 @@ import mmh3
 
 from backend.checkpointing.savepoints import check_state_loading
 from backend.core.keygroups import DEFAULT_MAX_PARALLELISM, check_max_parallelism
-from backend.spark.batch import coalesced
 from backend.spark.bootstrap import check_restore_location, directory_url
+from backend.spark.coalesce import coalesced
 from backend.spark.config import FOREACH_BATCH_ID, FOREACH_QUERY_ID, OperatorConfig, SparkOperator, Watermarks
 from backend.spark.connect import check_server, default_parallelism, is_connect
 from backend.spark.driver import coordinator_for
@@ -64,6 +64,15 @@ from materializer.options import MaterializationOptions
 
 KEY_GROUP = "__dstl_key_group"
 BATCH_TIME = "__dstl_batch_time"
+#: the batch timestamp in milliseconds, as SQL that compiles to the same code in every batch. Spark
+#: puts the batch's timestamp in place of ``current_timestamp()`` as a literal after optimizing, and
+#: code generation writes a long literal into the generated Java source: with
+#: ``unix_millis(current_timestamp())`` the first stage's code differed in every batch, and every
+#: batch paid a Janino compilation of it and ran it interpreted until the JIT compiled the new
+#: class again. ``reflect`` is evaluated without code generation (the expression object is held in
+#: the generated class's references), so the literal never reaches the source; its string goes
+#: back to a long, the same value.
+BATCH_TIME_SQL = "cast(reflect('java.lang.Long', 'valueOf', unix_millis(current_timestamp())) as bigint)"
 EVENT_TIME = "__dstl_event_time"
 _ROUTE = "__dstl_route"
 
@@ -298,7 +307,7 @@ def build(
     if cfg.no_data_batches is not None:
         keyed = _with_ticks(spark, cfg, keyed)
     prepared = (
-        keyed.withColumn(BATCH_TIME, F.unix_millis(F.current_timestamp()))
+        keyed.withColumn(BATCH_TIME, F.expr(BATCH_TIME_SQL))
         .withColumn(_ROUTE, to_task)
         .repartition(cfg.task_count, F.col(_ROUTE))
         .drop(_ROUTE)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.spark.batch import coalesced
+from backend.spark.coalesce import coalesced
 
 pd = pytest.importorskip("pandas")
 
@@ -42,6 +42,23 @@ def test_no_frame_grows_past_the_row_bound_and_a_larger_one_stays_whole() -> Non
     frames = [frame("a", 1), frame("b", 2), frame("c", 3), big, frame("d", 4)]
     out = list(coalesced(frames, 2))
     assert [f["user"].tolist() for f in out] == [["a", "b"], ["c"], ["x", "y", "z"], ["d"]]
+
+
+def test_extension_dtypes_nulls_and_the_column_index_are_kept() -> None:
+    """Nullable ints, Arrow strings and object columns holding None concatenate as pd.concat does."""
+    frames = [
+        pd.DataFrame({"user": pd.array(["a"], dtype="string"), "count": pd.array([1], dtype="Int64")}),
+        pd.DataFrame({"user": pd.array(["b"], dtype="string"), "count": pd.array([None], dtype="Int64")}),
+        pd.DataFrame({"user": ["c", None], "count": [3.5, float("nan")]}),
+        pd.DataFrame({"user": ["d"], "count": [4.5]}),
+    ]
+    for f in frames:
+        f.columns.name = "fields"
+    out = list(coalesced(frames, 10_000))
+    assert [str(f["count"].dtype) for f in out] == ["Int64", "float64"]
+    assert out[0]["count"].isna().tolist() == [False, True] and out[1]["user"].tolist() == ["c", None, "d"]
+    expected = pd.concat(frames[2:], ignore_index=True)
+    assert out[1].equals(expected) and out[1].columns.name == "fields"
 
 
 def test_nothing_in_nothing_out() -> None:
