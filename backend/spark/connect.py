@@ -28,7 +28,7 @@ from typing import Any
 
 from dstl import ConfigurationError
 
-__all__ = ["check_server", "default_parallelism", "is_connect"]
+__all__ = ["check_server", "default_parallelism", "is_connect", "server_sees"]
 
 #: Connect sessions (by ``session_id``) whose server's workers were checked, and their parallelism
 _CHECKED: set[str] = set()
@@ -74,6 +74,26 @@ def probe(frames):
         error = f"{type(exc).__name__}: {exc}"
     yield pd.DataFrame({"error": [error]})
 """
+
+
+_SEES_SOURCE = """
+def sees(frames):
+    import os
+
+    import pandas as pd
+
+    for _ in frames:
+        pass
+    yield pd.DataFrame({"seen": [os.path.exists(PATH)]})
+"""
+
+
+def server_sees(spark: Any, path: str) -> bool:
+    """Whether the Connect server's Python workers see ``path`` (a file of this host's): one
+    one-task job, for a client that cannot tell the server's host from a forwarded port."""
+    namespace: dict[str, Any] = {"__name__": "__main__", "PATH": path}
+    exec(compile(_SEES_SOURCE, "<dstl server probe>", "exec"), namespace)  # pickled by value
+    return all(r["seen"] for r in spark.range(1).mapInPandas(namespace["sees"], "seen boolean").collect())
 
 
 def check_server(spark: Any) -> None:

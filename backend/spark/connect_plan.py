@@ -141,7 +141,7 @@ class ForeachBatch:
         try:
             if self.reads is None:
                 return self.func(batch_df, batch_id)
-            with routing_in_foreach_batch(self.reads[0], batch_id):
+            with routing_in_foreach_batch(self.reads[0], batch_id, self.location):
                 return self.func(batch_df, batch_id)
         finally:
             conf.unset(FOREACH_BATCH_ID)

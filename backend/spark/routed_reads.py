@@ -22,7 +22,8 @@ process that runs a routed query's ``foreachBatch`` function while the function 
 The server's listener, not the client, completes a batch's checkpoint there, so instead of
 completing it the read waits (``WAIT_S`` at most) until the checkpoint of the batch Spark's source
 would read is complete: the last batch a routed query of the client reported, or in a
-``foreachBatch`` of batch ``n``, batch ``n - 1`` (its commit log's last when the function runs).
+``foreachBatch`` of batch ``n``, for a read of its own query's state, batch ``n - 1`` (its commit
+log's last when the function runs).
 A read that gives ``batchId`` waits for nothing.
 """
 
@@ -59,6 +60,8 @@ class _ConnectRouting(threading.local):
     active = False
     root: str | None = None
     batch: int | None = None
+    #: the state directory of the query whose ``foreachBatch`` function runs here
+    own: str | None = None
 
 
 _CONNECT = _ConnectRouting()
@@ -131,7 +134,7 @@ def _hook_connect_reader() -> bool:
 
     def hooked_load(self: Any, path: Any = None, format: Any = None, schema: Any = None, **given: Any) -> Any:
         if _CONNECT.active:
-            root, batch = _CONNECT.root, _CONNECT.batch
+            root, batch = _CONNECT.root, (_CONNECT.batch, _CONNECT.own)
         elif _CLIENT:
             root, batch = _CLIENT[-1], None
         else:
@@ -164,18 +167,20 @@ def route_connect_reads(root: str | None) -> Callable[[], None]:
 
 
 @contextmanager
-def routing_in_foreach_batch(root: str | None, batch: int) -> Iterator[None]:
-    """While a routed query's ``foreachBatch`` function runs batch ``batch`` in a Connect server's
-    process: its reads of Spark's state sources are routed (module docstring)."""
+def routing_in_foreach_batch(root: str | None, batch: int, location: str) -> Iterator[None]:
+    """While the ``foreachBatch`` function of a routed query (checkpoint ``location``) runs batch
+    ``batch`` in a Connect server's process: its reads of Spark's state sources are routed, and a
+    read of this query's state waits for batch ``batch - 1`` (module docstring)."""
     if not _hook_connect_reader():
         yield
         return
-    saved = _CONNECT.active, _CONNECT.root, _CONNECT.batch
+    saved = _CONNECT.active, _CONNECT.root, _CONNECT.batch, _CONNECT.own
     _CONNECT.active, _CONNECT.root, _CONNECT.batch = True, root, batch
+    _CONNECT.own = operators_dir(root, location)
     try:
         yield
     finally:
-        _CONNECT.active, _CONNECT.root, _CONNECT.batch = saved
+        _CONNECT.active, _CONNECT.root, _CONNECT.batch, _CONNECT.own = saved
 
 
 def _record_read(reader: Any, given: dict[str, Any]) -> None:
@@ -197,10 +202,17 @@ def _serve_state_read(reader: Any, path: Any, schema: Any, root: str | None) -> 
 
 
 def _serve(
-    spark: Any, source: str, options: dict[str, Any], path: Any, schema: Any, root: str | None, batch: int | None
+    spark: Any,
+    source: str,
+    options: dict[str, Any],
+    path: Any,
+    schema: Any,
+    root: str | None,
+    batch: tuple[int | None, str | None] | None,
 ) -> Any:
     """Our source's DataFrame for a read of Spark's ``source`` with these options, if its path holds
-    the drop-in's checkpoints; else None. ``batch``: in a Connect ``foreachBatch``, its batch id."""
+    the drop-in's checkpoints; else None. ``batch``: in a Connect ``foreachBatch``, its batch id
+    and its query's operators' directory."""
     location = path if isinstance(path, str) else options.get("path") if path is None else None
     if source not in _SPARK_STATE_SOURCES or not location:
         return None
@@ -215,7 +227,11 @@ def _serve(
     if not is_connect(spark):
         _catch_up(directory)
     elif "batchid" not in options:
-        wanted = batch - 1 if batch is not None else _reported(directory)
+        if batch is None:  # the client: the last batch its queries reported
+            wanted = _reported(directory)
+        else:  # in a foreachBatch function: its own query's state as of the batch before
+            running, own = batch
+            wanted = running - 1 if running is not None and own and _same_directory(own, directory) else None
         if wanted is not None and wanted >= 0:
             _wait_for_checkpoint(directory, options, wanted)
     register(spark)  # a foreachBatch function's session may not have it yet

@@ -53,6 +53,8 @@ without routed operators starts as before.
 from __future__ import annotations
 
 import inspect
+import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -496,17 +498,26 @@ def _checkpoint_location(
 
 def _connect_temporary(spark: Any, root: str | None) -> str:
     """A temporary checkpoint location for a Connect query started without one, where the client
-    and the server both reach it: a new directory of this host's when the server runs here, else
-    one under the routing's ``checkpoint_root`` (the state's storage, which both reach); refused
-    otherwise (the server's own temporary directory is unknown here)."""
+    and the server both reach it: a new directory of this host's when the server runs here (it
+    is at a local address and its workers see the directory: a port forwarded to another host's
+    server is local too), else one under the routing's ``checkpoint_root`` (the state's storage,
+    which both reach); refused otherwise (the server's own temporary directory is unknown here)."""
     host = str(getattr(spark.client, "host", "") or "")
     if host in ("localhost", "127.0.0.1", "::1") or host in (socket.gethostname(), socket.getfqdn()):
-        return tempfile.mkdtemp(prefix="dstl-temporary-")
+        from backend.spark.connect import server_sees
+
+        chosen = tempfile.mkdtemp(prefix="dstl-temporary-")
+        marker = os.path.join(chosen, ".dstl-client")
+        open(marker, "w").close()
+        if server_sees(spark, marker):  # not a port forwarded to a server of another host
+            return chosen
+        shutil.rmtree(chosen, ignore_errors=True)
     if root is not None:
         return f"{root.rstrip('/')}/temporary-{uuid.uuid4()}"
     raise ConfigurationError(
         "a query with the drop-in's stateful operators started from a Spark Connect client (routed, or with a "
-        f"foreachBatch sink) on a server of another host ({host}) needs a checkpoint location (the writer's "
+        f"foreachBatch sink) on a server that does not see this host's directories ({host}: another host, or a port "
+        "forwarded to one) needs a checkpoint location (the writer's "
         "checkpointLocation option or spark.sql.streaming.checkpointLocation) or a checkpoint_root: the server would "
         "choose a temporary one this client cannot reach, and the state would not follow the query"
     )

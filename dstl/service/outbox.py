@@ -134,10 +134,17 @@ class Outbox:
     def look(self, writer: BufferedWriter, estimate: int) -> None:
         """The appending thread's own look (``dstl.append_buffer``, the bound): a buffer holding
         about more than the bound unsent (``estimate``) is gated and waits for the sender's cut,
-        as the sender's own look would do, had it run."""
-        if estimate > self._bound:
+        as the sender's own look would do, had it run. Gated under the connection's lock, and only
+        if it still holds changes: the sender cuts under that lock, and never cuts (so never
+        ungates) an empty buffer, so a gate set after a cut that emptied it would hold for good."""
+        if estimate <= self._bound:
+            return
+        with self._drained:
+            if writer.buffer.empty:
+                return
             writer.buffer.gate()
-            self.wait_drained(writer)  # returns at once if the sender cut it meanwhile
+        self.wake()  # a sleeping sender would look only after IDLE_WAKE_S
+        self.wait_drained(writer)  # returns at once if the sender cut it meanwhile
 
     def discard_locked(self, writer: BufferedWriter) -> bool:
         """The writer is closed: drop its buffered changes and wake appends waiting at its gate.
