@@ -53,9 +53,11 @@ WAIT_S = 60.0
 _POLL_S = 0.05
 
 
-class _ConnectRouting(threading.local):
-    """This thread's routing of Connect reads: whether it is on (``active``), with which checkpoint
-    root (None: none), and the batch the ``foreachBatch`` function running here runs."""
+class _ConnectRouting:
+    """The routing of Connect reads in a process running a ``foreachBatch`` function: whether it is
+    on (``active``), with which checkpoint root (None: none), the batch the function runs and its
+    query's operators' directory. For the process, not a thread: the function may read from threads
+    it starts, and Spark runs one query's function in a process of its own, one batch at a time."""
 
     active = False
     root: str | None = None
