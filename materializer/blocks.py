@@ -578,10 +578,8 @@ def entries_in_ranges(
 
 
 def _find_key(raw: bytes, key: bytes, keys_start: int, at: int, width: int, count: int) -> int:
-    """The index (``at`` or after) of ``key`` among the ``count`` keys of ``width`` bytes each from
-    ``keys_start`` in ``raw``, or -1. ``bytes.find`` scans in C, where a binary search steps in
-    Python; a match that is not at a key's start (the end of one key and the start of the next) is
-    skipped."""
+    """The index (``at`` or after) of ``key`` among the ``count`` keys of ``width`` bytes from
+    ``keys_start`` in ``raw``, or -1: ``bytes.find`` (in C), skipping a match across two keys."""
     end = keys_start + count * width
     found = raw.find(key, keys_start + at * width, end)
     while found != -1 and (found - keys_start) % width:
