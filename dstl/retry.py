@@ -5,7 +5,9 @@ questions, ``timeout_for(attempt)`` (how long attempt ``n`` may take) and ``dela
 (how long to wait once attempt ``n`` failed), and the loops that use it stay where their
 state lives. There are two such loops: log uploads (``dstl.hedging``, which also hedges) and
 every other DFS call (``call_with_retries`` here: whole-file reads and writes of checkpoints and
-chunks, ranged reads of log files, existence checks, listings, deletions). Both take their
+chunks, ranged reads of log files, existence checks, listings, deletions; ``read_with_retries``,
+the same loop for a ranged read that blocks in a thread pool of the uploader's own and is waited
+for from the caller's thread, not the storage's loop). Both take their
 numbers from a ``RetryPolicy`` built from the ``ChangelogConfig``: ``for_uploads`` (deadline
 ``upload_timeout_ms``) and ``for_calls`` (deadline ``dfs_timeout_ms``); ``max_attempts`` and
 ``retry_delay_ms`` are shared, so the backoff formula exists once.
@@ -29,13 +31,15 @@ callers test for and which is re-raised as it is) and a path refused by the conf
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from dstl.config import ChangelogConfig
 from dstl.errors import ConfigurationError, DeadlineExceededError, StorageError
 
-__all__ = ["RetryPolicy", "call_with_retries", "describe_attempt"]
+__all__ = ["RetryPolicy", "call_with_retries", "describe_attempt", "read_with_retries"]
 
 T = TypeVar("T")
 
@@ -96,6 +100,45 @@ async def call_with_retries(policy: RetryPolicy, op: str, what: str, call: Calla
                 causes.append(f"attempt {attempt}: no answer within {timeout * 1000:g} ms")
             else:
                 causes.append(f"attempt {attempt}: {describe_attempt(exc, loop.time() - start)}")
+    error = DeadlineExceededError if timed_out else StorageError
+    raise error(f"{op} {what} failed after {policy.attempts} attempt(s): {'; '.join(causes)}")
+
+
+def read_with_retries(
+    policy: RetryPolicy,
+    op: str,
+    what: str,
+    submit: Callable[[], concurrent.futures.Future[T]],
+    timeout: float | None = None,
+) -> T:
+    """``call_with_retries`` for a call that ``submit`` starts in a thread pool, waited for on the
+    caller's thread: the same deadline per attempt (an attempt past it is abandoned: its thread
+    finishes in the background), backoff, errors and exceptions not retried. ``timeout`` bounds
+    the caller's whole wait on top, as ``StorageLoop.run``'s does (``TimeoutError``)."""
+    causes: list[str] = []
+    timed_out = False
+    give_up = None if timeout is None else time.monotonic() + timeout
+    for attempt in range(1, policy.attempts + 1):
+        if attempt > 1:
+            time.sleep(policy.delay_after(attempt - 1))  # the backoff, as ``asyncio.sleep`` above
+        deadline = policy.timeout_for(attempt)
+        wait = deadline if give_up is None else min(deadline, give_up - time.monotonic())
+        start = time.monotonic()
+        future = submit()
+        if not concurrent.futures.wait([future], max(wait, 0.0)).done:
+            future.cancel()  # not started yet: never starts; running: left to finish
+            if give_up is not None and time.monotonic() >= give_up:
+                raise TimeoutError(f"{op} {what}: no answer within the caller's {timeout} s")
+            timed_out = True
+            causes.append(f"attempt {attempt}: no answer within {deadline * 1000:g} ms")
+            continue
+        try:
+            return future.result()
+        except (FileNotFoundError, ConfigurationError):
+            raise
+        except Exception as exc:  # any client error (a TimeoutError it raised too): retried, then named
+            timed_out = False
+            causes.append(f"attempt {attempt}: {describe_attempt(exc, time.monotonic() - start)}")
     error = DeadlineExceededError if timed_out else StorageError
     raise error(f"{op} {what} failed after {policy.attempts} attempt(s): {'; '.join(causes)}")
 

@@ -42,14 +42,14 @@ import threading
 import zlib
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, islice
 from operator import itemgetter
 
 import zstandard
 
-from backend.core.tablekeys import KEY_GROUP_PREFIX_BYTES, key_group_prefix
+from backend.core.tablekeys import KEY_GROUP_PREFIX_BYTES
 from backend.core.tablekeys import key_group_of as _key_group
 from dstl.format import array_from_le, le_bytes
 from dstl.types import KeyGroupRange
@@ -373,16 +373,10 @@ def checked_payload(path: str, payload: bytes | memoryview, block: BlockInfo) ->
     return payload
 
 
-def _columns(
+def decompress_block(
     path: str, payload: bytes | memoryview, block: BlockInfo, decompressor: zstandard.ZstdDecompressor
-) -> _Columns:
-    """Decompress a block whose checksum was checked, and check its columns.
-
-    A length column whose lengths are all alike is recognised by comparing its bytes with its first
-    length repeated (one ``memcmp``): its sum and minimum are then a product and that length, and a
-    point read finds its keys by multiplication (``entries_in_ranges``), with no Python-level step
-    per entry.
-    """
+) -> bytes:
+    """Decompress a block whose checksum was checked: its raw columns, their entry count checked."""
     source = "footer" if block.first_key is None else "index"
     raw = decompress(path, block.what, payload, block.raw_length, decompressor, source)
     count = block.count
@@ -391,6 +385,18 @@ def _columns(
     (stored,) = _U32.unpack_from(raw)
     if stored != count:
         raise CorruptChunkError(path, f"{block.what} holds {stored} entries, the {source} says {count}")
+    return raw
+
+
+def columns(path: str, raw: bytes, block: BlockInfo) -> _Columns:
+    """Check the columns of a decompressed block (``decompress_block``).
+
+    A length column whose lengths are all alike is recognised by comparing its bytes with its first
+    length repeated (one ``memcmp``): its sum and minimum are then a product and that length, and a
+    point read finds its keys by multiplication (``block_ranges``), with no Python-level step per
+    entry.
+    """
+    count = block.count
     keys_start = 4 + 8 * count
     view = memoryview(raw)
     key_lens = array_from_le("I", view[4 : 4 + 4 * count])
@@ -406,6 +412,12 @@ def _columns(
     return _Columns(raw, key_lens, value_lens, keys_start, values_start, key_width, value_width)
 
 
+def _columns(
+    path: str, payload: bytes | memoryview, block: BlockInfo, decompressor: zstandard.ZstdDecompressor
+) -> _Columns:
+    return columns(path, decompress_block(path, payload, block, decompressor), block)
+
+
 def _width(raw: bytes, start: int, count: int) -> int:
     """The length every entry of the little-endian u32 length column at ``start`` has, or 0 (they
     differ, or there are none). Compared as bytes: a memoryview compares element by element."""
@@ -415,7 +427,7 @@ def _width(raw: bytes, start: int, count: int) -> int:
     return _U32.unpack(first)[0] if raw[start : start + 4 * count] == first * count else 0
 
 
-def _split(raw: bytes, start: int, lengths: array[int]) -> list[bytes]:
+def split(raw: bytes, start: int, lengths: array[int]) -> list[bytes]:
     """Cut ``raw[start:]`` into consecutive pieces of the given lengths (which the caller checked).
 
     ``map(BytesIO.read, lengths)`` runs entirely in C, twice as fast as a comprehension of slices;
@@ -426,7 +438,7 @@ def _split(raw: bytes, start: int, lengths: array[int]) -> list[bytes]:
     return list(map(buffer.read, lengths))
 
 
-def _check_ends(path: str, block: BlockInfo, first: bytes, last: bytes) -> None:
+def check_ends(path: str, block: BlockInfo, first: bytes, last: bytes) -> None:
     """The block's first and last keys inside what the index (or a version-1 footer) says bounds them."""
     if block.first_key is None:
         if _key_group(first) != block.min_key_group:
@@ -440,7 +452,7 @@ def _check_ends(path: str, block: BlockInfo, first: bytes, last: bytes) -> None:
         raise CorruptChunkError(path, f"{block.what}: key groups differ from the footer's bounds")
 
 
-def _check_order(path: str, block: BlockInfo, keys: list[bytes]) -> None:
+def check_order(path: str, block: BlockInfo, keys: list[bytes]) -> None:
     if not all(map(operator.lt, keys, islice(keys, 1, None))):
         raise CorruptChunkError(path, f"section {block.table!r}: keys not strictly increasing")
 
@@ -452,24 +464,18 @@ def decode_block(
     decompressor: zstandard.ZstdDecompressor | None = None,
     *,
     checked: bool = False,
-    prefix: bytes | None = None,
 ) -> tuple[list[bytes], list[bytes]]:
     """The keys and values of a block, every check done (the checksum too unless ``checked``).
-
-    With a ``prefix``, only the entries whose key starts with it (``entries_between``): a point
-    read of one key slices out its entries, not the whole block's.
-    """
+    Part of a block (a key's entries, a key group's): ``materializer.block_ranges``."""
     if not checked:
         checked_payload(path, payload, block)
     decompressor = decompressor or thread_decompressor()
-    if prefix is not None:
-        return entries_between(path, payload, block, prefix, prefix_end(prefix), decompressor, prefixes=True)
     cols = _columns(path, payload, block, decompressor)
-    keys = _split(cols.raw, cols.keys_start, cols.key_lens)
+    keys = split(cols.raw, cols.keys_start, cols.key_lens)
     if keys:
-        _check_order(path, block, keys)
-        _check_ends(path, block, keys[0], keys[-1])
-    return keys, _split(cols.raw, cols.values_start, cols.value_lens)
+        check_order(path, block, keys)
+        check_ends(path, block, keys[0], keys[-1])
+    return keys, split(cols.raw, cols.values_start, cols.value_lens)
 
 
 def decode_blocks(
@@ -494,107 +500,10 @@ def decode_blocks(
         value_lens += cols.value_lens
         key_parts.append(cols.raw[cols.keys_start : cols.values_start])
         value_parts.append(cols.raw[cols.values_start :])
-    keys = _split(b"".join(key_parts), 0, key_lens)
+    keys = split(b"".join(key_parts), 0, key_lens)
     if keys:
-        _check_order(path, blocks[0], keys)
+        check_order(path, blocks[0], keys)
         for block, start in zip(blocks, starts, strict=True):
             if block.count:  # with the order checked, the ends bound every key of every block
-                _check_ends(path, block, keys[start], keys[start + block.count - 1])
-    return keys, _split(b"".join(value_parts), 0, value_lens)
-
-
-def entries_between(
-    path: str,
-    payload: bytes | memoryview,
-    block: BlockInfo,
-    low: bytes,
-    high: bytes | None,
-    decompressor: zstandard.ZstdDecompressor,
-    prefixes: bool = False,
-) -> tuple[list[bytes], list[bytes]]:
-    """The keys and values of a block (checksum checked) with ``low <= key < high`` (None: no bound).
-
-    Only those entries, plus one neighbour on each side to check the order across the cut, are
-    sliced out (a binary search over the keys); the block's first and last keys are checked
-    against the index (or a version-1 footer) as a whole decode checks them.
-    """
-    return entries_in_ranges(path, payload, block, [(low, high)], decompressor, prefixes)
-
-
-def entries_in_ranges(
-    path: str,
-    payload: bytes | memoryview,
-    block: BlockInfo,
-    ranges: Sequence[tuple[bytes, bytes | None]],
-    decompressor: zstandard.ZstdDecompressor,
-    prefixes: bool = False,
-) -> tuple[list[bytes], list[bytes]]:
-    """``entries_between`` for several ``(low, high)`` ranges (sorted, not overlapping) at once: the
-    block is decompressed and its columns checked once, each range found by its own binary search
-    (a batch's keys that share a block cost one decode, not one each). ``prefixes``: each range is
-    the keys starting with ``low`` (``high`` is ``prefix_end(low)``), so a ``low`` as long as every
-    key of the block is one key, found by a search of the keys' bytes."""
-    cols = _columns(path, payload, block, decompressor)
-    raw, count, width = cols.raw, block.count, cols.key_width
-    if not count:
-        return [], []
-    if width:  # keys of one length: the i-th starts at keys_start + i * width
-        key_starts: Sequence[int] = range(cols.keys_start, cols.values_start + 1, width)
-    else:
-        key_starts = list(accumulate(cols.key_lens, initial=cols.keys_start))
-    _check_ends(path, block, raw[key_starts[0] : key_starts[1]], raw[key_starts[-2] : key_starts[-1]])
-
-    def key_at(i: int) -> bytes:
-        return raw[key_starts[i] : key_starts[i + 1]]
-
-    value_ends = None
-    if not cols.value_width and len(ranges) > 1:  # several ranges: one pass, not a sum per range
-        value_ends = list(accumulate(cols.value_lens, initial=cols.values_start))
-
-    def value_start(i: int) -> int:
-        if cols.value_width:
-            return cols.values_start + i * cols.value_width
-        return value_ends[i] if value_ends is not None else cols.values_start + sum(cols.value_lens[:i])
-
-    keys_out: list[bytes] = []
-    values_out: list[bytes] = []
-    at = 0
-    for low, high in ranges:
-        if prefixes and width and len(low) == width:  # one whole key of keys of one length: found in C
-            lo = _find_key(raw, low, cols.keys_start, at, width, count)
-            lo, hi = (lo, lo + 1) if lo >= 0 else (at, at)  # not there: the next range searches from here
-        else:
-            lo = bisect_left(range(count), low, at, key=key_at)
-            hi = count if high is None else bisect_left(range(count), high, lo, key=key_at)
-        at = hi
-        if lo >= hi:
-            continue
-        a, b = max(lo - 1, 0), min(hi + 1, count)  # one neighbour each side: the order across the cut
-        keys = _split(raw, key_starts[a], cols.key_lens[a:b])
-        _check_order(path, block, keys)
-        keys_out += keys[lo - a : hi - a]
-        values_out += _split(raw, value_start(lo), cols.value_lens[lo:hi])
-    return keys_out, values_out
-
-
-def _find_key(raw: bytes, key: bytes, keys_start: int, at: int, width: int, count: int) -> int:
-    """The index (``at`` or after) of ``key`` among the ``count`` keys of ``width`` bytes from
-    ``keys_start`` in ``raw``, or -1: ``bytes.find`` (in C), skipping a match across two keys."""
-    end = keys_start + count * width
-    found = raw.find(key, keys_start + at * width, end)
-    while found != -1 and (found - keys_start) % width:
-        found = raw.find(key, found + 1, end)
-    return -1 if found == -1 else (found - keys_start) // width
-
-
-def block_entries(
-    path: str,
-    payload: bytes | memoryview,
-    block: BlockInfo,
-    want: KeyGroupRange,
-    decompressor: zstandard.ZstdDecompressor,
-) -> Iterator[tuple[bytes, bytes]]:
-    """The entries of a block (checksum checked) whose key group is in ``want``, in key order."""
-    high = key_group_prefix(want.end + 1)  # want.end + 1 fits in the prefix
-    keys, values = entries_between(path, payload, block, key_group_prefix(want.start), high, decompressor)
-    return zip(keys, values, strict=True)
+                check_ends(path, block, keys[start], keys[start + block.count - 1])
+    return keys, split(b"".join(value_parts), 0, value_lens)

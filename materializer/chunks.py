@@ -89,17 +89,16 @@ import zstandard
 from backend.core.entries import Entries
 from backend.core.tablekeys import key_group_prefix
 from dstl.types import KeyGroupRange
+from materializer.block_ranges import block_entries, entries_between, point_entries
 from materializer.blocks import (
     BLOCK_SIZE,
     BlockInfo,
     SectionInfo,
-    block_entries,
     checked_payload,
     decode_block,
     decode_blocks,
     encode_index,
     encode_section,
-    entries_in_ranges,
     prefix_end,
     thread_decompressor,
 )
@@ -174,7 +173,12 @@ class ChunkIndex:
     ) -> list[tuple[bytes, bytes]]:
         """The entries of ``block``, given its bytes (``block.length`` of them), checked (crc, bounds);
         with a ``prefix``, only those whose key starts with it (cheaper than all of them)."""
-        keys, values = decode_block(self.path, data, block, prefix=prefix)
+        if prefix is None:
+            keys, values = decode_block(self.path, data, block)
+        else:
+            payload = checked_payload(self.path, data, block)
+            end = prefix_end(prefix)
+            keys, values = entries_between(self.path, payload, block, prefix, end, thread_decompressor(), prefixes=True)
         return list(zip(keys, values, strict=True))
 
     def decode_block_prefixes(
@@ -182,10 +186,8 @@ class ChunkIndex:
     ) -> list[tuple[bytes, bytes]]:
         """``decode_block`` with each of ``prefixes`` (sorted, none a prefix of another) at once:
         the entries whose key starts with one of them, in key order; the block decoded once."""
-        ranges = [(p, prefix_end(p)) for p in prefixes]
-        keys, values = entries_in_ranges(
-            self.path, checked_payload(self.path, data, block), block, ranges, thread_decompressor(), prefixes=True
-        )
+        payload = checked_payload(self.path, data, block)
+        keys, values = point_entries(self.path, payload, block, prefixes, thread_decompressor())
         return list(zip(keys, values, strict=True))
 
     def decode_section(self, data: bytes | memoryview, name: str) -> Sequence[tuple[bytes, bytes]]:

@@ -302,7 +302,8 @@ class LazyRestore:
         """The blocks ``need`` names in reads: those of a chunk close together in one read
         (``READ_GAP_BYTES``, at most ``READ_MERGE_BYTES``)."""
         runs: list[list[_Block]] = []
-        for block in sorted(need.values(), key=lambda b: (b[0].number, b[1])):
+        for key in sorted(need):  # (part number, offset): in chunk order, sorted in C
+            block = need[key]
             part, offset, length, _ = block
             last = runs[-1][-1] if runs else None
             if (

@@ -10,7 +10,9 @@ the ``Uploader`` (the file system), the ``StorageLoop`` the calls run on, and th
 retried with the uploads' backoff).
 
 Each blocking call (``put``, ``get``, ``read_range``, ``delete``, ``list``) waits for its
-retried call on the loop, ``timeout`` (seconds) bounding the caller's wait on top. It fails with
+retried call on the loop, ``timeout`` (seconds) bounding the caller's wait on top; a ranged read
+of an uploader whose reads block in its own pool (``BlockingReads``: fsspec, local directories)
+is waited for on the caller's thread instead, with the same deadline and retries. It fails with
 a ``StorageError`` naming the operation, the path and the attempts, except that a missing file
 stays ``FileNotFoundError``; a path leaving the base path is a ``ConfigurationError``.
 
@@ -36,9 +38,10 @@ from typing import Any, TypeVar
 
 from dstl.metrics import ChangelogMetrics
 from dstl.paths import check_relative
-from dstl.retry import RetryPolicy, call_with_retries
+from dstl.retry import RetryPolicy, call_with_retries, read_with_retries
 from dstl.storage.loop import StorageLoop
 from dstl.uploaders import Uploader
+from dstl.uploaders.base import BlockingReads
 
 __all__ = ["MAX_UNDELETED", "RetryingDfsFiles"]
 
@@ -69,6 +72,7 @@ class RetryingDfsFiles:
         self.policy = policy
         self._loop = loop
         self._uploader = uploader
+        self._blocking_reads = uploader if isinstance(uploader, BlockingReads) else None
         self._metrics = metrics
         self._track = track
         self._lock = threading.Lock()
@@ -89,6 +93,10 @@ class RetryingDfsFiles:
     def read_range(self, path: str, offset: int, length: int, timeout: float | None = None) -> bytes:
         """Read ``length`` bytes from ``offset``; a missing file raises ``FileNotFoundError``."""
         rel = check_relative(path)
+        blocking = self._blocking_reads
+        if blocking is not None:  # on this thread, not through the loop (``BlockingReads``)
+            start = lambda: blocking.submit_get(rel, offset, length)  # noqa: E731
+            return read_with_retries(self.policy, "read", f"{self.base_path}/{rel}", start, timeout)
         return self._loop.run(self.call("read", rel, lambda: self._uploader.get(rel, offset, length)), timeout)
 
     def delete(self, path: str, timeout: float | None = None) -> None:

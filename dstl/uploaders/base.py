@@ -17,10 +17,11 @@ reappear after its deletion.
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.metadata
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-__all__ = ["USER_AGENT", "Uploader"]
+__all__ = ["USER_AGENT", "BlockingReads", "Uploader"]
 
 
 def _user_agent() -> str:
@@ -52,3 +53,15 @@ class Uploader(Protocol):
 
     async def list(self, prefix: str = "") -> list[str]: ...
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class BlockingReads(Protocol):
+    """An uploader whose reads block in a thread pool of its own (``dstl.uploaders.fsspec``) may
+    also start one without the storage's loop: ``RetryingDfsFiles.read_range`` then waits for it on
+    the caller's thread (``dstl.retry.read_with_retries``), with the same deadline and retries.
+    Why: a ranged read through the loop crosses two more threads (the caller to the loop, the loop
+    to the pool and back), which costs more than reading a block of a local chunk, and the lazy
+    restore reads many such blocks."""
+
+    def submit_get(self, path: str, offset: int = 0, length: int | None = None) -> concurrent.futures.Future[bytes]: ...

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import fsspec
 
 from dstl.atomic import write_atomically
-from dstl.errors import ConfigurationError
+from dstl.errors import ConfigurationError, StorageClosedError
 from dstl.paths import check_relative
 
 __all__ = ["FsspecUploader"]
@@ -83,6 +83,8 @@ class FsspecUploader:
         self._local = "file" in _protocols(self._fs)
         self._real_root = os.path.realpath(self._root) if self._local else self._root
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._closed = False
         self._writes: dict[str, list[_Write]] = {}
         #: id of the data -> the writes holding it, while their thread runs; under _writes_lock
         self._holders: dict[int, list[_Write]] = {}
@@ -113,9 +115,12 @@ class FsspecUploader:
         return await asyncio.wrap_future(self._submit(fn, *args))
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="dstl-fsspec")
-        return self._pool.submit(fn, *args)
+        with self._pool_lock:  # ``submit_get`` comes from any thread, and may race ``close``
+            if self._closed:
+                raise StorageClosedError("the changelog storage is closed: its file system takes no new call")
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="dstl-fsspec")
+            return self._pool.submit(fn, *args)
 
     # -- put --------------------------------------------------------------------------------
 
@@ -209,14 +214,30 @@ class FsspecUploader:
     # -- the other calls --------------------------------------------------------------------
 
     def _get_sync(self, full: str, offset: int, length: int | None) -> bytes:
+        if self._local and length is not None:  # one pread: fsspec's file object costs more than the read
+            fd = os.open(full, os.O_RDONLY)
+            try:
+                data = os.pread(fd, length, offset)
+                while len(data) < length:  # a short read before the end of the file: read on
+                    more = os.pread(fd, length - len(data), offset + len(data))
+                    if not more:
+                        break
+                    data += more
+            finally:
+                os.close(fd)
+            return data
         end = None if length is None else offset + length
-        data: bytes = self._fs.cat_file(full, start=offset or None, end=end)
-        return data
+        whole: bytes = self._fs.cat_file(full, start=offset or None, end=end)
+        return whole
 
     async def get(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        return await asyncio.wrap_future(self.submit_get(path, offset, length))
+
+    def submit_get(self, path: str, offset: int = 0, length: int | None = None) -> concurrent.futures.Future[bytes]:
+        """``get`` started in the uploader's pool and not awaited (``base.BlockingReads``)."""
         full = self._full(path)
         self._confine(path, full, follow_last=True)
-        return await self._run(self._get_sync, full, offset, length)
+        return self._submit(self._get_sync, full, offset, length)
 
     def _delete_sync(self, full: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -270,12 +291,15 @@ class FsspecUploader:
     def wait_for_threads(self) -> None:
         """Block until every call handed to a thread has ended, abandoned ones included (for tests
         and tools that must see the store settled; the storage itself never waits for them)."""
-        pool, self._pool = self._pool, None
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
 
     async def close(self) -> None:
-        """Let go of the threads; one stuck in a call that never returns ends in the background."""
-        pool, self._pool = self._pool, None
+        """Let go of the threads; one stuck in a call that never returns ends in the background. A
+        call started afterwards raises ``StorageClosedError``."""
+        with self._pool_lock:
+            pool, self._pool, self._closed = self._pool, None, True
         if pool is not None:
             pool.shutdown(wait=False)

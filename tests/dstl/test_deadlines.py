@@ -191,6 +191,8 @@ def test_reads_through_a_link_leaving_the_root_are_refused(linked: tuple[StateCh
     for path in ("chk-1/secret", "chk-2/_metadata"):
         with pytest.raises(ConfigurationError, match="outside the changelog base path"):
             storage.files.get(path)
+        with pytest.raises(ConfigurationError, match="outside the changelog base path"):
+            storage.files.read_range(path, 0, 4)  # a ranged read of a local file takes a path of its own
     with pytest.raises(ConfigurationError, match="outside the changelog base path"):
         storage.files.list("chk-1")
     assert "chk-1/secret" not in storage.files.list("")
@@ -229,3 +231,17 @@ def test_a_timeout_error_the_client_raises_is_named_as_raised_not_as_the_deadlin
         assert re.search(r"attempt 2: TimeoutError: .* \(raised after \d+ ms\)", message), message
     finally:
         storage.close()
+
+
+def test_ranged_reads_of_a_local_file_read_what_is_there(tmp_path: Path) -> None:
+    """Local ranged reads (``os.pread`` on the caller's side, not fsspec): a range past the end
+    reads what there is, as an object store's does; a missing file stays ``FileNotFoundError``."""
+    data = os.urandom(100_000)
+    with StateChangelogStorage(ChangelogConfig.local(tmp_path / "job")) as storage:
+        storage.files.put(PATH, data)
+        assert storage.files.read_range(PATH, 0, 10) == data[:10]
+        assert storage.files.read_range(PATH, 99_990, 64) == data[99_990:]
+        assert storage.files.read_range(PATH, 200_000, 10) == b""
+        assert storage.files.read_range(PATH, 0, 100_000) == data
+        with pytest.raises(FileNotFoundError):
+            storage.files.read_range("chk-9/_metadata", 0, 10)

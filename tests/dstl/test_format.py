@@ -404,7 +404,8 @@ def test_missing_file_is_reported_as_missing(local_storage: StateChangelogStorag
 
 
 class _HeldReads(FsspecUploader):
-    """Local reads of one segment block in their thread until the test releases them."""
+    """Local reads of one segment (and whole reads of its file) block in their thread until the
+    test releases them."""
 
     def __init__(self, base_path: Path, held: SegmentRef) -> None:
         super().__init__(str(base_path))
@@ -413,7 +414,7 @@ class _HeldReads(FsspecUploader):
         self.started = threading.Event()
 
     def _get_sync(self, full: str, offset: int, length: int | None) -> bytes:
-        if full.endswith(self.held.path) and offset == self.held.offset:
+        if full.endswith(self.held.path) and (offset == self.held.offset or length is None):
             self.started.set()
             self.release.wait(60)
         return super()._get_sync(full, offset, length)
@@ -444,8 +445,8 @@ def test_close_leaves_no_task_pending_behind_abandoned_reads(
             with pytest.raises(CorruptChangelogError):
                 list(storage.read(corrupt))
         else:
-            with pytest.raises(TimeoutError):
-                storage.files.read_range(second.path, second.offset, second.length, timeout=0.05)
+            with pytest.raises(TimeoutError):  # a whole read: through the loop, unlike a ranged one
+                storage.files.get(second.path, timeout=0.05)
         storage.close(timeout=0.2)
         assert not asyncio.all_tasks(storage._loop.loop)
         if abandoned_by.startswith("a caller"):
@@ -480,6 +481,8 @@ def test_calls_during_and_after_close_raise_storage_closed_instead_of_hanging(tm
         storage.files.get("not-there")
     with pytest.raises(StorageClosedError):
         storage.files.list()
+    with pytest.raises(StorageClosedError):  # a ranged read, which does not go through the loop
+        storage.files.read_range(held.path, held.offset, held.length)
 
 
 @pytest.mark.parametrize("bad_path", ["../x", "../../etc/passwd", "/etc/passwd", "dstl/../../x", "file:///etc/passwd"])

@@ -645,3 +645,35 @@ def test_an_index_frame_stating_another_size_is_refused_before_decompressing(sma
         with pytest.raises(CorruptChunkError) as exc_info:
             read_chunk_index(PATH, len(damaged), reader(damaged))
         assert "block index frame states" in assert_corrupt(exc_info)
+
+
+def _fixed_width() -> bytes:
+    """``small`` with every value of one length: its point reads take the path for keys and values
+    of one length (``block_ranges._point_entries``)."""
+    sections = {"a": [(key(3, bytes([i])), bytes([i]) * 4) for i in range(12)], "b": [], "c": [(key(9), b"x")]}
+    return encode_chunk(RANGE, 2, sections, block_size=40)
+
+
+@pytest.mark.parametrize("widths", ["values of one length", "values of several lengths"])
+@pytest.mark.parametrize(
+    ("change", "problem"), [c[1:3] for c in INDEX_CASES if not c[3]], ids=[c[0] for c in INDEX_CASES if not c[3]]
+)
+def test_checksummed_but_inconsistent_blocks_are_refused_by_point_reads(
+    small: bytes, widths: str, change: Callable[[Parts], None], problem: str
+) -> None:
+    """What a whole decode refuses in a block, a point read of its keys refuses too, whichever path
+    it takes (keys and values of one length, or not). Blocks swapped are seen by the first block
+    read: its first key is not the index's."""
+    chunk = _fixed_width() if widths == "values of one length" else small
+    parts = split(chunk)
+    change(parts)
+    data = assemble(parts)
+    index = read_chunk_index(PATH, len(data), reader(data))
+    section = index.table("a")
+    assert section is not None
+    keys = [key(3, bytes([i])) for i in range(12)]
+    with pytest.raises(CorruptChunkError) as exc_info:
+        for block in section.blocks:
+            index.decode_block_prefixes(data[block.offset : block.offset + block.length], block, keys)
+    swapped = problem == "keys not strictly increasing"
+    assert ("first key differs from the index's" if swapped else problem) in assert_corrupt(exc_info)

@@ -434,6 +434,15 @@ def test_checksummed_but_inconsistent_columns(sample: bytes, build: Callable[[],
         with pytest.raises(CorruptChunkError) as exc_info:
             list(iter_chunk_entries(PATH, data, want))
         assert_corrupt(exc_info)
+    index = chunk_info(PATH, data)
+    section = index.table("counts")
+    assert section is not None
+    (block,) = section.blocks
+    for keys in (FIXED_KEYS, COUNTS_KEYS):  # point reads: keys of one length (or not) found by their bytes
+        with pytest.raises(CorruptChunkError) as exc_info:
+            index.decode_block_prefixes(data[block.offset : block.offset + block.length], block, keys)
+        message = assert_corrupt(exc_info)  # keys out of order are seen at the block's ends here
+        assert problem in message or (problem == "keys not strictly increasing" and "key groups differ" in message)
 
 
 def test_checksummed_but_unsorted_keys_near_a_cut_are_caught_by_sub_range_reads(sample: bytes) -> None:

@@ -299,7 +299,10 @@ class Episode:
         assert self.job is not None
         self.tally.materializations += 1
         for subtask in self.job.all_subtasks():
-            subtask.materializer.trigger()
+            try:  # after a lazy restore it hydrates first, reading chunks: a failed read fails it
+                subtask.materializer.trigger()
+            except StorageError as exc:
+                self.tally.failed("materialize", exc)
         if wait:
             for subtask in self.job.all_subtasks():
                 try:
