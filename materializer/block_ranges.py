@@ -28,6 +28,7 @@ from materializer.blocks import (
     BlockInfo,
     check_ends,
     check_order,
+    checked_payload,
     columns,
     decompress_block,
     prefix_end,
@@ -42,19 +43,24 @@ _U32 = struct.Struct("<I")
 
 def point_entries(
     path: str,
-    payload: bytes | memoryview,
-    block: BlockInfo,
+    blocks: Sequence[BlockInfo],
+    payloads: Sequence[bytes | memoryview],
     keys: Sequence[bytes],
     decompressor: zstandard.ZstdDecompressor,
-) -> tuple[list[bytes], list[bytes]]:
-    """The entries of a block (checksum checked) whose keys start with one of ``keys`` (sorted,
-    none a prefix of another): ``entries_in_ranges`` of their prefix ranges, or ``_point_entries``
-    when the block's keys and values have one length each and every key in ``keys`` has it."""
-    raw = decompress_block(path, payload, block, decompressor)
-    found = _point_entries(path, raw, block, keys)
-    if found is not None:
-        return found
-    return entries_in_ranges(path, raw, block, [(k, prefix_end(k)) for k in keys], prefixes=True)
+) -> list[tuple[bytes, bytes]]:
+    """The entries of ``blocks`` (given their bytes, checksums checked here) whose keys start with
+    one of ``keys`` (sorted, none a prefix of another), in key order: per block ``_point_entries``
+    when its keys and values have one length each and every key in ``keys`` has it, else
+    ``entries_in_ranges`` of their prefix ranges. One call for all the blocks of a lookup, as the
+    lazy restore makes one per key (or keys sharing blocks) once the state is large."""
+    found: list[tuple[bytes, bytes]] = []
+    for block, payload in zip(blocks, payloads, strict=True):
+        raw = decompress_block(path, checked_payload(path, payload, block), block, decompressor)
+        entries = _point_entries(path, raw, block, keys)
+        if entries is None:
+            entries = entries_in_ranges(path, raw, block, [(k, prefix_end(k)) for k in keys], prefixes=True)
+        found += zip(*entries, strict=True)  # (keys, values)
+    return found
 
 
 def _point_entries(
@@ -72,7 +78,7 @@ def _point_entries(
     if raw.count(key_len, 4, 4 + 4 * count) != count or raw.count(value_len, 4 + 4 * count, keys_start) != count:
         return None
     (width,) = _U32.unpack(key_len)
-    if any(len(k) != width for k in keys):
+    if len(keys[0]) != width or (len(keys) > 1 and any(len(k) != width for k in keys)):
         return None
     (value_width,) = _U32.unpack(value_len)
     values_start = keys_start + width * count
@@ -91,12 +97,15 @@ def _point_entries(
             found = find(key, found + 1, values_start)
         if found == -1:
             continue
-        low, high = max(found - width, keys_start), min(found + 2 * width, values_start)
-        check_order(path, block, [raw[i : i + width] for i in range(low, high, width)])
+        after = found + width  # the order across the cut: one neighbour each side
+        if (found > keys_start and not raw[found - width : found] < key) or (
+            after < values_start and not key < raw[after : after + width]
+        ):
+            raise CorruptChunkError(path, f"section {block.table!r}: keys not strictly increasing")
         keys_out.append(key)
         value_at = values_start + (found - keys_start) // width * value_width
         values_out.append(raw[value_at : value_at + value_width])
-        at = found + width
+        at = after
     return keys_out, values_out
 
 

@@ -181,14 +181,13 @@ class ChunkIndex:
             keys, values = entries_between(self.path, payload, block, prefix, end, thread_decompressor(), prefixes=True)
         return list(zip(keys, values, strict=True))
 
-    def decode_block_prefixes(
-        self, data: bytes | memoryview, block: BlockInfo, prefixes: Sequence[bytes]
+    def point_entries(
+        self, blocks: Sequence[BlockInfo], datas: Sequence[bytes | memoryview], prefixes: Sequence[bytes]
     ) -> list[tuple[bytes, bytes]]:
-        """``decode_block`` with each of ``prefixes`` (sorted, none a prefix of another) at once:
-        the entries whose key starts with one of them, in key order; the block decoded once."""
-        payload = checked_payload(self.path, data, block)
-        keys, values = point_entries(self.path, payload, block, prefixes, thread_decompressor())
-        return list(zip(keys, values, strict=True))
+        """``decode_block`` of each of ``blocks`` (given their bytes) with each of ``prefixes``
+        (sorted, none a prefix of another) at once: the entries whose key starts with one of them,
+        in key order; each block decoded once (``block_ranges.point_entries``)."""
+        return point_entries(self.path, blocks, datas, prefixes, thread_decompressor())
 
     def decode_section(self, data: bytes | memoryview, name: str) -> Sequence[tuple[bytes, bytes]]:
         """Every entry of state ``name``, given the bytes of its whole section (``byte_range``)."""

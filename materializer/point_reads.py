@@ -7,14 +7,14 @@ with the chunk index: ``read_chunk_index`` (one ranged read of the tail, a secon
 checked against the handle's entry (key groups, SQN, entries: ``binding.check_index_binding``; the
 size and hash need the whole chunk, which the hydration reads and checks with
 ``bound_chunk_sections`` as an eager restore does), ``SectionInfo.blocks_for`` and
-``ChunkIndex.decode_block_prefixes`` with the keys as prefixes (only their entries are sliced
-out; the keys of a batch that share blocks decode them once).
+``ChunkIndex.point_entries`` with the keys as prefixes (only their entries are sliced out; the
+keys of a batch that share blocks decode them once).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from backend.state.chunk_parts import BlockSpan
 from dstl.types import KeyGroupRange
@@ -41,11 +41,7 @@ class IndexView:
     def key_entries(
         self, table: str, ckeys: Sequence[bytes], blocks: Sequence[BlockSpan], datas: Sequence[bytes]
     ) -> list[tuple[bytes, bytes]]:
-        found: list[tuple[bytes, bytes]] = []
-        for block, data in zip(blocks, datas, strict=True):
-            assert isinstance(block, BlockInfo)  # what ``key_blocks`` gave
-            found += self.info.decode_block_prefixes(data, block, ckeys)
-        return found
+        return self.info.point_entries(cast("Sequence[BlockInfo]", blocks), datas, ckeys)  # what ``key_blocks`` gave
 
     def section_range(self, table: str) -> tuple[int, int] | None:
         section = self.info.table(table)

@@ -215,7 +215,7 @@ def test_any_chunk_round_trips_and_every_point_read_equals_a_filter(
         if keys and section is not None:
             found = []
             for block in section.blocks:
-                found += index.decode_block_prefixes(encoded[block.offset : block.offset + block.length], block, keys)
+                found += index.point_entries([block], [encoded[block.offset : block.offset + block.length]], keys)
             assert found == [(k, v) for k, v in entries if any(k.startswith(p) for p in keys)]
 
 
@@ -234,7 +234,7 @@ def test_a_key_whose_bytes_straddle_two_keys_of_one_length_is_not_found_there() 
         assert section is not None
         (block,) = section.blocks
         data = encoded[block.offset : block.offset + block.length]
-        assert index.decode_block_prefixes(data, block, [wanted, after]) == [*expected, entries[-1]]
+        assert index.point_entries([block], [data], [wanted, after]) == [*expected, entries[-1]]
 
 
 def test_a_map_keys_entries_spanning_blocks_are_all_found(sample: bytes) -> None:
@@ -674,6 +674,6 @@ def test_checksummed_but_inconsistent_blocks_are_refused_by_point_reads(
     keys = [key(3, bytes([i])) for i in range(12)]
     with pytest.raises(CorruptChunkError) as exc_info:
         for block in section.blocks:
-            index.decode_block_prefixes(data[block.offset : block.offset + block.length], block, keys)
+            index.point_entries([block], [data[block.offset : block.offset + block.length]], keys)
     swapped = problem == "keys not strictly increasing"
     assert ("first key differs from the index's" if swapped else problem) in assert_corrupt(exc_info)

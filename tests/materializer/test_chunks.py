@@ -440,7 +440,7 @@ def test_checksummed_but_inconsistent_columns(sample: bytes, build: Callable[[],
     (block,) = section.blocks
     for keys in (FIXED_KEYS, COUNTS_KEYS):  # point reads: keys of one length (or not) found by their bytes
         with pytest.raises(CorruptChunkError) as exc_info:
-            index.decode_block_prefixes(data[block.offset : block.offset + block.length], block, keys)
+            index.point_entries([block], [data[block.offset : block.offset + block.length]], keys)
         message = assert_corrupt(exc_info)  # keys out of order are seen at the block's ends here
         assert problem in message or (problem == "keys not strictly increasing" and "key groups differ" in message)
 
