@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import builtins
 import concurrent.futures
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from dstl.config import ChangelogConfig
@@ -86,6 +86,13 @@ class DfsFiles(Protocol):
 
     def read_range(self, path: str, offset: int, length: int, timeout: float | None = None) -> bytes:
         """Read part of a file; a missing file raises ``FileNotFoundError``."""
+        ...
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]], timeout: float | None = None) -> list[bytes]:
+        """Read parts ``(offset, length)`` of one file (ascending, not overlapping) in one call: of
+        a local file only those bytes; of an object store one ranged request from the first to the
+        last, cut (a request costs more than the bytes between them). A missing file raises
+        ``FileNotFoundError``."""
         ...
 
     def delete(self, path: str, timeout: float | None = None) -> None:

@@ -211,9 +211,17 @@ class PartReader:
 
     def read(self, part: Part, offset: int, length: int, what: str) -> bytes:
         """Bytes ``[offset, offset + length)`` of ``part``'s chunk; failures name the chunk and ``what``."""
+        return self.read_ranges(part, [(offset, length)], what)[0]
+
+    def read_ranges(self, part: Part, ranges: Sequence[tuple[int, int]], what: str) -> list[bytes]:
+        """Parts ``(offset, length)`` of ``part``'s chunk (ascending) in one call (``DfsFiles.read_ranges``:
+        of a local file only those bytes); failures name the chunk and ``what``."""
         base = int(part.entry.get("offset", 0))
+        offset, length = ranges[0][0], ranges[-1][0] + ranges[-1][1] - ranges[0][0]  # for the messages
         try:
-            return bytes(self.files.read_range(part.path, base + offset, length))
+            if len(ranges) == 1:
+                return [bytes(self.files.read_range(part.path, base + offset, length))]
+            return self.files.read_ranges(part.path, [(base + start, size) for start, size in ranges])
         except FileNotFoundError:
             raise StateRestoreError(f"materialized chunk {part.path} is missing (reading {what})") from None
         except StorageError as exc:

@@ -318,11 +318,12 @@ class LazyRestore:
         return runs
 
     def _read_run(self, run: list[_Block]) -> dict[tuple[int, int], bytes]:
-        """One ranged read of a run of blocks, cut into its blocks."""
-        part, start = run[0][0], run[0][1]
+        """The blocks of a run in one call (``DfsFiles.read_ranges``: of a local chunk only their
+        bytes, of an object store one ranged request spanning them)."""
+        part = run[0][0]
         what = key_groups_label(sorted({b[3] for b in run}))
-        data = self.reader.read(part, start, run[-1][1] + run[-1][2] - start, what)
-        return {(part.number, offset): data[offset - start : offset - start + length] for _, offset, length, _ in run}
+        datas = self.reader.read_ranges(part, [(offset, length) for _, offset, length, _ in run], what)
+        return {(part.number, block[1]): data for block, data in zip(run, datas, strict=True)}
 
     def _cache(self, fetched: list[tuple[tuple[int, int], bytes]]) -> None:
         """Keep the blocks ``fetched`` (in read order) in the LRU: of a load larger than the cache,

@@ -9,7 +9,7 @@ the ``Uploader`` (the file system), the ``StorageLoop`` the calls run on, and th
 ``RetryPolicy`` of DFS calls (``dstl.retry``: a deadline per attempt of ``dfs_timeout_ms``,
 retried with the uploads' backoff).
 
-Each blocking call (``put``, ``get``, ``read_range``, ``delete``, ``list``) waits for its
+Each blocking call (``put``, ``get``, ``read_range``, ``read_ranges``, ``delete``, ``list``) waits for its
 retried call on the loop, ``timeout`` (seconds) bounding the caller's wait on top; a ranged read
 of an uploader whose reads block in its own pool (``BlockingReads``: fsspec, local directories)
 is waited for on the caller's thread instead, with the same deadline and retries. It fails with
@@ -33,7 +33,7 @@ import builtins
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from dstl.metrics import ChangelogMetrics
@@ -98,6 +98,23 @@ class RetryingDfsFiles:
             start = lambda: blocking.submit_get(rel, offset, length)  # noqa: E731
             return read_with_retries(self.policy, "read", f"{self.base_path}/{rel}", start, timeout)
         return self._loop.run(self.call("read", rel, lambda: self._uploader.get(rel, offset, length)), timeout)
+
+    def read_ranges(
+        self, path: str, ranges: Sequence[tuple[int, int]], timeout: float | None = None
+    ) -> builtins.list[bytes]:
+        """Read parts ``(offset, length)`` of one file (ascending, not overlapping) in one call; an
+        uploader of ``BlockingReads`` reads only those bytes, any other one ranged read spanning
+        them, cut. A missing file raises ``FileNotFoundError``."""
+        if not ranges:
+            return []
+        rel = check_relative(path)
+        blocking = self._blocking_reads
+        if blocking is not None:
+            start = lambda: blocking.submit_get_ranges(rel, ranges)  # noqa: E731
+            return read_with_retries(self.policy, "read", f"{self.base_path}/{rel}", start, timeout)
+        first, (last, length) = ranges[0][0], ranges[-1]
+        data = self.read_range(path, first, last + length - first, timeout)
+        return [data[offset - first : offset - first + size] for offset, size in ranges]
 
     def delete(self, path: str, timeout: float | None = None) -> None:
         """Delete a file now (a missing one is not an error)."""

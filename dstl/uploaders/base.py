@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.metadata
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 __all__ = ["USER_AGENT", "BlockingReads", "Uploader"]
@@ -59,9 +60,13 @@ class Uploader(Protocol):
 class BlockingReads(Protocol):
     """An uploader whose reads block in a thread pool of its own (``dstl.uploaders.fsspec``) may
     also start one without the storage's loop: ``RetryingDfsFiles.read_range`` then waits for it on
-    the caller's thread (``dstl.retry.read_with_retries``), with the same deadline and retries.
+    the caller's thread (``dstl.retry.read_with_retries``), with the same deadline and retries;
+    ``submit_get_ranges`` reads several parts of one file in one call (``DfsFiles.read_ranges``).
     Why: a ranged read through the loop crosses two more threads (the caller to the loop, the loop
     to the pool and back), which costs more than reading a block of a local chunk, and the lazy
     restore reads many such blocks."""
 
     def submit_get(self, path: str, offset: int = 0, length: int | None = None) -> concurrent.futures.Future[bytes]: ...
+    def submit_get_ranges(
+        self, path: str, ranges: Sequence[tuple[int, int]]
+    ) -> concurrent.futures.Future[list[bytes]]: ...

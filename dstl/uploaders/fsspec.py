@@ -32,7 +32,7 @@ import concurrent.futures
 import contextlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import fsspec
@@ -67,6 +67,17 @@ class _Write:
         self.abandoned = False
         self.key = id(data)  # the data is alive while the write is tracked: its id is not reused
         self.size = len(data)
+
+
+def _pread(fd: int, offset: int, length: int) -> bytes:
+    """``length`` bytes at ``offset``, fewer only at the end of the file (a short read reads on)."""
+    data = os.pread(fd, length, offset)
+    while len(data) < length:
+        more = os.pread(fd, length - len(data), offset + len(data))
+        if not more:
+            break
+        data += more
+    return data
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
@@ -215,23 +226,31 @@ class FsspecUploader:
 
     def _get_sync(self, full: str, offset: int, length: int | None) -> bytes:
         if self._local and length is not None:  # one pread: fsspec's file object costs more than the read
-            fd = os.open(full, os.O_RDONLY)
-            try:
-                data = os.pread(fd, length, offset)
-                while len(data) < length:  # a short read before the end of the file: read on
-                    more = os.pread(fd, length - len(data), offset + len(data))
-                    if not more:
-                        break
-                    data += more
-            finally:
-                os.close(fd)
-            return data
+            return self._get_ranges_sync(full, [(offset, length)])[0]
         end = None if length is None else offset + length
         whole: bytes = self._fs.cat_file(full, start=offset or None, end=end)
         return whole
 
+    def _get_ranges_sync(self, full: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        if not self._local:  # one request spanning them
+            first, (last, length) = ranges[0][0], ranges[-1]
+            data = self._get_sync(full, first, last + length - first)
+            return [data[offset - first : offset - first + size] for offset, size in ranges]
+        fd = os.open(full, os.O_RDONLY)
+        try:
+            return [_pread(fd, offset, length) for offset, length in ranges]
+        finally:
+            os.close(fd)
+
     async def get(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         return await asyncio.wrap_future(self.submit_get(path, offset, length))
+
+    def submit_get_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> concurrent.futures.Future[list[bytes]]:
+        """Parts of one file in one call on the uploader's pool (``base.BlockingReads``): of a local
+        file only those bytes (a ``pread`` each), of any other one read spanning them."""
+        full = self._full(path)
+        self._confine(path, full, follow_last=True)
+        return self._submit(self._get_ranges_sync, full, ranges)
 
     def submit_get(self, path: str, offset: int = 0, length: int | None = None) -> concurrent.futures.Future[bytes]:
         """``get`` started in the uploader's pool and not awaited (``base.BlockingReads``)."""

@@ -245,3 +245,27 @@ def test_ranged_reads_of_a_local_file_read_what_is_there(tmp_path: Path) -> None
         assert storage.files.read_range(PATH, 0, 100_000) == data
         with pytest.raises(FileNotFoundError):
             storage.files.read_range("chk-9/_metadata", 0, 10)
+        ranges = [(0, 10), (4_000, 3), (99_990, 64)]  # several parts in one call
+        assert storage.files.read_ranges(PATH, ranges) == [data[:10], data[4_000:4_003], data[99_990:]]
+        with pytest.raises(FileNotFoundError):
+            storage.files.read_ranges("chk-9/_metadata", ranges)
+
+
+def test_ranged_reads_of_several_parts_are_one_call_with_its_deadline_and_retries(
+    tmp_path: Path, plan: FaultPlan
+) -> None:
+    """``read_ranges`` of a store that is not local reads one span and cuts it: one call, failed
+    attempts retried, a stalled one cut at its deadline, as ``read_range``."""
+    data = os.urandom(50_000)
+    storage, _ = faulty_storage(tmp_path, plan, max_attempts=3)
+    try:
+        storage.files.put(PATH, data)
+        fault = plan.add(Fault(op="get", path=PATH, action="fail", times=2))
+        assert storage.files.read_ranges(PATH, [(10, 5), (40_000, 100)]) == [data[10:15], data[40_000:40_100]]
+        assert plan.hits(fault) == 2
+        plan.add(Fault(op="get", path=PATH, action="stall"))
+        with pytest.raises(DeadlineExceededError, match="3 attempt"):
+            storage.files.read_ranges(PATH, [(10, 5), (40_000, 100)], timeout=WAIT_S)
+    finally:
+        plan.release()
+        storage.close()
