@@ -56,7 +56,7 @@ from dstl.types import KeyGroupRange
 from materializer.errors import CorruptChunkError
 
 #: the largest raw size (bytes of columns) of a block holding more than one entry
-BLOCK_SIZE = 8 << 10
+BLOCK_SIZE = 4 << 10
 
 _U32 = struct.Struct("<I")
 _first = itemgetter(0)
