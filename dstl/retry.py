@@ -37,7 +37,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from dstl.config import ChangelogConfig
-from dstl.errors import ConfigurationError, DeadlineExceededError, StorageError
+from dstl.errors import ConfigurationError, DeadlineExceededError, StorageClosedError, StorageError
 
 __all__ = ["RetryPolicy", "call_with_retries", "describe_attempt", "read_with_retries"]
 
@@ -119,12 +119,19 @@ def read_with_retries(
     timed_out = False
     give_up = None if timeout is None else time.monotonic() + timeout
     for attempt in range(1, policy.attempts + 1):
-        if attempt > 1:
-            time.sleep(policy.delay_after(attempt - 1))  # the backoff, as ``asyncio.sleep`` above
+        if attempt > 1:  # the backoff, as ``asyncio.sleep`` above, but never past the caller's timeout
+            delay = policy.delay_after(attempt - 1)
+            if give_up is not None and time.monotonic() + delay >= give_up:
+                time.sleep(max(give_up - time.monotonic(), 0.0))
+                raise TimeoutError(f"{op} {what}: no answer within the caller's {timeout} s ({'; '.join(causes)})")
+            time.sleep(delay)
         deadline = policy.timeout_for(attempt)
         wait = deadline if give_up is None else min(deadline, give_up - time.monotonic())
         start = time.monotonic()
-        future = submit()
+        try:
+            future = submit()
+        except StorageClosedError as exc:  # named as any other failure: the operation and the object
+            raise StorageClosedError(f"{op} {what}: {exc}") from None
         if not concurrent.futures.wait([future], max(wait, 0.0)).done:
             future.cancel()  # not started yet: never starts; running: left to finish
             if give_up is not None and time.monotonic() >= give_up:

@@ -131,7 +131,7 @@ CHUNK_HEADER = struct.Struct("<4sHH")
 CHUNK_TRAILER = struct.Struct("<IIIH4s")  # version 2
 CHUNK_TRAILER_V1 = struct.Struct("<IIH4s")
 _TRAILER_END = struct.Struct("<H4s")  # the last bytes of either trailer: version, magic
-#: what ``read_chunk_index`` reads first: the whole tail of a chunk of some 4,000 blocks (32 MiB of raw entries)
+#: what ``read_chunk_index`` reads first: the whole tail of a chunk of some 4,000 blocks (16 MiB of raw entries)
 TAIL_READ_BYTES = 128 << 10
 
 

@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import concurrent.futures
 import logging
+import operator
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
+from itertools import islice
 from typing import Any, TypeVar
 
 from dstl.metrics import ChangelogMetrics
@@ -95,8 +98,7 @@ class RetryingDfsFiles:
         rel = check_relative(path)
         blocking = self._blocking_reads
         if blocking is not None:  # on this thread, not through the loop (``BlockingReads``)
-            start = lambda: blocking.submit_get(rel, offset, length)  # noqa: E731
-            return read_with_retries(self.policy, "read", f"{self.base_path}/{rel}", start, timeout)
+            return self._read_blocking(rel, lambda: blocking.submit_get(rel, offset, length), timeout)
         return self._loop.run(self.call("read", rel, lambda: self._uploader.get(rel, offset, length)), timeout)
 
     def read_ranges(
@@ -108,13 +110,22 @@ class RetryingDfsFiles:
         if not ranges:
             return []
         rel = check_relative(path)
+        ends = map(sum, ranges)
+        if not all(map(operator.le, ends, map(operator.itemgetter(0), islice(ranges, 1, None)))):
+            raise ValueError(f"read_ranges of {path}: the ranges are not ascending or they overlap")
         blocking = self._blocking_reads
         if blocking is not None:
-            start = lambda: blocking.submit_get_ranges(rel, ranges)  # noqa: E731
-            return read_with_retries(self.policy, "read", f"{self.base_path}/{rel}", start, timeout)
+            return self._read_blocking(rel, lambda: blocking.submit_get_ranges(rel, ranges), timeout)
         first, (last, length) = ranges[0][0], ranges[-1]
         data = self.read_range(path, first, last + length - first, timeout)
         return [data[offset - first : offset - first + size] for offset, size in ranges]
+
+    def _read_blocking(self, rel: str, start: Callable[[], concurrent.futures.Future[T]], timeout: float | None) -> T:
+        """A read ``start`` begins in the uploader's pool, waited for here (``BlockingReads``);
+        refused as the loop refuses work once the storage is closing."""
+        what = f"read {self.base_path}/{rel}"
+        self._loop.check_open(what)
+        return read_with_retries(self.policy, "read", f"{self.base_path}/{rel}", start, timeout)
 
     def delete(self, path: str, timeout: float | None = None) -> None:
         """Delete a file now (a missing one is not an error)."""

@@ -43,6 +43,14 @@ class StorageLoop:
     def in_loop_thread(self) -> bool:
         return threading.current_thread() is self.thread
 
+    def check_open(self, what: str) -> None:
+        """For a blocking call that does not run on the loop (``RetryingDfsFiles``' ranged reads):
+        refuse it as ``submit`` refuses work, from the loop thread or once the loop is stopping."""
+        if self.in_loop_thread():
+            raise RuntimeError(f"{what} called from the changelog storage's own loop thread")
+        if self._stopping:
+            raise StorageClosedError(f"{what}: the changelog storage is closed, it takes no new call")
+
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a coroutine on the loop and wait for it (not from the loop thread)."""
         return self.submit(coro).result(timeout)

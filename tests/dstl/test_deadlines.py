@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks.support.faulty_fs import Fault, FaultPlan, faulty_base_path
 from dstl import ChangelogConfig, HedgingPolicy, KeyGroupRange, StateChangelogStorage, UploadFailedError
-from dstl.errors import ConfigurationError, DeadlineExceededError, StorageError
+from dstl.errors import ConfigurationError, DeadlineExceededError, StorageClosedError, StorageError
 from dstl.uploaders import FsspecUploader
 
 #: generous: only bounds a hang of today's code; a passing test never waits this long
@@ -249,6 +249,17 @@ def test_ranged_reads_of_a_local_file_read_what_is_there(tmp_path: Path) -> None
         assert storage.files.read_ranges(PATH, ranges) == [data[:10], data[4_000:4_003], data[99_990:]]
         with pytest.raises(FileNotFoundError):
             storage.files.read_ranges("chk-9/_metadata", ranges)
+        for bad in ([(10, 5), (0, 5)], [(0, 10), (5, 10)]):  # descending, overlapping
+            with pytest.raises(ValueError, match="not ascending or they overlap"):
+                storage.files.read_ranges(PATH, bad)
+
+        async def from_the_loop() -> bytes:
+            return storage.files.read_range(PATH, 0, 10)
+
+        with pytest.raises(RuntimeError, match="own loop thread"):  # it would hold the loop for the read
+            storage._loop.run(from_the_loop(), WAIT_S)
+    with pytest.raises(StorageClosedError):
+        storage.files.read_ranges(PATH, ranges)
 
 
 def test_ranged_reads_of_several_parts_are_one_call_with_its_deadline_and_retries(

@@ -11,7 +11,7 @@ loop for a ranged read waited for on the caller's thread (the faults of a real s
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -112,3 +112,19 @@ def test_a_blocking_read_stops_at_the_callers_timeout_and_leaves_missing_files_u
     finally:
         stalled.set()
         pool.shutdown()
+
+
+def test_a_blocking_read_failing_fast_stops_at_the_callers_timeout_not_after_its_backoff() -> None:
+    """The caller's timeout bounds the backoff too, as ``StorageLoop.run``'s does: a read whose
+    attempts fail at once does not sleep past it, nor start an attempt after it."""
+    started: list[Future[bytes]] = []
+
+    def refused() -> Future[bytes]:
+        future: Future[bytes] = Future()
+        started.append(future)
+        future.set_exception(OSError("refused"))
+        return future
+
+    with pytest.raises(TimeoutError, match=r"caller's 0\.05 s .*attempt 1: OSError: refused"):
+        read_with_retries(RetryPolicy(60, 3, 5), "read", "dfs/a", refused, timeout=0.05)
+    assert len(started) == 1  # none started once the timeout was known to pass in the backoff

@@ -119,7 +119,7 @@ def names_an_object(exc: BaseException) -> bool:
 @dataclass
 class DeadlineMeter:
     """Times every blocking DFS call of a storage's files (``RetryingDfsFiles``: ``put``, ``get``,
-    ``read_range``, ``delete``, ``list``) while ``installed``; ``late`` lists those past
+    ``read_range``, ``read_ranges``, ``delete``, ``list``) while ``installed``; ``late`` lists those past
     ``bound_s``. It wraps the class's methods for the test's duration: it measures, changes nothing."""
 
     bound_s: float
@@ -128,7 +128,7 @@ class DeadlineMeter:
     slowest_s: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    _METHODS = ("put", "get", "read_range", "delete", "list")
+    _METHODS = ("put", "get", "read_range", "read_ranges", "delete", "list")
 
     def _timed(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
