@@ -274,6 +274,7 @@ def test_ranged_reads_of_several_parts_are_one_call_with_its_deadline_and_retrie
         fault = plan.add(Fault(op="get", path=PATH, action="fail", times=2))
         assert storage.files.read_ranges(PATH, [(10, 5), (40_000, 100)]) == [data[10:15], data[40_000:40_100]]
         assert plan.hits(fault) == 2
+        assert plan.calls_of("get") == [PATH] * 3  # one request per attempt for both parts
         plan.add(Fault(op="get", path=PATH, action="stall"))
         with pytest.raises(DeadlineExceededError, match="3 attempt"):
             storage.files.read_ranges(PATH, [(10, 5), (40_000, 100)], timeout=WAIT_S)
