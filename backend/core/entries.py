@@ -8,23 +8,43 @@ of pairs without the pairs: iterating it zips the columns as it goes (``zip`` re
 the consumer drops it, as ``putmulti`` does, so a bulk load allocates none), an index gives one
 pair and a slice another ``Entries``, so ``bisect`` and the restore's other sequence code work on it
 unchanged.
+
+A decoder may leave the check that the keys are strictly increasing to an LMDB bulk load
+(``unproven_order``): an append (``putmulti(append=True)``) takes a key only if it is above the
+table's last one, so an append that takes every entry has compared each key with the one before it,
+as the check would, and a second pass over every key in Python is saved. The bulk load
+(``backend.state.restore.bulk_put``) calls ``prove_order`` when its append did not take them all,
+before it puts them another way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, overload
 
 __all__ = ["Entries"]
 
 
 class Entries(Sequence[tuple[bytes, bytes]]):
-    """The pairs ``(keys[i], values[i])``, sorted by key as the section holds them."""
+    """The pairs ``(keys[i], values[i])``, sorted by key as the section holds them.
 
-    __slots__ = ("keys", "values")
+    ``unproven_order``: the decoder's check that the keys are strictly increasing, raising its error
+    naming the file if they are not, when it left the check to a bulk load (module doc).
+    """
 
-    def __init__(self, keys: list[bytes], values: list[bytes]) -> None:
+    __slots__ = ("keys", "unproven_order", "values")
+
+    def __init__(
+        self, keys: list[bytes], values: list[bytes], unproven_order: Callable[[], None] | None = None
+    ) -> None:
         self.keys, self.values = keys, values
+        self.unproven_order = unproven_order
+
+    def prove_order(self) -> None:
+        """Run the order check the decoder left to a bulk load, if any (it raises if they are unsorted)."""
+        check, self.unproven_order = self.unproven_order, None
+        if check is not None:
+            check()
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -40,7 +60,7 @@ class Entries(Sequence[tuple[bytes, bytes]]):
 
     def __getitem__(self, index: int | slice) -> tuple[bytes, bytes] | Entries:
         if isinstance(index, slice):
-            return Entries(self.keys[index], self.values[index])
+            return Entries(self.keys[index], self.values[index], self.unproven_order)
         return self.keys[index], self.values[index]
 
     def __eq__(self, other: object) -> bool:
@@ -56,4 +76,5 @@ class Entries(Sequence[tuple[bytes, bytes]]):
         return f"Entries({list(self)!r})"
 
     def __reduce__(self) -> tuple[Any, ...]:
+        self.prove_order()  # a check of this process's decoder does not travel
         return Entries, (self.keys, self.values)
