@@ -23,18 +23,17 @@ and sound data never pays for them.
 
 from __future__ import annotations
 
-import io
 import operator
-import struct
 import zlib
 from array import array
 from collections.abc import Callable, Iterable
-from functools import lru_cache, partial
+from functools import partial
 from itertools import accumulate, islice, repeat
 from typing import cast
 
 import zstandard
 
+from backend.core.entries import cut
 from backend.core.tablekeys import KEY_GROUP_PREFIX_BYTES
 from backend.core.tablekeys import key_group_of as _key_group
 from dstl.format import array_from_le, le_bytes
@@ -107,12 +106,12 @@ def _decode_columns(
         return None  # the lengths do not fill a block exactly
     if (key_width or min(key_lens)) < KEY_GROUP_PREFIX_BYTES:
         return None
-    keys = _split(_joined(raws, keys_start, values_start), key_lens, key_width)
+    keys = cut(_joined(raws, keys_start, values_start), total, key_width, key_lens)
     if tuple(map(keys.__getitem__, islice(block_starts, n))) != section.first_keys:
         return None
     if (check_order and not _increasing(keys)) or _key_group(keys[-1]) != section.max_key_group:
         return None
-    values = _split(_joined(raws, values_start, repeat(None, n)), value_lens, value_width)
+    values = cut(_joined(raws, values_start, repeat(None, n)), total, value_width, value_lens)
     return keys, values
 
 
@@ -143,30 +142,3 @@ def _block_sums(lengths: array[int], width: int, counts: array[int], block_start
     if width:
         return list(map(operator.mul, counts, repeat(width, len(counts))))
     return list(map(sum, map(lengths.__getitem__, map(slice, block_starts, islice(block_starts, 1, None)))))
-
-
-def _split(blob: bytes, lengths: array[int], width: int) -> list[bytes]:
-    """``blob`` cut into pieces of ``lengths`` (all ``width`` long if not 0), in C: pieces of one width
-    ``_FIELDS`` at a time by a compiled ``struct`` format (no call per piece), the rest by ``BytesIO.read``."""
-    count, at = len(lengths), 0
-    out: list[bytes] = []
-    if width:
-        fields = _fields(width)
-        step = _FIELDS * width
-        while count - len(out) >= _FIELDS:
-            out += fields.unpack_from(blob, at)
-            at += step
-    read = io.BytesIO(blob).read
-    read(at)
-    out += map(read, repeat(width, count - len(out)) if width else lengths)
-    return out
-
-
-#: pieces of one width cut by one ``struct`` call
-_FIELDS = 4096
-
-
-@lru_cache(maxsize=8)
-def _fields(width: int) -> struct.Struct:
-    """``_FIELDS`` byte strings of ``width`` bytes (a compiled format of some 100 KiB: kept for a few widths)."""
-    return struct.Struct(f"{width}s" * _FIELDS)

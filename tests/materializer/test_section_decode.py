@@ -18,14 +18,13 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backend.core.entries import Entries
+from backend.core.entries import _FIELDS, Entries
 from backend.core.handles import KeyedStateHandle, chunk_digest
 from backend.state.restore import bulk_put
 from dstl import CorruptDataError, KeyGroupRange
 from materializer.blocks import decode_block, decode_blocks
 from materializer.chunks import chunk_info, chunk_sections, decode_chunk, encode_chunk
 from materializer.errors import CorruptChunkError
-from materializer.sections import _FIELDS
 from tests.materializer.test_chunk_binding import World, materialized_handle
 from tests.materializer.test_chunk_blocks import Parts, assemble, assert_corrupt, key, split
 
