@@ -1,24 +1,28 @@
 """A whole section's blocks decoded at once: what an eager restore and a hydration read.
 
 A section of a version-2 chunk (``materializer.chunks``) is a run of blocks (``materializer.blocks``),
-about 8 KiB of entries each: a 2M-entry restore decodes some 7,000 of them. Decoding them one at a
-time costs a dozen Python-level steps per block (a ``BlockInfo``, the checksum, the frame's stated
-size, the decompression, the count, two length columns, their widths and sums, the slices of keys
-and values, the first and last keys), as much CPU as the zstd decompression itself.
+about 8 KiB of entries each: a restore of millions of entries decodes thousands of them. Decoding
+them one at a time costs a dozen Python-level steps per block (a ``BlockInfo``, the checksum, the
+frame's stated size, the decompression, the count, two length columns, their widths and sums, the
+slices of keys and values, the first and last keys), as much CPU as the zstd decompression itself.
 ``decode_section`` does each of those steps once for all the blocks of the section, as C-level
-passes (``map`` over the blocks' payloads, slices and columns, comparisons of whole columns): the
-CPU per block is then zstd's alone.
+passes (``map`` over the blocks' payloads, slices and columns, comparisons of whole columns), and
+decompresses every frame of the section in one call (``multi_decompress_to_buffer``, the output
+sizes the index's) that holds no GIL throughout; keys and values are cut from the joined columns
+(``backend.core.entries.cut``).
 
 Every check of ``blocks.decode_blocks`` is made, over columns instead of per block: each block's
-crc32, the frame's stated content size against the index's raw length (before decompressing),
-the decompression itself with no bytes after the frame, the decompressed length, the entry count a
-block stores, that its length columns and key and value bytes fill it exactly, no key shorter than
-its key-group prefix, the first key of each block equal to the index's, keys strictly increasing
-through the section (the index's first keys then bound every block's last key) and the last key
-in the section's last key group. Where any of them fails, the section is decoded again block by
-block (``decode_blocks``), which raises the ``CorruptChunkError`` naming the file, the section and
-the block that a one-block read would raise; so the fast path needs no error messages of its own,
-and sound data never pays for them.
+crc32, the frame's stated content size against the index's raw length (before decompressing), the
+frame with no bytes after it (that call ignores them, so each frame's length is compared with what
+its header, its one block's header and its checksum flag add up to; a frame of several zstd blocks
+goes the slow way), the decompressed length, the entry count a block stores, that its length
+columns and key and value bytes fill it exactly, no key shorter than its key-group prefix, the
+first key of each block equal to the index's, keys strictly increasing through the section (the
+index's first keys then bound every block's last key; ``check_order=False`` leaves this one to a
+bulk load, ``backend.core.entries``) and the last key in the section's last key group. Where any of
+them fails, the section is decoded again block by block (``decode_blocks``), which raises the
+``CorruptChunkError`` naming the file, the section and the block that a one-block read would
+raise; so the fast path needs no error messages of its own, and sound data never pays for them.
 """
 
 from __future__ import annotations
@@ -44,7 +48,10 @@ __all__ = ["check_order", "decode_section"]
 
 #: the first four bytes of a decompressed block: its entry count
 _COUNT = operator.itemgetter(slice(0, 4))
-_cut = cast("Callable[[bytes, slice], bytes]", operator.getitem)
+_cut = cast("Callable[[memoryview, slice], memoryview]", operator.getitem)
+_view = cast("Callable[[bytes], memoryview]", memoryview)
+#: a zstd block header: three little-endian bytes
+_u24 = partial(int.from_bytes, byteorder="little")
 
 
 def decode_section(
@@ -80,11 +87,8 @@ def _decode_columns(
     payloads = list(map(data.__getitem__, map(slice, starts, ends)))
     if array("I", map(zlib.crc32, payloads)) != section.block_crcs:
         return None
-    try:
-        if list(map(zstandard.frame_content_size, payloads)) != section.block_raw_lengths.tolist():
-            return None  # checked first: python-zstandard allocates what a frame states
-        raws = list(map(partial(decompressor.decompress, allow_extra_data=False), payloads))
-    except (zstandard.ZstdError, MemoryError):
+    raws = _decompressed(data, payloads, starts, section, decompressor)
+    if raws is None:
         return None
     if array("I", map(len, raws)) != section.block_raw_lengths or b"".join(map(_COUNT, raws)) != le_bytes(counts):
         return None
@@ -115,7 +119,53 @@ def _decode_columns(
     return keys, values
 
 
-def _joined(raws: list[bytes], starts: Iterable[int], ends: Iterable[int | None]) -> bytes:
+def _decompressed(
+    data: memoryview,
+    payloads: list[memoryview],
+    starts: list[int],
+    section: SectionInfo,
+    decompressor: zstandard.ZstdDecompressor,
+) -> list[memoryview] | None:
+    """Every block's frame decompressed, in one call that holds no GIL (``multi_decompress_to_buffer``,
+    the output sizes the index's), or None if a frame is not one whole frame stating its raw length.
+
+    That call ignores bytes after a frame, which ``decompress(allow_extra_data=False)`` refuses, so
+    a frame is first checked to be exactly as long as its parts say: header, one block (the last),
+    and its checksum if it has one. A frame of several zstd blocks (an entry larger than a block)
+    is left to the block-by-block decode.
+    """
+    n, lengths = len(payloads), section.block_lengths
+    try:
+        if list(map(zstandard.frame_content_size, payloads)) != section.block_raw_lengths.tolist():
+            return None  # checked before decompressing: python-zstandard allocates what a frame states
+        heads = list(map(zstandard.frame_header_size, payloads))
+    except zstandard.ZstdError:
+        return None
+    if min(map(operator.sub, lengths, heads)) < 3:
+        return None
+    ends = map(operator.add, heads, repeat(3, n))
+    blocks = list(map(_u24, map(_cut, payloads, map(slice, heads, ends))))
+    if set(map(operator.and_, blocks, repeat(3, n))) != {1}:  # the last block, raw or compressed
+        return None
+    checksums = map(operator.and_, map(operator.getitem, payloads, repeat(4, n)), repeat(4, n))  # 4 bytes or none
+    sizes = map(operator.add, map(operator.add, heads, repeat(3, n)), map(operator.rshift, blocks, repeat(3, n)))
+    if list(map(operator.add, sizes, checksums)) != lengths.tolist():
+        return None
+    segments = array("Q", bytes(16 * n))
+    segments[0::2] = array("Q", starts)
+    segments[1::2] = array("Q", lengths)
+    try:
+        out = decompressor.multi_decompress_to_buffer(
+            zstandard.BufferWithSegments(data, segments.tobytes()),
+            decompressed_sizes=array("Q", section.block_raw_lengths).tobytes(),
+            threads=1,
+        )
+    except (zstandard.ZstdError, ValueError, MemoryError):
+        return None
+    return list(map(_view, cast("Iterable[bytes]", out)))  # a sequence of buffers
+
+
+def _joined(raws: list[memoryview], starts: Iterable[int], ends: Iterable[int | None]) -> bytes:
     """``raws[i][starts[i]:ends[i]]`` for every block ``i``, joined."""
     return b"".join(map(_cut, raws, map(slice, starts, ends)))
 

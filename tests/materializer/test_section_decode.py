@@ -34,6 +34,8 @@ VARIABLE = [(key(3 + i % 5, i.to_bytes(2, "big") + b"k" * (i % 4)), b"v" * (i % 
 FIXED = [(key(3 + i % 5, i.to_bytes(4, "big")), i.to_bytes(8, "little")) for i in range(60)]
 SECTIONS = {"fixed": sorted(FIXED), "variable": sorted(VARIABLE)}
 BLOCK_SIZE = 200  # some ten entries per block
+#: a zstd skippable frame (magic, length, bytes): a decoder of frames passes over it
+SKIPPABLE = struct.pack("<II", 0x184D2A50, 3) + b"abc"
 
 
 def blockwise(data: bytes, name: str) -> list[tuple[bytes, bytes]]:
@@ -137,6 +139,8 @@ def test_a_checksummed_block_with_wrong_columns_is_refused_as_its_own_read_refus
     [
         (zstandard.ZstdCompressor(write_content_size=False).compress(b"x" * 40), "frame states -1 bytes"),
         (zstandard.ZstdCompressor().compress(b"x" * 40) + b"extra", "does not decompress"),
+        (zstandard.ZstdCompressor().compress(b"x" * 40) + SKIPPABLE, "does not decompress"),
+        (zstandard.ZstdCompressor().compress(b"x" * 40) * 2, "does not decompress"),
         (b"not zstd at all" * 3, "is not a zstd frame"),
     ],
 )
@@ -145,6 +149,18 @@ def test_a_checksummed_block_that_is_not_one_whole_frame_is_refused(frame: bytes
     with pytest.raises(CorruptChunkError) as whole:
         decode_chunk(PATH, with_block(parts, 0, 2, b"x" * 40, frame=frame))
     assert f"section 'fixed' block 2 {problem}" in assert_corrupt(whole)
+
+
+def test_frames_with_checksums_or_of_several_zstd_blocks_decode_as_their_blocks_do() -> None:
+    parts = split(encode_chunk(RANGE, 2, SECTIONS, block_size=BLOCK_SIZE))
+    for section in (0, 1):
+        for block in (0, 2):
+            raw = zstandard.ZstdDecompressor().decompress(parts.blocks[section][block])
+            with_block(parts, section, block, raw, frame=zstandard.ZstdCompressor(write_checksum=True).compress(raw))
+    data = assemble(parts)
+    assert decode_chunk(PATH, data).sections == SECTIONS
+    huge = {"huge": [(key(3, b"a"), b"small"), (key(4), bytes(range(256)) * 1200), (key(5), b"")]}  # 300 KiB
+    assert decode_chunk(PATH, encode_chunk(RANGE, 2, huge, block_size=BLOCK_SIZE)).sections == huge
 
 
 def unsorted_chunk() -> bytes:
