@@ -99,9 +99,9 @@ def cut(blob: bytes, count: int, width: int, lengths: Iterable[int] = (), start:
         while count - len(out) >= _FIELDS:
             out += fields.unpack_from(blob, start)
             start += step
-    read = io.BytesIO(blob).read
-    read(start)
-    out += map(read, repeat(width, count - len(out)) if width else lengths)
+    buffer = io.BytesIO(blob)
+    buffer.seek(start)
+    out += map(buffer.read, repeat(width, count - len(out)) if width else lengths)
     return out
 
 
