@@ -88,28 +88,31 @@ def cut(blob: bytes, count: int, width: int, lengths: Iterable[int] = (), start:
     """``count`` consecutive pieces of ``blob`` from ``start``: each ``width`` bytes long, or (``width``
     0) of the ``lengths`` given, which the caller has checked to fit.
 
-    In C either way, no Python step per piece: pieces of one width ``_FIELDS`` at a time by one call
-    of a compiled ``struct`` format, the rest by ``map(BytesIO.read, lengths)`` (twice as fast as a
-    comprehension of slices; ``BytesIO`` shares ``blob`` instead of copying it).
+    In C either way, no Python step per piece: pieces of one width thousands, hundreds or tens at a
+    time by one call of a compiled ``struct`` format (``_FIELDS``), the rest by
+    ``map(BytesIO.read, lengths)`` (twice as fast as a comprehension of slices; ``BytesIO`` shares
+    ``blob`` instead of copying it).
     """
     out: list[bytes] = []
     if width:
-        fields = _fields(width)
-        step = _FIELDS * width
-        while count - len(out) >= _FIELDS:
-            out += fields.unpack_from(blob, start)
-            start += step
+        for fields in _FIELDS:
+            if count - len(out) >= fields:
+                many = _fields(width, fields)
+                step = fields * width
+                while count - len(out) >= fields:
+                    out += many.unpack_from(blob, start)
+                    start += step
     buffer = io.BytesIO(blob)
     buffer.seek(start)
     out += map(buffer.read, repeat(width, count - len(out)) if width else lengths)
     return out
 
 
-#: pieces of one width cut by one ``struct`` call
-_FIELDS = 4096
+#: pieces of one width cut by one ``struct`` call: as many of the most as fit, then of the fewer
+_FIELDS = (4096, 256, 16)
 
 
-@lru_cache(maxsize=8)
-def _fields(width: int) -> struct.Struct:
-    """``_FIELDS`` byte strings of ``width`` bytes (a compiled format of some 100 KiB: kept for a few widths)."""
-    return struct.Struct(f"{width}s" * _FIELDS)
+@lru_cache(maxsize=24)
+def _fields(width: int, count: int) -> struct.Struct:
+    """``count`` byte strings of ``width`` bytes (a compiled format of 32 bytes a field: kept for a few widths)."""
+    return struct.Struct(f"{width}s" * count)

@@ -69,7 +69,10 @@ def test_a_section_decodes_as_its_blocks_do(rows: list[tuple[int, bytes, bytes]]
 
 
 def test_more_entries_of_one_width_than_one_struct_call_cuts() -> None:
-    entries = [(key(3 + i // 5000, i.to_bytes(4, "big")), i.to_bytes(8, "little")) for i in range(3 * _FIELDS + 7)]
+    entries = [
+        (key(3 + i // 5000, i.to_bytes(4, "big")), i.to_bytes(8, "little"))
+        for i in range(3 * _FIELDS[0] + 2 * _FIELDS[1] + 7)
+    ]
     data = encode_chunk(RANGE, 1, {"big": entries}, block_size=8 << 10)
     assert decode_chunk(PATH, data).sections == {"big": entries}
 
