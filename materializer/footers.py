@@ -12,10 +12,9 @@ disagrees with its footer raises ``CorruptChunkError`` here.
 from __future__ import annotations
 
 import json
-import operator
 import zlib
 from array import array
-from itertools import accumulate, islice
+from itertools import accumulate, pairwise
 from typing import Any
 
 import zstandard
@@ -113,11 +112,11 @@ def _with_blocks(
         raise CorruptChunkError(path, f"{what}: block lengths do not add up to the section's")
     if sum(raw_lengths) != raw["raw_length"] or sum(counts) != raw["count"] or (b > a and min(counts) < 1):
         raise CorruptChunkError(path, f"{what}: entries or raw lengths do not add up to the section's")
-    first_keys = tuple(map(index.__getitem__, map(slice, key_offsets, islice(key_offsets, 1, None))))  # in C
+    first_keys = tuple(index[key_offsets[i] : key_offsets[i + 1]] for i in range(b - a))
     if first_keys:
         if min(map(len, first_keys)) < KEY_GROUP_PREFIX_BYTES:
             raise CorruptChunkError(path, f"{what}: a first key is shorter than its key-group prefix")
-        if not all(map(operator.lt, first_keys, islice(first_keys, 1, None))):
+        if any(not x < y for x, y in pairwise(first_keys)):
             raise CorruptChunkError(path, f"{what}: first keys not strictly increasing")
         if _key_group(first_keys[0]) != bounds.start or _key_group(first_keys[-1]) > bounds.end:
             raise CorruptChunkError(path, f"{what}: first keys outside the section's key groups")
