@@ -83,6 +83,7 @@ import zlib
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import zstandard
 
@@ -96,7 +97,6 @@ from materializer.blocks import (
     SectionInfo,
     checked_payload,
     decode_block,
-    decode_blocks,
     encode_index,
     encode_section,
     prefix_end,
@@ -104,6 +104,8 @@ from materializer.blocks import (
 )
 from materializer.errors import CorruptChunkError
 from materializer.footers import FOOTER_ERRORS, parse_v1_footer, parse_v2_footer
+from materializer.sections import check_order as check_section_order
+from materializer.sections import decode_section
 
 __all__ = [
     "BLOCK_SIZE",
@@ -367,14 +369,16 @@ def _read_exactly(path: str, read: Callable[[int, int], bytes], offset: int, len
 # --------------------------------------------------------------------------------------------- whole chunks
 
 
-def _section_entries(path: str, data: memoryview, section: SectionInfo, shift: int = 0) -> Entries:
-    """Every entry of a section whose blocks are at ``block.offset + shift`` in ``data``."""
-    return Entries(*decode_blocks(path, data, section.blocks, shift))
+def _section_entries(path: str, data: memoryview, section: SectionInfo, shift: int = 0, check: bool = True) -> Entries:
+    """Every entry of a section whose blocks are at ``block.offset + shift`` in ``data``; ``check=False``:
+    their order left to a bulk load (``Entries.unproven_order``)."""
+    keys, values = decode_section(path, data, section, shift, check_order=check)
+    return Entries(keys, values, None if check else partial(check_section_order, path, section.name, keys))
 
 
-def _decode(path: str, data: bytes, info: ChunkIndex) -> dict[str, Entries]:
+def _decode(path: str, data: bytes, info: ChunkIndex, check_order: bool = True) -> dict[str, Entries]:
     view = memoryview(data)
-    return {section.name: _section_entries(path, view, section) for section in info.sections}
+    return {section.name: _section_entries(path, view, section, 0, check_order) for section in info.sections}
 
 
 def decode_chunk(path: str, data: bytes) -> Chunk:
@@ -384,17 +388,19 @@ def decode_chunk(path: str, data: bytes) -> Chunk:
 
 
 def chunk_sections(
-    path: str, data: bytes, key_groups: KeyGroupRange, info: ChunkIndex | None = None
+    path: str, data: bytes, key_groups: KeyGroupRange, info: ChunkIndex | None = None, check_order: bool = True
 ) -> dict[str, Sequence[tuple[bytes, bytes]]]:
     """The entries of each state whose key group is in ``key_groups``, as lists in key order.
 
     What a restore bulk-loads: a whole owned chunk decodes with C-level splits (no per-entry
     Python step); a partly owned one (after rescaling) goes through ``iter_chunk_entries``.
-    ``info`` is the chunk's ``chunk_info`` if the caller has it already.
+    ``info`` is the chunk's ``chunk_info`` if the caller has it already. ``check_order=False``: a
+    whole owned chunk's keys are not compared with each other, for a bulk load to prove their
+    order (``Entries.unproven_order``).
     """
     info = info or chunk_info(path, data)
     if key_groups.start <= info.key_groups.start and info.key_groups.end <= key_groups.end:
-        return {name: entries for name, entries in _decode(path, data, info).items() if entries}
+        return {name: entries for name, entries in _decode(path, data, info, check_order).items() if entries}
     sections: dict[str, list[tuple[bytes, bytes]]] = {}
     for name, key, value in _iter_entries(path, info, _checked_payloads(path, data, info), key_groups):
         sections.setdefault(name, []).append((key, value))

@@ -62,7 +62,7 @@ from backend.state.keyed_backend import ChangelogKeyedStateBackend, Materializat
 from dstl.api import ChangelogStorage
 from dstl.errors import ConfigurationError
 from dstl.types import KeyGroupRange
-from materializer.binding import bound_chunk_sections
+from materializer.binding import bulk_load_sections
 from materializer.chunks import encode_chunk
 from materializer.errors import MaterializationError
 from materializer.metrics import MaterializationMetrics
@@ -325,7 +325,7 @@ def restore(
     logs back, hence a ``ChangelogStorage`` and not a ``DfsFiles``). ``mode="lazy"``: keys are
     loaded when first needed (``backend.state.lazy``), the chunks read by ``point_reads``."""
     return backend.restore(
-        handles, progress=progress, load_chunk=bound_chunk_sections, source=source, mode=mode, chunks=POINT_READS
+        handles, progress=progress, load_chunk=bulk_load_sections, source=source, mode=mode, chunks=POINT_READS
     )
 
 

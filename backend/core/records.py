@@ -20,7 +20,6 @@ of any old subtask can be replayed into any new one without an id mapping.
 
 from __future__ import annotations
 
-import io
 import struct
 import sys
 import zlib
@@ -29,6 +28,7 @@ from collections.abc import Iterator
 from enum import IntEnum
 from itertools import repeat
 
+from backend.core.entries import Entries, cut
 from backend.core.errors import SerializationError
 from backend.core.tablekeys import CKEY_HEAD, CKEY_HEAD_BYTES
 
@@ -56,6 +56,7 @@ _U16 = struct.Struct(">H")
 _HEAD = struct.Struct(">BI")
 _U32 = struct.Struct(">I")
 _U32_PAIR = struct.Struct(">II")
+_U32_LE = struct.Struct("<I")
 _EXPIRY = struct.Struct(">Q")
 
 
@@ -135,7 +136,7 @@ def encode_set_batch(sid: int, ckeys: list[bytes], stored: list[bytes]) -> bytes
     return b"".join((_HEAD.pack(Op.SET_BATCH, sid), _U32.pack(count), lengths.tobytes(), b"".join(entries)))
 
 
-def split_set_batch(rest: bytes) -> list[tuple[bytes, bytes]]:
+def split_set_batch(rest: bytes) -> Entries:
     """The (ckey, stored) pairs of a SET_BATCH record's body (what follows op and state id)."""
     try:
         (count,) = _U32.unpack_from(rest)
@@ -147,9 +148,8 @@ def split_set_batch(rest: bytes) -> list[tuple[bytes, bytes]]:
             raise ValueError("key shorter than its key-group and length prefix")
     except (struct.error, ValueError) as exc:
         raise SerializationError("change-record", f"malformed SET_BATCH: {exc}") from None
-    read = io.BytesIO(rest[body_start:]).read
-    parts = iter(list(map(read, lengths)))
-    return list(zip(parts, parts, strict=True))
+    parts = cut(rest, 2 * count, 0, lengths, body_start)
+    return Entries(parts[0::2], parts[1::2])
 
 
 def encode_set_column(sid: int, ckeys: list[bytes], column: bytes, value_size: int) -> bytes:
@@ -168,28 +168,29 @@ def encode_set_column(sid: int, ckeys: list[bytes], column: bytes, value_size: i
     return b"".join((head, _u32le(list(map(len, ckeys))), b"".join(ckeys), column))
 
 
-def split_set_column(rest: bytes) -> list[tuple[bytes, bytes]]:
+def split_set_column(rest: bytes) -> Entries:
     """The (ckey, stored) pairs of a SET_COLUMN record's body (what follows op and state id)."""
     try:
         count, size = _U32_PAIR.unpack_from(rest)
         lengths = _read_u32le(rest, 8, count)
         keys_start = 8 + 4 * count
-        if keys_start + sum(lengths) + count * size != len(rest):
+        first = rest[8:12]
+        width = _U32_LE.unpack(first)[0] if count and rest[8:keys_start] == first * count else 0
+        keys_end = keys_start + (width * count if width else sum(lengths))
+        if keys_end + count * size != len(rest):
             raise ValueError("lengths do not add up to the record")
-        if count and min(lengths) < CKEY_HEAD_BYTES:
+        if count and (width or min(lengths)) < CKEY_HEAD_BYTES:
             raise ValueError("key shorter than its key-group and length prefix")
     except (struct.error, ValueError) as exc:
         raise SerializationError("change-record", f"malformed SET_COLUMN: {exc}") from None
-    read = io.BytesIO(rest[keys_start:]).read
-    keys = list(map(read, lengths))
-    return list(zip(keys, map(read, repeat(size, count)), strict=True))
+    return Entries(cut(rest, count, width, lengths, keys_start), cut(rest, count, size, repeat(size, count), keys_end))
 
 
 #: the ops that set many keys of one key group and have no ckey of their own
 BATCH_OPS = frozenset({Op.SET_BATCH, Op.SET_COLUMN})
 
 
-def split_batch(op: Op, rest: bytes) -> list[tuple[bytes, bytes]]:
+def split_batch(op: Op, rest: bytes) -> Entries:
     """The (ckey, stored) pairs of a SET_BATCH or SET_COLUMN record's body."""
     if op is Op.SET_BATCH:
         return split_set_batch(rest)

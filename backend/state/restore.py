@@ -27,6 +27,7 @@ from typing import Any
 import lmdb
 
 from backend.core import records as rec
+from backend.core.entries import Entries
 from backend.core.errors import SerializationError, StateRestoreError
 from backend.core.handles import CHUNK_HASH, KeyedStateHandle, LogEntry, chunk_digest, intersect, read_chunk
 from backend.core.records import Op
@@ -56,7 +57,8 @@ __all__ = [
 
 #: (path, file bytes, the handle's entry naming the chunk, key groups) -> {state name: [(table key,
 #: stored value), ...] in key order}; raises a ``CorruptDataError`` naming the path unless the
-#: chunk is sound and is the one the entry names (key groups, SQN, size, entries, hash)
+#: chunk is sound and is the one the entry names (key groups, SQN, size, entries, hash), but for
+#: the keys' order, which it may leave to ``bulk_put`` (``Entries.unproven_order``)
 ChunkLoader = Callable[[str, bytes, Mapping[str, Any], KeyGroupRange], Mapping[str, Sequence[tuple[bytes, bytes]]]]
 #: called with the number of key changes applied so far
 Progress = Callable[[int], None]
@@ -129,13 +131,17 @@ def owned_logs(
 
 def bulk_put(txn: Any, db: Any, entries: Sequence[tuple[bytes, bytes]]) -> None:
     """Put ``entries`` (sorted) into ``db``: sorted appends (the fast bulk load) where they all
-    come after what the table holds, plain puts otherwise."""
+    come after what the table holds, plain puts otherwise. An append that takes them all proves
+    them strictly increasing; otherwise the order check a decoder left to it runs first
+    (``Entries.unproven_order``), and raises if they are not."""
     cursor = txn.cursor(db=db)
     try:
         _, added = cursor.putmulti(entries, append=True)
     except lmdb.KeyExistsError:
         added = -1
-    if added != len(entries):  # some were not after what the table holds: plain puts
+    if added != len(entries):  # some were not after what the table holds, or not in order: plain puts
+        if isinstance(entries, Entries):
+            entries.prove_order()
         cursor.putmulti(entries)
 
 

@@ -51,6 +51,16 @@ def test_set_column_records_split_back_into_their_entries(entries: list[tuple[in
     assert rec.split_batch(op, rest) == list(zip(keys, values, strict=True))
 
 
+@pytest.mark.parametrize("value_size", [0, 1, 8])
+@pytest.mark.parametrize("count", [1, 5000])
+def test_set_column_records_of_keys_of_one_length_split_back(value_size: int, count: int) -> None:
+    """Keys of one length are cut thousands at a time (``entries.cut``), values of no bytes too."""
+    keys = [ckey(i % 128, i.to_bytes(4, "big")) for i in range(count)]
+    values = [(i % 256).to_bytes(1, "big") * value_size for i in range(count)]
+    op, _, _, rest = rec.parse_record(rec.encode_set_column(7, keys, b"".join(values), value_size))
+    assert rec.split_batch(op, rest) == list(zip(keys, values, strict=True))
+
+
 def test_a_column_of_the_wrong_length_is_refused() -> None:
     with pytest.raises(ValueError, match="7 bytes of values are not 1 x 8"):
         rec.encode_set_column(7, [ckey(3, b"a")], b"1234567", 8)
