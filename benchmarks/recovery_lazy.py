@@ -14,11 +14,13 @@ What one *first batch* is, timed from a fresh backend on: ``materializer.periodi
 (``with backend.batch(keys):`` + ``value()``/``update(v + 1)`` per key), then a checkpoint
 (``snapshot`` until durable, as the ``state`` benchmark's batches). After a lazy first batch,
 ``hydrate()`` loads the rest (timed on its own). Every restore is checked on the batch's keys and a
-sample of others, after the hydration too. Each size runs ``ROUNDS`` rounds of the four restores
-(eager and lazy, the local rounds before the S3 ones) on fresh local directories; the best of
-each counts. Why the local rounds first: after an S3 round the S3 side may still be busy on the
-same cores (the proxy holds every answer for its latency draw, hedges that lost included, and moto
-serves them), which slowed a local round right after one (docs/benchmarks.md).
+sample of others, after the hydration too. The three states are built first; then each of
+``ROUNDS`` rounds restores every size, eager and lazy, the sizes side by side, on fresh local
+directories, the local rounds before the S3 ones; the best of each counts. Why side by side: a
+growth is the ratio of two sizes, and measured minutes apart the shared machine's drift went into
+it. Why the local rounds first: after an S3 round the S3 side may still be busy on the same cores
+(the proxy holds every answer for its latency draw, hedges that lost included, and moto serves
+them), which slowed a local round right after one (docs/benchmarks.md).
 
 Figures (``SIZE`` is ``S``, ``4S`` or ``16S``; S3's names end in ``_s3``):
 
@@ -204,20 +206,23 @@ def run_lazy(tmp: Path, st: StateChangelogStorage, quick: bool, out_dir: Path) -
             StateChangelogStorage(_s3_config(server.endpoint_url)) as direct,
             StateChangelogStorage(_s3_config(f"http://127.0.0.1:{port}")) as s3,
         ):
+            built = []
             for label, keys in zip(LABELS, sizes, strict=True):
                 size, crashed = _build(tmp, st, label, keys, log_changes)
                 copied = _copy_to_s3(st, direct, size.handle)
                 progress(f"recovery lazy: {label}: {copied / (1 << 20):.1f} MiB copied to S3")
                 rng = random.Random(keys + 1)
                 sample = rng.sample(range(keys), 500) + list(size.final)[:500]
-                batches = [rng.sample(range(keys), BATCH_KEYS) for _ in range(ROUNDS)]
-                for store, storage in (("local", st), ("s3", s3)):  # module doc: the local rounds first
-                    for r, batch in enumerate(batches):
+                built.append((size, crashed, sample, [rng.sample(range(keys), BATCH_KEYS) for _ in range(ROUNDS)]))
+            for store, storage in (("local", st), ("s3", s3)):  # module doc: the local rounds first
+                for r in range(ROUNDS):
+                    for size, _, sample, batches in built:  # module doc: the sizes side by side
                         for mode in MODES:
-                            _first_batch(tmp, storage, size, mode, store, batch, sample)
-                        progress(f"recovery lazy: {label} {store}: round {r + 1}/{ROUNDS} done")
-                crashed.close()  # the crashed process' leftovers, gone before the next size
-                shutil.rmtree(tmp / f"build-{label}")
+                            _first_batch(tmp, storage, size, mode, store, batches[r], sample)
+                    progress(f"recovery lazy: {store}: round {r + 1}/{ROUNDS} done")
+            for size, crashed, _, _ in built:
+                crashed.close()  # the crashed processes' leftovers
+                shutil.rmtree(tmp / f"build-{size.label}")
                 results.append(size)
     finally:
         if proxy is not None:
