@@ -100,8 +100,7 @@ async def call_with_retries(policy: RetryPolicy, op: str, what: str, call: Calla
                 causes.append(f"attempt {attempt}: no answer within {timeout * 1000:g} ms")
             else:
                 causes.append(f"attempt {attempt}: {describe_attempt(exc, loop.time() - start)}")
-    error = DeadlineExceededError if timed_out else StorageError
-    raise error(f"{op} {what} failed after {policy.attempts} attempt(s): {'; '.join(causes)}")
+    raise _gave_up(policy, op, what, causes, timed_out)
 
 
 def read_with_retries(
@@ -146,8 +145,14 @@ def read_with_retries(
         except Exception as exc:  # any client error (a TimeoutError it raised too): retried, then named
             timed_out = False
             causes.append(f"attempt {attempt}: {describe_attempt(exc, time.monotonic() - start)}")
+    raise _gave_up(policy, op, what, causes, timed_out)
+
+
+def _gave_up(policy: RetryPolicy, op: str, what: str, causes: list[str], timed_out: bool) -> StorageError:
+    """The error of a call whose every attempt failed: ``DeadlineExceededError`` when the last one
+    ran out of time, naming the operation, the object and each attempt."""
     error = DeadlineExceededError if timed_out else StorageError
-    raise error(f"{op} {what} failed after {policy.attempts} attempt(s): {'; '.join(causes)}")
+    return error(f"{op} {what} failed after {policy.attempts} attempt(s): {'; '.join(causes)}")
 
 
 def describe_attempt(exc: BaseException, elapsed_s: float) -> str:

@@ -36,9 +36,9 @@ from materializer.blocks import (
 )
 from materializer.errors import CorruptChunkError
 
-__all__ = ["block_entries", "entries_between", "entries_in_ranges", "point_entries"]
-
 _U32 = struct.Struct("<I")
+
+__all__ = ["block_entries", "entries_between", "entries_in_ranges", "point_entries"]
 
 
 def point_entries(
@@ -100,7 +100,7 @@ def _point_entries(
         after = found + width  # the order across the cut: one neighbour each side
         if (found > keys_start and not raw[found - width : found] < key) or (
             after < values_start and not key < raw[after : after + width]
-        ):
+        ):  # ``blocks.check_order``'s refusal, by two comparisons: this runs once per key of a batch
             raise CorruptChunkError(path, f"section {block.table!r}: keys not strictly increasing")
         keys_out.append(key)
         value_at = values_start + (found - keys_start) // width * value_width
@@ -177,7 +177,7 @@ def entries_in_ranges(
             continue
         a, b = max(lo - 1, 0), min(hi + 1, count)  # one neighbour each side: the order across the cut
         keys = split(raw, key_starts[a], cols.key_lens[a:b])
-        check_order(path, block, keys)
+        check_order(path, block.table, keys)
         keys_out += keys[lo - a : hi - a]
         values_out += split(raw, value_start(lo), cols.value_lens[lo:hi])
     return keys_out, values_out

@@ -452,9 +452,14 @@ def check_ends(path: str, block: BlockInfo, first: bytes, last: bytes) -> None:
         raise CorruptChunkError(path, f"{block.what}: key groups differ from the footer's bounds")
 
 
-def check_order(path: str, block: BlockInfo, keys: list[bytes]) -> None:
-    if not all(map(operator.lt, keys, islice(keys, 1, None))):
-        raise CorruptChunkError(path, f"section {block.table!r}: keys not strictly increasing")
+def increasing(keys: list[bytes]) -> bool:
+    return all(map(operator.lt, keys, islice(keys, 1, None)))
+
+
+def check_order(path: str, table: str, keys: list[bytes]) -> None:
+    """Raise ``CorruptChunkError`` unless ``keys`` (of section ``table``) are strictly increasing."""
+    if not increasing(keys):
+        raise CorruptChunkError(path, f"section {table!r}: keys not strictly increasing")
 
 
 def decode_block(
@@ -473,7 +478,7 @@ def decode_block(
     cols = _columns(path, payload, block, decompressor)
     keys = split(cols.raw, cols.keys_start, cols.key_lens)
     if keys:
-        check_order(path, block, keys)
+        check_order(path, block.table, keys)
         check_ends(path, block, keys[0], keys[-1])
     return keys, split(cols.raw, cols.values_start, cols.value_lens)
 
@@ -502,7 +507,7 @@ def decode_blocks(
         value_parts.append(cols.raw[cols.values_start :])
     keys = split(b"".join(key_parts), 0, key_lens)
     if keys:
-        check_order(path, blocks[0], keys)
+        check_order(path, blocks[0].table, keys)
         for block, start in zip(blocks, starts, strict=True):
             if block.count:  # with the order checked, the ends bound every key of every block
                 check_ends(path, block, keys[start], keys[start + block.count - 1])

@@ -95,6 +95,7 @@ from materializer.blocks import (
     BLOCK_SIZE,
     BlockInfo,
     SectionInfo,
+    check_order,
     checked_payload,
     decode_block,
     encode_index,
@@ -104,7 +105,6 @@ from materializer.blocks import (
 )
 from materializer.errors import CorruptChunkError
 from materializer.footers import FOOTER_ERRORS, parse_v1_footer, parse_v2_footer
-from materializer.sections import check_order as check_section_order
 from materializer.sections import decode_section
 
 __all__ = [
@@ -373,7 +373,7 @@ def _section_entries(path: str, data: memoryview, section: SectionInfo, shift: i
     """Every entry of a section whose blocks are at ``block.offset + shift`` in ``data``; ``check=False``:
     their order left to a bulk load (``Entries.unproven_order``)."""
     keys, values = decode_section(path, data, section, shift, check_order=check)
-    return Entries(keys, values, None if check else partial(check_section_order, path, section.name, keys))
+    return Entries(keys, values, None if check else partial(check_order, path, section.name, keys))
 
 
 def _decode(path: str, data: bytes, info: ChunkIndex, check_order: bool = True) -> dict[str, Entries]:

@@ -41,10 +41,9 @@ from backend.core.entries import cut
 from backend.core.tablekeys import KEY_GROUP_PREFIX_BYTES
 from backend.core.tablekeys import key_group_of as _key_group
 from dstl.format import array_from_le, le_bytes
-from materializer.blocks import SectionInfo, decode_blocks, thread_decompressor
-from materializer.errors import CorruptChunkError
+from materializer.blocks import SectionInfo, decode_blocks, increasing, thread_decompressor
 
-__all__ = ["check_order", "decode_section"]
+__all__ = ["decode_section"]
 
 #: the first four bytes of a decompressed block: its entry count
 _COUNT = operator.itemgetter(slice(0, 4))
@@ -113,7 +112,7 @@ def _decode_columns(
     keys = cut(_joined(raws, keys_start, values_start), total, key_width, key_lens)
     if tuple(map(keys.__getitem__, islice(block_starts, n))) != section.first_keys:
         return None
-    if (check_order and not _increasing(keys)) or _key_group(keys[-1]) != section.max_key_group:
+    if (check_order and not increasing(keys)) or _key_group(keys[-1]) != section.max_key_group:
         return None
     values = cut(_joined(raws, values_start, repeat(None, n)), total, value_width, value_lens)
     return keys, values
@@ -168,16 +167,6 @@ def _decompressed(
 def _joined(raws: list[memoryview], starts: Iterable[int], ends: Iterable[int | None]) -> bytes:
     """``raws[i][starts[i]:ends[i]]`` for every block ``i``, joined."""
     return b"".join(map(_cut, raws, map(slice, starts, ends)))
-
-
-def check_order(path: str, section: str, keys: list[bytes]) -> None:
-    """Raise ``CorruptChunkError`` unless ``keys`` (of ``section``) are strictly increasing."""
-    if not _increasing(keys):
-        raise CorruptChunkError(path, f"section {section!r}: keys not strictly increasing")
-
-
-def _increasing(keys: list[bytes]) -> bool:
-    return all(map(operator.lt, keys, islice(keys, 1, None)))
 
 
 def _column(column: bytes, count: int) -> tuple[array[int], int]:

@@ -44,7 +44,7 @@ from dstl.paths import check_relative
 from dstl.retry import RetryPolicy, call_with_retries, read_with_retries
 from dstl.storage.loop import StorageLoop
 from dstl.uploaders import Uploader
-from dstl.uploaders.base import BlockingReads
+from dstl.uploaders.base import BlockingReads, read_spanning
 
 __all__ = ["MAX_UNDELETED", "RetryingDfsFiles"]
 
@@ -116,9 +116,7 @@ class RetryingDfsFiles:
         blocking = self._blocking_reads
         if blocking is not None:
             return self._read_blocking(rel, lambda: blocking.submit_get_ranges(rel, ranges), timeout)
-        first, (last, length) = ranges[0][0], ranges[-1]
-        data = self.read_range(path, first, last + length - first, timeout)
-        return [data[offset - first : offset - first + size] for offset, size in ranges]
+        return read_spanning(lambda offset, length: self.read_range(path, offset, length, timeout), ranges)
 
     def _read_blocking(self, rel: str, start: Callable[[], concurrent.futures.Future[T]], timeout: float | None) -> T:
         """A read ``start`` begins in the uploader's pool, waited for here (``BlockingReads``);

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib.metadata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-__all__ = ["USER_AGENT", "BlockingReads", "Uploader"]
+__all__ = ["USER_AGENT", "BlockingReads", "Uploader", "read_spanning"]
 
 
 def _user_agent() -> str:
@@ -70,3 +70,12 @@ class BlockingReads(Protocol):
     def submit_get_ranges(
         self, path: str, ranges: Sequence[tuple[int, int]]
     ) -> concurrent.futures.Future[list[bytes]]: ...
+
+
+def read_spanning(read: Callable[[int, int], bytes], ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    """Parts ``(offset, length)`` (ascending) of what ``read(offset, length)`` reads, by one read
+    from the first to the end of the last, cut: how a store where a request costs more than the
+    bytes between the parts reads several (``DfsFiles.read_ranges``)."""
+    first, (last, length) = ranges[0][0], ranges[-1]
+    data = read(first, last + length - first)
+    return [data[offset - first : offset - first + size] for offset, size in ranges]

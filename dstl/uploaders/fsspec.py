@@ -40,6 +40,7 @@ import fsspec
 from dstl.atomic import write_atomically
 from dstl.errors import ConfigurationError, StorageClosedError
 from dstl.paths import check_relative
+from dstl.uploaders.base import read_spanning
 
 __all__ = ["FsspecUploader"]
 
@@ -233,9 +234,7 @@ class FsspecUploader:
 
     def _get_ranges_sync(self, full: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         if not self._local:  # one request spanning them
-            first, (last, length) = ranges[0][0], ranges[-1]
-            data = self._get_sync(full, first, last + length - first)
-            return [data[offset - first : offset - first + size] for offset, size in ranges]
+            return read_spanning(lambda offset, length: self._get_sync(full, offset, length), ranges)
         fd = os.open(full, os.O_RDONLY)
         try:
             return [_pread(fd, offset, length) for offset, length in ranges]
