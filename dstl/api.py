@@ -76,6 +76,14 @@ class DfsFiles(Protocol):
         for messages and locations."""
         ...
 
+    @property
+    def parallel_reads(self) -> int | None:
+        """How many reads a caller reading many parts should keep in flight, or None: no limit of
+        the store's own (an object store hides its latency behind many). A local directory says 1:
+        its reads are copies from the page cache on the CPU, and more reading threads only wait for
+        each other's turn at the interpreter lock."""
+        ...
+
     def put(self, path: str, data: bytes, timeout: float | None = None) -> None:
         """Write a whole file."""
         ...

@@ -49,7 +49,8 @@ __all__ = [
     "named",
 ]
 
-#: concurrent ranged reads of one load or of the hydration's prefetch
+#: concurrent ranged reads of one load or of the hydration's prefetch, at most: fewer if the store
+#: asks (``DfsFiles.parallel_reads``: a local directory reads on one thread)
 FETCH_THREADS = 8
 #: the table of what is local (module doc; not a state: ``LmdbTables.unlisted_database``)
 LOCAL_DB = "__lazy_local__"
@@ -201,7 +202,8 @@ class PartReader:
 
     def pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="lazy-restore")
+            threads = min(FETCH_THREADS, self.files.parallel_reads or FETCH_THREADS)
+            self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="lazy-restore")
         return self._pool
 
     def close(self) -> None:

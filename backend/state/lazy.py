@@ -20,8 +20,8 @@ What is read when (docs/architecture.md, "Lazy restore"):
   LMDB in one transaction, which also deletes those pending changes; once it committed the key is
   local. No partial key is ever visible: the transaction commits whole or not at all, and the
   access that failed leaves the previous key current. ``backend.batch(keys)`` loads the batch's
-  keys that are not local the same way, their block reads concurrent (``FETCH_THREADS``), in one
-  transaction.
+  keys that are not local the same way, their block reads concurrent (``FETCH_THREADS``, fewer if
+  the store asks: ``DfsFiles.parallel_reads``) and all in before the decoding, in one transaction.
 - **In the background** (``hydrate_step``, driven by the owner between units of work): whole key
   groups, in order: each chunk part read whole (runs of parts lying back to back in one pack in one
   ranged read, as the eager restore, prefetched with at most ``HYDRATION_BYTES`` in flight), checked
@@ -64,6 +64,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from backend.core import records as rec
+from backend.core.collector import collector_paused
 from backend.core.errors import SerializationError, StateRestoreError
 from backend.core.handles import KeyedStateHandle, LogEntry
 from backend.core.records import Op
@@ -227,10 +228,15 @@ class LazyRestore:
     def load(self, cks: Sequence[bytes]) -> None:
         """Make the keys ``cks`` (not local, in cold key groups) local: one transaction (module doc).
 
-        Every ranged read is submitted to the reader's pool first; the keys of a part are decoded
-        (on this thread: decoding on the pool measured no faster, its threads contend for the GIL)
-        as soon as that part's reads are in, while the later parts' reads go on.
+        The blocks are read first (``_read_runs``), then decoded on this thread (decoding on the
+        pool measured no faster, its threads contend for the interpreter lock); the cyclic garbage
+        collector is paused meanwhile (``collector_paused``: the plan's many small objects all live
+        to the end).
         """
+        with collector_paused():
+            self._load(cks)
+
+    def _load(self, cks: Sequence[bytes]) -> None:
         cks = sorted(set(cks))
         wanted = [(ck, part) for ck in cks for part in self._by_kg.get(key_group_of(ck), ())]
         self.open_indexes([part for _, part in wanted], lambda p: key_groups_of([ck for ck, q in wanted if q is p]))
@@ -261,32 +267,14 @@ class LazyRestore:
                         have[key] = cached
                     elif key not in need:
                         need[key] = (part, offset, length, key_group_of(ck))
-        runs = self._runs(need)
-        reads: list[concurrent.futures.Future[dict[tuple[int, int], bytes]]] = []
+        fetched = self._read_runs(self._runs(need))
+        datas = dict(have)
+        datas.update(fetched)
         entries: dict[str, list[tuple[bytes, bytes]]] = {}
-        try:
-            if len(runs) == 1:  # one read: on this thread, not queued behind the hydration's reads ahead
-                done: concurrent.futures.Future[dict[tuple[int, int], bytes]] = concurrent.futures.Future()
-                done.set_result(self._read_run(runs[0]))  # a failure raises before any future is pending
-                reads.append(done)
-            else:
-                pool = self.reader.pool()
-                reads.extend(pool.submit(self._read_run, run) for run in runs)
-            by_part: dict[int, list[concurrent.futures.Future[dict[tuple[int, int], bytes]]]] = {}
-            for run, read in zip(runs, reads, strict=True):
-                by_part.setdefault(run[0][0].number, []).append(read)
-            datas = dict(have)
-            for number, plan in plans.items():  # decoded part by part, while the later parts' reads go on
-                for read in by_part.get(number, ()):
-                    datas.update(read.result())
-                for table, found in _decode_part(parts[number], plan, datas).items():
-                    entries.setdefault(table, []).extend(found)
-        except BaseException:  # the reads not started yet are dropped, the others waited for:
-            for read in reads:  # none runs on once the load raised
-                read.cancel()
-            concurrent.futures.wait(reads)
-            raise
-        self._cache([item for read in reads for item in read.result().items()])
+        for number, plan in plans.items():
+            for table, found in _decode_part(parts[number], plan, datas).items():
+                entries.setdefault(table, []).extend(found)
+        self._cache(list(fetched.items()))
         with self.lock:
             with self.tables.write(f"the lazy load of {len(cks)} keys") as txn:
                 for table, items in entries.items():
@@ -316,6 +304,28 @@ class LazyRestore:
             else:
                 runs.append([block])
         return runs
+
+    def _read_runs(self, runs: list[list[_Block]]) -> dict[tuple[int, int], bytes]:
+        """Every block of ``runs``, read concurrently on the reader's pool (one run: on this thread, not
+        queued behind the hydration's reads ahead), all of them in before this returns; a failure
+        raises once the others ended (the ones not started are dropped).
+
+        Why no decoding while reads go on: each zstd call releases the interpreter lock, and getting
+        it back behind the reading threads cost more than the call (docs/benchmarks.md); on an
+        object store the decode is a small part of a request's latency."""
+        if len(runs) == 1:
+            return self._read_run(runs[0])
+        reads = [self.reader.pool().submit(self._read_run, run) for run in runs]
+        try:
+            fetched: dict[tuple[int, int], bytes] = {}
+            for read in reads:
+                fetched.update(read.result())
+            return fetched
+        except BaseException:  # none runs on once the load raised
+            for read in reads:
+                read.cancel()
+            concurrent.futures.wait(reads)
+            raise
 
     def _read_run(self, run: list[_Block]) -> dict[tuple[int, int], bytes]:
         """The blocks of a run in one call (``DfsFiles.read_ranges``: of a local chunk only their

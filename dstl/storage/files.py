@@ -81,6 +81,12 @@ class RetryingDfsFiles:
         self._lock = threading.Lock()
         self._undeleted: OrderedDict[str, None] = OrderedDict()  # under ``_lock``
 
+    @property
+    def parallel_reads(self) -> int | None:
+        """The uploader's ``parallel_reads`` if it has one (``DfsFiles.parallel_reads``)."""
+        limit: int | None = getattr(self._uploader, "parallel_reads", None)
+        return limit
+
     # -- blocking calls (any thread but the loop's) -----------------------------------------
 
     def put(self, path: str, data: bytes, timeout: float | None = None) -> None:

@@ -42,7 +42,8 @@ class Uploader(Protocol):
     """What the log needs from a file system. Every method may raise ``OSError``-like errors;
     ``get`` of a missing object raises ``FileNotFoundError``. An implementation may also have an
     ``async def open(self) -> None``, which the storage awaits once, before it hands out writers
-    (``dstl.uploaders.s3``: the client's slow creation must not hold the storage's loop later)."""
+    (``dstl.uploaders.s3``: the client's slow creation must not hold the storage's loop later), and
+    a ``parallel_reads`` property (``dstl.api.DfsFiles.parallel_reads``)."""
 
     async def put(self, path: str, data: bytes) -> None: ...
     async def get(self, path: str, offset: int = 0, length: int | None = None) -> bytes: ...

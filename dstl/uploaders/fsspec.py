@@ -108,6 +108,11 @@ class FsspecUploader:
         self._on_release: dict[int, list[Callable[[], None]]] = {}
         self._writes_lock = threading.Lock()
 
+    @property
+    def parallel_reads(self) -> int | None:
+        """1 for a local directory, else no limit (``DfsFiles.parallel_reads``)."""
+        return 1 if self._local else None
+
     def _full(self, path: str) -> str:
         return f"{self._root}/{check_relative(path)}"
 

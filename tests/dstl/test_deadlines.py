@@ -239,6 +239,7 @@ def test_ranged_reads_of_a_local_file_read_what_is_there(tmp_path: Path) -> None
     data = os.urandom(100_000)
     with StateChangelogStorage(ChangelogConfig.local(tmp_path / "job")) as storage:
         storage.files.put(PATH, data)
+        assert storage.files.parallel_reads == 1  # page-cache copies: more threads only contend
         assert storage.files.read_range(PATH, 0, 10) == data[:10]
         assert storage.files.read_range(PATH, 99_990, 64) == data[99_990:]
         assert storage.files.read_range(PATH, 200_000, 10) == b""
@@ -270,6 +271,7 @@ def test_ranged_reads_of_several_parts_are_one_call_with_its_deadline_and_retrie
     data = os.urandom(50_000)
     storage, _ = faulty_storage(tmp_path, plan, max_attempts=3)
     try:
+        assert storage.files.parallel_reads is None  # no limit of the store's own
         storage.files.put(PATH, data)
         fault = plan.add(Fault(op="get", path=PATH, action="fail", times=2))
         assert storage.files.read_ranges(PATH, [(10, 5), (40_000, 100)]) == [data[10:15], data[40_000:40_100]]

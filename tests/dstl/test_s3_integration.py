@@ -160,6 +160,7 @@ def test_round_trip_one_object_per_flush_and_ranged_reads(moto_server: S3Server,
     config = s3_config(endpoint, bucket, persist_delay_ms=30_000)
     ranges = [KeyGroupRange(0, 9), KeyGroupRange(10, 19), KeyGroupRange(20, 29)]
     with StateChangelogStorage(config) as storage:
+        assert storage.files.parallel_reads is None  # latency to hide: as many reads as the caller likes
         writers = [storage.create_writer(f"op{i}", rng) for i, rng in enumerate(ranges)]
 
         first = [append_records(w, rng, f"a{i}", 200) for i, (w, rng) in enumerate(zip(writers, ranges, strict=True))]

@@ -6,6 +6,7 @@ current, nothing of the key is in the tables) and works once the storage is back
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,7 @@ def test_a_batch_whose_blocks_cannot_be_read_fails_before_its_work_and_works_aga
     with pytest.raises(StorageError, match="key group"), b.batch(keys):
         ran = True
     assert not ran and stored_keys(b, VALUE.name) == 0
+    assert gc.isenabled()  # the load paused the garbage collector: back on after it failed
     faulty.plan.clear()
     with b.batch(keys):
         assert [read(b, k) for k in keys] == [expected(model, k) for k in keys]
