@@ -452,11 +452,11 @@ def check_ends(path: str, block: BlockInfo, first: bytes, last: bytes) -> None:
         raise CorruptChunkError(path, f"{block.what}: key groups differ from the footer's bounds")
 
 
-def increasing(keys: list[bytes]) -> bool:
+def increasing(keys: Sequence[bytes]) -> bool:
     return all(map(operator.lt, keys, islice(keys, 1, None)))
 
 
-def check_order(path: str, table: str, keys: list[bytes]) -> None:
+def check_order(path: str, table: str, keys: Sequence[bytes]) -> None:
     """Raise ``CorruptChunkError`` unless ``keys`` (of section ``table``) are strictly increasing."""
     if not increasing(keys):
         raise CorruptChunkError(path, f"section {table!r}: keys not strictly increasing")

@@ -373,7 +373,7 @@ def _section_entries(path: str, data: memoryview, section: SectionInfo, shift: i
     """Every entry of a section whose blocks are at ``block.offset + shift`` in ``data``; ``check=False``:
     their order left to a bulk load (``Entries.unproven_order``)."""
     keys, values = decode_section(path, data, section, shift, check_order=check)
-    return Entries(keys, values, None if check else partial(check_order, path, section.name, keys))
+    return Entries(keys, values, None if check else partial(check_order, path, section.name))
 
 
 def _decode(path: str, data: bytes, info: ChunkIndex, check_order: bool = True) -> dict[str, Entries]:

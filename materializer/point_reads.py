@@ -18,7 +18,7 @@ from typing import Any, cast
 
 from backend.state.chunk_parts import BlockSpan
 from dstl.types import KeyGroupRange
-from materializer.binding import bound_chunk_sections, check_index_binding
+from materializer.binding import bulk_load_sections, check_index_binding
 from materializer.chunks import BlockInfo, ChunkIndex, read_chunk_index
 
 __all__ = ["POINT_READS", "ChunkPointReads", "IndexView"]
@@ -62,7 +62,7 @@ class ChunkPointReads:
     def load(
         self, path: str, data: bytes, entry: Mapping[str, Any], key_groups: KeyGroupRange
     ) -> dict[str, Sequence[tuple[bytes, bytes]]]:
-        return bound_chunk_sections(path, data, entry, key_groups)
+        return bulk_load_sections(path, data, entry, key_groups)
 
 
 #: the one instance (it holds nothing)

@@ -14,7 +14,9 @@ A decoder may leave the check that the keys are strictly increasing to an LMDB b
 table's last one, so an append that takes every entry has compared each key with the one before it,
 as the check would, and a second pass over every key in Python is saved. The bulk load
 (``backend.state.restore.bulk_put``) calls ``prove_order`` when its append did not take them all,
-before it puts them another way.
+before it puts them another way; one that appends all but some runs of entries (the hydration of a
+lazy restore leaves out the keys already local) proves those runs with a neighbour on each side
+(``prove_order_of``).
 """
 
 from __future__ import annotations
@@ -32,23 +34,33 @@ __all__ = ["Entries", "cut"]
 class Entries(Sequence[tuple[bytes, bytes]]):
     """The pairs ``(keys[i], values[i])``, sorted by key as the section holds them.
 
-    ``unproven_order``: the decoder's check that the keys are strictly increasing, raising its error
-    naming the file if they are not, when it left the check to a bulk load (module doc).
+    ``unproven_order``: the decoder's check that the keys given are strictly increasing, raising
+    its error naming the file if they are not, when it left the check to a bulk load (module doc).
     """
 
     __slots__ = ("keys", "unproven_order", "values")
 
     def __init__(
-        self, keys: list[bytes], values: list[bytes], unproven_order: Callable[[], None] | None = None
+        self,
+        keys: list[bytes],
+        values: list[bytes],
+        unproven_order: Callable[[Sequence[bytes]], None] | None = None,
     ) -> None:
         self.keys, self.values = keys, values
         self.unproven_order = unproven_order
 
     def prove_order(self) -> None:
-        """Run the order check the decoder left to a bulk load, if any (it raises if they are unsorted)."""
+        """Run the order check the decoder left to a bulk load, if any, on every key (it raises if
+        they are unsorted); proven, it is dropped."""
         check, self.unproven_order = self.unproven_order, None
         if check is not None:
-            check()
+            check(self.keys)
+
+    def prove_order_of(self, start: int, stop: int) -> None:
+        """Run that check on the keys ``[start, stop)`` only: what an append that took the others
+        did not compare (module doc)."""
+        if self.unproven_order is not None:
+            self.unproven_order(self.keys[start:stop])
 
     def __len__(self) -> int:
         return len(self.keys)

@@ -108,7 +108,8 @@ class ChunkSource(Protocol):
     def load(
         self, path: str, data: bytes, entry: Mapping[str, Any], key_groups: KeyGroupRange
     ) -> Mapping[str, Sequence[tuple[bytes, bytes]]]:
-        """A whole chunk's entries of ``key_groups``, checked as an eager restore checks it."""
+        """A whole chunk's entries of ``key_groups``, checked as an eager restore checks it, the
+        order of its keys possibly left to the caller's append to prove (``Entries.unproven_order``)."""
         ...
 
 

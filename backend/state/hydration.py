@@ -47,6 +47,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import lmdb
+
 from backend.core import records as rec
 from backend.core.entries import Entries
 from backend.core.handles import CHUNK_HASH, chunk_digest
@@ -312,6 +314,11 @@ def _by_table(loaded: list[Sections]) -> dict[str, Sequence[tuple[bytes, bytes]]
         for name, entries in sections.items():
             if name != TIMERS_DB and entries:
                 tables.setdefault(name, []).append(entries)
+    for runs in tables.values():
+        if len(runs) > 1:  # merged: no append proves the order of each part's entries
+            for run in runs:
+                if isinstance(run, Entries):
+                    run.prove_order()
     return {name: runs[0] if len(runs) == 1 else sorted(itertools.chain(*runs)) for name, runs in tables.items()}
 
 
@@ -369,12 +376,20 @@ class _Moved:
                 held = self.held[name] = _Held(db, taken)
         cursor = self.txn.cursor(db=db)
         if held is None:
-            cursor.putmulti(_Spliced(entries, cks, []))
+            spliced = _Spliced(entries, cks, [])
+            spliced.entries.prove_order()  # plain puts prove nothing
+            cursor.putmulti(spliced)
             return
         merged = _Spliced(entries, cks, held.below(end))
-        consumed, added = cursor.putmulti(merged, append=True)
+        try:
+            consumed, added = cursor.putmulti(merged, append=True)
+        except lmdb.KeyExistsError:
+            consumed, added = 1, 0
         if added != consumed:  # a key of the table's was in the chunk's too: plain puts, the table's last
+            merged.entries.prove_order()
             cursor.putmulti(merged)
+        else:
+            merged.prove_left_out()
 
     def put_back(self, end: bytes | None) -> None:
         """Put back what was taken out below ``end`` (None: all of it): it appends."""
@@ -420,6 +435,17 @@ class _Spliced:
             self.steps.append((at - taken, 0, [item]))
             taken = at
         self.rest = len(keys) - taken
+
+    def prove_left_out(self) -> None:
+        """After an append took every entry put (which proves their order): prove the order of each
+        run of entries left out, with a neighbour on each side (``Entries.prove_order_of``), so the
+        whole section is proven as a full check would."""
+        at = 0
+        for keep, skip, _ in self.steps:
+            at += keep
+            if skip:
+                self.entries.prove_order_of(max(at - 1, 0), at + skip + 1)
+            at += skip
 
     def __iter__(self) -> Iterator[tuple[bytes, bytes]]:
         if not self.steps:

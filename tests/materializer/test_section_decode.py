@@ -1,6 +1,7 @@
 """A whole section decoded at once (``materializer.sections``) gives what its blocks give one by one,
-and refuses what a one-block read refuses, with the same error; an eager restore leaves the keys'
-order to LMDB's append and still refuses a chunk whose keys are out of order.
+and refuses what a one-block read refuses, with the same error; an eager restore and a lazy
+restore's hydration leave the keys' order to LMDB's append and still refuse a chunk whose keys are
+out of order.
 
 The damaged chunks are well formed but for one block whose columns a buggy writer got wrong: its
 checksum, its index row and the footer agree with it, so only the checks of the columns can tell.
@@ -20,12 +21,15 @@ from hypothesis import strategies as st
 
 from backend.core.entries import _FIELDS, Entries
 from backend.core.handles import KeyedStateHandle, chunk_digest
+from backend.core.serializers import serialize_key
+from backend.core.tablekeys import ckey
 from backend.state.restore import bulk_put
 from dstl import CorruptDataError, KeyGroupRange
 from materializer.blocks import decode_block, decode_blocks
 from materializer.chunks import chunk_info, chunk_sections, decode_chunk, encode_chunk
 from materializer.errors import CorruptChunkError
-from tests.materializer.test_chunk_binding import World, materialized_handle
+from materializer.periodic import restore
+from tests.materializer.test_chunk_binding import COUNT, World, materialized_handle
 from tests.materializer.test_chunk_blocks import Parts, assemble, assert_corrupt, key, split
 
 PATH = "shared/pack-7.chunks#chunk-0003-0009"
@@ -195,23 +199,52 @@ def test_a_bulk_load_proves_the_order_it_was_left_or_has_it_checked(tmp_path: Pa
         chunk_sections(PATH, bad, RANGE)  # checked at once by default
 
 
+def unsorted_handle(world: World) -> tuple[KeyedStateHandle, str, list[bytes]]:
+    """A checkpoint whose chunk of key group 1 has keys 2 and 3 of its first "count" block swapped;
+    the chunk's hash and size in the handle are its own: only the order of its keys is wrong. Also
+    that chunk's path and the block's keys (ckeys) as they were."""
+    _, handle = materialized_handle(world, {k: k for k in range(400)})
+    value = handle.to_json()
+    entry = next(c for c in value["materialized"] if c["key_groups"] == [1, 1])
+    path = world.dfs / str(entry["path"])
+    parts = split(path.read_bytes())
+    (section,) = [i for i, s in enumerate(parts.footer["sections"]) if s["name"] == "count"]
+    keys, values = block_columns(parts, section, 0)
+    assert len(keys) > 4
+    path.write_bytes(with_block(parts, section, 0, columns(swapped(keys, 2, 3), values)))
+    entry.update(size=path.stat().st_size, sha256=chunk_digest(path.read_bytes()))
+    return KeyedStateHandle.from_json(value), str(entry["path"]), keys
+
+
 def test_an_eager_restore_refuses_a_chunk_whose_keys_are_out_of_order(tmp_path: Path) -> None:
-    """The chunk's hash and size in the handle are its own: only the order of its keys is wrong."""
     world = World(tmp_path)
     try:
-        _, handle = materialized_handle(world, {k: k for k in range(400)})
-        value = handle.to_json()
-        entry = next(c for c in value["materialized"] if c["key_groups"] == [1, 1])
-        path = world.dfs / str(entry["path"])
-        parts = split(path.read_bytes())
-        (section,) = [i for i, s in enumerate(parts.footer["sections"]) if s["name"] == "count"]
-        keys, values = block_columns(parts, section, 0)
-        assert len(keys) > 4
-        path.write_bytes(with_block(parts, section, 0, columns(swapped(keys, 2, 3), values)))
-        entry.update(size=path.stat().st_size, sha256=chunk_digest(path.read_bytes()))
+        handle, path, _ = unsorted_handle(world)
         with pytest.raises(CorruptDataError) as refused:
-            world.restored(KeyedStateHandle.from_json(value))
-        assert str(entry["path"]) in str(refused.value)
+            world.restored(handle)
+        assert path in str(refused.value)
         assert "section 'count': keys not strictly increasing" in str(refused.value)
+    finally:
+        world.close()
+
+
+@pytest.mark.parametrize("loaded_first", [False, True], ids=["nothing-local", "a-key-of-the-block-local"])
+def test_a_hydration_refuses_a_chunk_whose_keys_are_out_of_order(tmp_path: Path, loaded_first: bool) -> None:
+    """The hydration appends a chunk's entries, leaving out the keys loaded on access before: either
+    way the swapped keys are refused, naming the chunk, and nothing of the key group is hydrated."""
+    world = World(tmp_path)
+    try:
+        handle, path, keys = unsorted_handle(world)
+        b = world.backend()
+        restore(b, [handle], mode="lazy")
+        if loaded_first:  # the block's first key, whose neighbour is in order: its point read passes
+            first = next(k for k in range(400) if ckey(1, serialize_key(k)) == keys[0])
+            b.set_current_key(first)
+            assert b.get_state(COUNT).value() == first
+        with pytest.raises(CorruptDataError) as refused:
+            b.hydrate()
+        assert path in str(refused.value)
+        assert "section 'count': keys not strictly increasing" in str(refused.value)
+        assert not b.fully_local
     finally:
         world.close()
