@@ -81,7 +81,7 @@ class DfsFiles(Protocol):
         """How many reads a caller reading many parts should keep in flight, or None: no limit of
         the store's own (an object store hides its latency behind many). A local directory says 1:
         its reads are copies from the page cache on the CPU, and more reading threads only wait for
-        each other's turn at the interpreter lock."""
+        each other's turn at the interpreter lock. ``ChangelogConfig.parallel_reads`` overrides it."""
         ...
 
     def put(self, path: str, data: bytes, timeout: float | None = None) -> None:

@@ -144,6 +144,12 @@ class ChangelogConfig:
     s3: S3Options = field(default_factory=S3Options)
     #: number of directories files are spread over (``dstl/<prefix>/<uuid>``)
     prefix_count: int = 256
+    #: ranged reads a reader of many parts (a lazy restore) keeps in flight
+    #: (``DfsFiles.parallel_reads``); None: the store's own choice, 1 for a local directory (its
+    #: reads are page-cache copies on the CPU: more threads only contend for the interpreter lock),
+    #: no limit otherwise. A local path on a network mount (NFS, ``/dbfs``) waits on the network
+    #: like an object store: give it more.
+    parallel_reads: int | None = None
 
     def __post_init__(self) -> None:
         if not self.base_path:
@@ -157,6 +163,7 @@ class ChangelogConfig:
             "max_attempts": self.max_attempts,
             "prefix_count": self.prefix_count,
             "expected_persist_wait_ms": self.expected_persist_wait_ms,
+            "parallel_reads": 1 if self.parallel_reads is None else self.parallel_reads,
         }
         for name, value in positive.items():
             if value <= 0:

@@ -6,7 +6,7 @@ names what it needs with plain types (byte ranges, table names, entries), and th
 with the chunk index: ``read_chunk_index`` (one ranged read of the tail, a second if it is longer),
 checked against the handle's entry (key groups, SQN, entries: ``binding.check_index_binding``; the
 size and hash need the whole chunk, which the hydration reads and checks with
-``bound_chunk_sections`` as an eager restore does), ``SectionInfo.blocks_for`` and
+``bulk_load_sections`` as an eager restore does, the keys' order left to its append), ``SectionInfo.blocks_for`` and
 ``ChunkIndex.point_entries`` with the keys as prefixes (only their entries are sliced out; the
 keys of a batch that share blocks decode them once).
 """

@@ -49,8 +49,8 @@ __all__ = [
     "named",
 ]
 
-#: concurrent ranged reads of one load or of the hydration's prefetch, at most: fewer if the store
-#: asks (``DfsFiles.parallel_reads``: a local directory reads on one thread)
+#: concurrent ranged reads of one load or of the hydration's prefetch, unless the store says how
+#: many (``DfsFiles.parallel_reads``: a local directory reads one at a time)
 FETCH_THREADS = 8
 #: the table of what is local (module doc; not a state: ``LmdbTables.unlisted_database``)
 LOCAL_DB = "__lazy_local__"
@@ -203,7 +203,7 @@ class PartReader:
 
     def pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
-            threads = min(FETCH_THREADS, self.files.parallel_reads or FETCH_THREADS)
+            threads = self.files.parallel_reads or FETCH_THREADS
             self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="lazy-restore")
         return self._pool
 

@@ -6,12 +6,12 @@ is read whole, as the eager restore reads it: a run of parts lying back to back 
 ranged read (``SPAN_BYTES`` at most), read ahead on the reader's pool with at most
 ``HYDRATION_BYTES`` read and not loaded yet, so the reads overlap the owner's work between steps.
 A part is checked as the eager restore checks it (``ChunkSource.load``: size, hash, footer, key
-groups) and its entries put but those of the keys already local (loaded on access, and maybe
-changed since: their entries in LMDB are newer than the chunk's; they are cut out of the part's
-sorted entries by a binary search per local key, not by a test of every entry), then the pending
-changes of the unit's key groups (all of keys not local: a key's are deleted when it is loaded) are
-applied in log order (and left in their table, which goes when every key group is hydrated), and
-the key groups are marked hydrated. A step's units go in
+groups; the order of its keys is left to the append, below) and its entries put but those of the
+keys already local (loaded on access, and maybe changed since: their entries in LMDB are newer than
+the chunk's; they are cut out of the part's sorted entries by a binary search per local key, not by
+a test of every entry), then the pending changes of the unit's key groups (all of keys not local: a
+key's are deleted when it is loaded) are applied in log order (and left in their table, which goes
+when every key group is hydrated), and the key groups are marked hydrated. A step's units go in
 one transaction (a new one after ``TXN_ENTRIES`` entries or ``TXN_BYTES`` of chunks), so that none
 of its key groups is visible before all of them are, and a crash leaves the tables as before it.
 
@@ -25,7 +25,11 @@ and deleted at the start of the transaction, merged back into each unit's append
 it, and appended after the last unit; all of it in the transaction, so the owner never sees the
 table without them. Moving costs a few puts per entry, so where more entries lie there than a
 fraction of what the transaction loads (``MOVE_FRACTION``; ``MOVE_ALWAYS`` are always moved), the
-table's entries are put with plain puts instead. The pending changes are applied per key: a key
+table's entries are put with plain puts instead. The order of a chunk's keys, which the decoder
+leaves unchecked (``Entries.unproven_order``), is proven by the append where it takes every entry
+put (each key above the one before it), the runs of entries left out (the keys loaded on access)
+checked with a neighbour on each side; before plain puts, or an append that did not take them
+all, the whole section is checked. The pending changes are applied per key: a key
 with only SETs comes down to the last SET of each state, put with the others of that state in one
 sorted ``putmulti``; a key with any other change has its records applied one by one, in log order,
 as the eager replay does (``restore.apply_record``).
@@ -46,8 +50,6 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import lmdb
 
 from backend.core import records as rec
 from backend.core.entries import Entries
@@ -199,8 +201,12 @@ class Hydration:
         start, end = key_group_prefix(rng.start), key_group_prefix(rng.end + 1)
         keys = self._local_keys(rng) if any(kg in self.local.key_groups for kg in rng) else []
         loaded = [self._load(part, datas[part.number], intersection(part.rng, rng)) for part in unit.parts]
-        for name, entries in _by_table(loaded).items():
-            moved.put(name, self.tables.database_in(txn, name), entries, keys, start, end, coming)
+
+        def put() -> None:  # the keys' order is proven here: its refusal names the key groups, as the load's
+            for name, entries in _by_table(loaded).items():
+                moved.put(name, self.tables.database_in(txn, name), entries, keys, start, end, coming)
+
+        named(f"key groups {rng.to_json()}", put)
         moved.put_back(end)
         self._apply_pending(txn, start, end)
         self.local.record_hydrated(txn, rng)  # in the same transaction: an adopting process sees both or neither
@@ -381,10 +387,7 @@ class _Moved:
             cursor.putmulti(spliced)
             return
         merged = _Spliced(entries, cks, held.below(end))
-        try:
-            consumed, added = cursor.putmulti(merged, append=True)
-        except lmdb.KeyExistsError:
-            consumed, added = 1, 0
+        consumed, added = cursor.putmulti(merged, append=True)  # a key not above the last one: not added
         if added != consumed:  # a key of the table's was in the chunk's too: plain puts, the table's last
             merged.entries.prove_order()
             cursor.putmulti(merged)

@@ -20,8 +20,9 @@ What is read when (docs/architecture.md, "Lazy restore"):
   LMDB in one transaction, which also deletes those pending changes; once it committed the key is
   local. No partial key is ever visible: the transaction commits whole or not at all, and the
   access that failed leaves the previous key current. ``backend.batch(keys)`` loads the batch's
-  keys that are not local the same way, their block reads concurrent (``FETCH_THREADS``, fewer if
-  the store asks: ``DfsFiles.parallel_reads``) and all in before the decoding, in one transaction.
+  keys that are not local the same way, in one transaction, their block reads all in before the
+  decoding: concurrent (``FETCH_THREADS``), or one after the other on the caller's thread where the
+  store reads one at a time (``DfsFiles.parallel_reads``: a local directory).
 - **In the background** (``hydrate_step``, driven by the owner between units of work): whole key
   groups, in order: each chunk part read whole (runs of parts lying back to back in one pack in one
   ranged read, as the eager restore, prefetched with at most ``HYDRATION_BYTES`` in flight), checked
@@ -110,6 +111,10 @@ _SEQ = struct.Struct(">Q")
 _Block = tuple[Part, int, int, int]
 #: the blocks of a table that may hold some keys, and those keys
 _Keys = tuple[Sequence[BlockSpan], list[bytes]]
+#: per part number, the keys of each run of blocks of a table: (table, first offset, blocks) -> ...
+_Plans = dict[int, dict[tuple[str, int, int], _Keys]]
+#: blocks' bytes by (part number, offset)
+_Datas = dict[tuple[int, int], bytes]
 
 
 class LazyRestore:
@@ -229,21 +234,36 @@ class LazyRestore:
         """Make the keys ``cks`` (not local, in cold key groups) local: one transaction (module doc).
 
         The blocks are read first (``_read_runs``), then decoded on this thread (decoding on the
-        pool measured no faster, its threads contend for the interpreter lock); the cyclic garbage
-        collector is paused meanwhile (``collector_paused``: the plan's many small objects all live
-        to the end).
+        pool measured no faster, its threads contend for the interpreter lock). The cyclic garbage
+        collector is paused while the plan is made and while the blocks are decoded and written
+        (``collector_paused``: their many small objects all live to the end), not during the reads,
+        which may wait on the network for a while.
         """
-        with collector_paused():
-            self._load(cks)
-
-    def _load(self, cks: Sequence[bytes]) -> None:
         cks = sorted(set(cks))
         wanted = [(ck, part) for ck in cks for part in self._by_kg.get(key_group_of(ck), ())]
         self.open_indexes([part for _, part in wanted], lambda p: key_groups_of([ck for ck, q in wanted if q is p]))
-        # per part, the keys sharing the same blocks of a table: their blocks are decoded once
-        plans: dict[int, dict[tuple[str, int, int], _Keys]] = {}
+        with collector_paused():
+            plans, parts, have, need = self._plan(wanted)
+        fetched = self._read_runs(self._runs(need))
+        with collector_paused():
+            datas = dict(have)
+            datas.update(fetched)
+            entries: dict[str, list[tuple[bytes, bytes]]] = {}
+            for number, plan in plans.items():
+                for table, found in _decode_part(parts[number], plan, datas).items():
+                    entries.setdefault(table, []).extend(found)
+            self._cache(list(fetched.items()))
+            self._write(cks, entries)
+
+    def _plan(
+        self, wanted: list[tuple[bytes, Part]]
+    ) -> tuple[_Plans, dict[int, Part], _Datas, dict[tuple[int, int], _Block]]:
+        """For ``wanted`` (keys and the parts covering them, indexes open): per part, the keys sharing
+        the same blocks of a table (their blocks are decoded once); the parts by number; the
+        blocks the LRU holds; the blocks to read."""
+        plans: _Plans = {}
         parts: dict[int, Part] = {}
-        have: dict[tuple[int, int], bytes] = {}
+        have: _Datas = {}
         need: dict[tuple[int, int], _Block] = {}
         for ck, part in wanted:
             assert part.view is not None
@@ -267,14 +287,10 @@ class LazyRestore:
                         have[key] = cached
                     elif key not in need:
                         need[key] = (part, offset, length, key_group_of(ck))
-        fetched = self._read_runs(self._runs(need))
-        datas = dict(have)
-        datas.update(fetched)
-        entries: dict[str, list[tuple[bytes, bytes]]] = {}
-        for number, plan in plans.items():
-            for table, found in _decode_part(parts[number], plan, datas).items():
-                entries.setdefault(table, []).extend(found)
-        self._cache(list(fetched.items()))
+        return plans, parts, have, need
+
+    def _write(self, cks: list[bytes], entries: Mapping[str, list[tuple[bytes, bytes]]]) -> None:
+        """Write the keys' ``entries``, then their pending changes, in one transaction; then they are local."""
         with self.lock:
             with self.tables.write(f"the lazy load of {len(cks)} keys") as txn:
                 for table, items in entries.items():
@@ -305,19 +321,21 @@ class LazyRestore:
                 runs.append([block])
         return runs
 
-    def _read_runs(self, runs: list[list[_Block]]) -> dict[tuple[int, int], bytes]:
-        """Every block of ``runs``, read concurrently on the reader's pool (one run: on this thread, not
-        queued behind the hydration's reads ahead), all of them in before this returns; a failure
-        raises once the others ended (the ones not started are dropped).
+    def _read_runs(self, runs: list[list[_Block]]) -> _Datas:
+        """Every block of ``runs``, all in before this returns: concurrently on the reader's pool, or
+        on this thread where there is one run or the store reads one at a time
+        (``DfsFiles.parallel_reads``), so that they never queue behind the hydration's reads ahead
+        on the pool; a failure raises once the others ended (the ones not started are dropped).
 
         Why no decoding while reads go on: each zstd call releases the interpreter lock, and getting
         it back behind the reading threads cost more than the call (docs/benchmarks.md); on an
         object store the decode is a small part of a request's latency."""
-        if len(runs) == 1:
-            return self._read_run(runs[0])
-        reads = [self.reader.pool().submit(self._read_run, run) for run in runs]
+        if len(runs) == 1 or self.reader.files.parallel_reads == 1:
+            return {key: data for run in runs for key, data in self._read_run(run).items()}
+        reads: list[concurrent.futures.Future[_Datas]] = []
         try:
-            fetched: dict[tuple[int, int], bytes] = {}
+            reads.extend(self.reader.pool().submit(self._read_run, run) for run in runs)
+            fetched: _Datas = {}
             for read in reads:
                 fetched.update(read.result())
             return fetched
@@ -327,7 +345,7 @@ class LazyRestore:
             concurrent.futures.wait(reads)
             raise
 
-    def _read_run(self, run: list[_Block]) -> dict[tuple[int, int], bytes]:
+    def _read_run(self, run: list[_Block]) -> _Datas:
         """The blocks of a run in one call (``DfsFiles.read_ranges``: of a local chunk only their
         bytes, of an object store one ranged request spanning them)."""
         part = run[0][0]

@@ -70,8 +70,10 @@ class RetryingDfsFiles:
         policy: RetryPolicy,
         metrics: ChangelogMetrics,
         track: Callable[[asyncio.Task[None]], None],
+        parallel_reads: int | None = None,
     ) -> None:
         self.base_path = base_path
+        self._parallel_reads = parallel_reads
         self.policy = policy
         self._loop = loop
         self._uploader = uploader
@@ -83,7 +85,9 @@ class RetryingDfsFiles:
 
     @property
     def parallel_reads(self) -> int | None:
-        """The uploader's ``parallel_reads`` if it has one (``DfsFiles.parallel_reads``)."""
+        """The configured ``parallel_reads``, else the uploader's if it has one (``DfsFiles.parallel_reads``)."""
+        if self._parallel_reads is not None:
+            return self._parallel_reads
         limit: int | None = getattr(self._uploader, "parallel_reads", None)
         return limit
 

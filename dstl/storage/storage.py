@@ -77,6 +77,7 @@ class StateChangelogStorage:
             RetryPolicy.for_calls(config),
             self.metrics,
             track=lambda task: self._executor.track(task),  # the executor needs the files
+            parallel_reads=config.parallel_reads,
         )
         self._executor = UploadExecutor(
             self._uploader, config, self.metrics, lambda: new_file_name(config.prefix_count), discard=self.files.discard

@@ -25,6 +25,7 @@ from dstl.uploaders import FsspecUploader, S3Uploader
         ({"persist_delay_ms": -0.1}, "persist_delay_ms"),
         ({"retry_delay_ms": -1}, "retry_delay_ms"),
         ({"compression_level": 23}, "compression_level"),
+        ({"parallel_reads": 0}, "parallel_reads"),
     ],
 )
 def test_a_bad_option_raises_a_configuration_error_naming_it(overrides: dict[str, Any], option: str) -> None:

@@ -7,6 +7,7 @@ the hydration or forces it. The failure paths are in ``test_lazy_restore_failure
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +236,29 @@ def test_a_batch_loads_its_keys_before_its_work_runs(env: Env) -> None:
         assert stored_keys(b, VALUE.name) == loaded  # the work loaded nothing more
     assert loaded == sum(1 for key in keys if key in model.value)
     assert_state_equals([b], model, model_keys(model))
+
+
+def test_a_batch_on_a_local_directory_reads_on_its_own_thread_not_behind_the_read_ahead(env: Env) -> None:
+    """A local directory reads one at a time (``parallel_reads`` 1): the reader pool has one thread,
+    which the hydration's read-ahead may keep busy; a batch's reads (of many chunks) run on the
+    batch's thread and do not wait for it. Here the pool's thread is held until the batch is done."""
+    assert env.storage.files.parallel_reads == 1
+    handle, model = checkpoint_1(env)
+    (b,) = lazily_restored(env, [handle], 1)
+    lazy = b._lazy
+    assert lazy is not None
+    release = threading.Event()
+    held = lazy.reader.pool().submit(release.wait, 60)  # bounded: a batch that queued fails, not hangs
+    keys = list(range(0, 200, 3))  # keys of every key group: a read of each of their chunks
+    try:
+        with b.batch(keys):
+            for key in keys:
+                b.set_current_key(key)
+                assert b.get_state(VALUE).value() == model.value.get(key)
+        assert not held.done()  # the pool's thread was busy throughout
+    finally:
+        release.set()
+        held.result(60)
 
 
 def test_materialization_waits_for_the_hydration_or_forces_it(env: Env) -> None:
