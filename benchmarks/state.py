@@ -16,7 +16,14 @@
    *Batch mode* runs the same updates in micro-batches of 10,000 keys through the batch API
    (``with backend.batch(keys):``, the keys' state read ahead in key order), as a Spark
    micro-batch partition runs: ``batch_on_vs_bare_dict`` and ``batch_on_off_ratio`` are its figures,
-   measured in the same rounds.
+   measured in the same rounds. Its floor, the same work with nothing of ours (``batch_floor``), in
+   the same rounds: the N ints (8-byte big-endian keys, 8-byte values) in a plain LMDB table;
+   per micro-batch of the same keys, their values read from LMDB in key order (``txn.get``) and
+   unpacked into a dict, the batch's read-modify-writes on that dict, and every
+   ``CHECKPOINT_EVERY`` updates the changed values packed and written back sorted
+   (``putmulti``) in one transaction: no key groups, no log, no snapshot.
+   ``batch_floor_vs_bare_dict`` is what a store of the values in LMDB allows at all;
+   ``batch_on_vs_floor`` how close batch mode comes to it.
 2. Checkpoint latency: 10k random keys changed per checkpoint, with 100k and with 1M keys in
    total (quick: 50k and 200k); p50 of the snapshot latency (flush to LMDB + log + durable upload
    on a local directory). ``flat_ratio`` = large / small: a checkpoint costs what changed.
@@ -27,9 +34,12 @@ from __future__ import annotations
 import contextlib
 import random
 import statistics
+import struct
 import tempfile
 import time
 from pathlib import Path
+
+import lmdb
 
 from backend.core.descriptors import ValueStateDescriptor
 from backend.core.serializers import Int64Serializer
@@ -41,7 +51,8 @@ ALL = KeyGroupRange(0, 127)
 CHECKPOINT_EVERY = 100_000
 #: keys per micro-batch in batch mode
 BATCH_KEYS = 10_000
-MODES = ("bare", "off", "on", "batch_off", "batch_on")
+MODES = ("bare", "batch_floor", "off", "on", "batch_off", "batch_on")
+_KEY, _VALUE = struct.Struct(">Q"), struct.Struct("<q")
 
 
 def _backend(tmp: str, storage: StateChangelogStorage | None, log: bool) -> ChangelogKeyedStateBackend:
@@ -99,6 +110,36 @@ def _bare_dict(sample: list[int], total: int) -> float:
     return best
 
 
+def _floor_table(tmp: str, total: int) -> lmdb.Environment:
+    """The batch floor's LMDB table: ``total`` int keys, each holding 0."""
+    env = lmdb.open(str(Path(tmp) / "floor"), map_size=1 << 32, sync=False, metasync=False)
+    with env.begin(write=True) as txn:
+        txn.cursor().putmulti(((_KEY.pack(k), _VALUE.pack(0)) for k in range(total)), append=True)
+    return env
+
+
+def _batch_floor(env: lmdb.Environment, keys: list[int]) -> float:
+    """Updates per second of the batch floor (module doc) over ``keys`` (a multiple of
+    ``CHECKPOINT_EVERY``, as the benchmark's: every change is written back)."""
+    pack_key, pack, unpack = _KEY.pack, _VALUE.pack, _VALUE.unpack
+    dirty: dict[bytes, int] = {}
+    start = time.perf_counter()
+    for first in range(0, len(keys), BATCH_KEYS):
+        chunk = [pack_key(k) for k in keys[first : first + BATCH_KEYS]]
+        wanted = sorted(set(chunk))
+        with env.begin(buffers=False) as txn:
+            values = {k: unpack(v)[0] for k, v in zip(wanted, map(txn.get, wanted), strict=True) if v is not None}
+        values.update((k, dirty[k]) for k in dirty.keys() & values.keys())  # changed, not written back yet
+        for k in chunk:
+            values[k] = values[k] + 1
+        dirty.update(values)
+        if (first + len(chunk)) % CHECKPOINT_EVERY == 0:
+            with env.begin(write=True) as txn:
+                txn.cursor().putmulti([(k, pack(v)) for k, v in sorted(dirty.items())])
+            dirty = {}
+    return len(keys) / (time.perf_counter() - start)
+
+
 def _checkpoint_p50(tmp: str, storage: StateChangelogStorage, total: int, changed: int, rounds: int) -> float:
     backend = ChangelogKeyedStateBackend(f"ckpt{total}", ALL, Path(tmp) / f"ckpt{total}", storage=storage)
     try:
@@ -129,6 +170,7 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
         progress(f"state: loading {keys} keys twice")
         _populate(on, keys)
         _populate(off, keys)
+        floor = _floor_table(tmp, keys)
         rng = random.Random(1)
         rates: dict[str, list[float]] = {mode: [] for mode in MODES}
         for r in range(rounds):
@@ -136,6 +178,8 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
             for i, mode in enumerate(MODES if r % 2 == 0 else MODES[::-1]):
                 if mode == "bare":
                     rates[mode].append(_bare_dict(sample, keys))
+                elif mode == "batch_floor":
+                    rates[mode].append(_batch_floor(floor, sample))
                 else:
                     backend = on if mode.endswith("on") else off
                     rates[mode].append(_updates(backend, sample, (r * len(MODES) + i) * 100, mode.startswith("batch")))
@@ -143,6 +187,7 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
                      f"batch on {rates['batch_on'][-1]:,.0f}/s, off {rates['batch_off'][-1]:,.0f}/s")  # fmt: skip
         on.close()
         off.close()
+        floor.close()
         progress("state: checkpoint latency, small state")
         p50_small = _checkpoint_p50(tmp, st, small, 10_000, 10)
         progress("state: checkpoint latency, large state")
@@ -167,6 +212,8 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
         "updates_per_s_batch_off": round(max(rates["batch_off"])),
         "batch_on_off_ratio": round(batch_ratio, 3),
         "batch_on_vs_bare_dict": round(paired("batch_on", "bare"), 3),
+        "batch_floor_vs_bare_dict": round(paired("batch_floor", "bare"), 3),
+        "batch_on_vs_floor": round(paired("batch_on", "batch_floor"), 3),
         "ckpt_p50_ms_small": round(p50_small, 2),
         "ckpt_p50_ms_large": round(p50_large, 2),
         "flat_ratio": round(p50_large / p50_small, 3),
@@ -189,6 +236,11 @@ def run(quick: bool, out_dir: Path) -> BenchResult:
                 f"{max(rates['batch_on']):,.0f} / {max(rates['batch_off']):,.0f} updates/s, ratio {batch_ratio:.3f}",
             ),
             ("batch mode: log on / dict", f"{metrics['batch_on_vs_bare_dict']}"),
+            (
+                "batch floor (LMDB reads in key order + dict, sorted write-back; nothing of ours)",
+                f"{max(rates['batch_floor']):,.0f} updates/s; floor / dict {metrics['batch_floor_vs_bare_dict']}, "
+                f"batch on / floor {metrics['batch_on_vs_floor']}",
+            ),
             (f"checkpoint p50, {small:,} keys", f"{p50_small:.2f} ms (10k changed)"),
             (f"checkpoint p50, {large:,} keys", f"{p50_large:.2f} ms (10k changed)"),
             ("flat ratio (large/small)", f"{p50_large / p50_small:.3f}"),

@@ -1,5 +1,6 @@
 """The state benchmark's two modes do the same work: per call and in batches (``backend.batch``),
-with the log on and off, the counts they leave are the same as a dict's.
+with the log on and off, the counts they leave are the same as a dict's; so does the batch mode's
+floor (nothing of ours) in its LMDB table.
 
 Only the work is checked here; the rates are the benchmark's to measure (its full run).
 """
@@ -40,3 +41,19 @@ def test_both_modes_leave_the_counts_a_dict_would(
                 assert state.value() == counts[key], key
         finally:
             backend.close()
+
+
+def test_the_batch_floor_leaves_the_counts_a_dict_would(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "CHECKPOINT_EVERY", 1_000)
+    monkeypatch.setattr(bench, "BATCH_KEYS", 100)
+    keys = 2_000
+    rng = random.Random(7)
+    sample = [rng.randrange(keys) for _ in range(3_000)]
+    env = bench._floor_table(str(tmp_path), keys)
+    try:
+        assert bench._batch_floor(env, sample) > 0
+        counts = Counter(sample)
+        with env.begin() as txn:
+            assert [bench._VALUE.unpack(v)[0] for _, v in txn.cursor()] == [counts[k] for k in range(keys)]
+    finally:
+        env.close()
