@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import struct
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -236,9 +237,16 @@ class LazyRestore:
         The blocks are read first (``_read_runs``), then decoded on this thread (decoding on the
         pool measured no faster, its threads contend for the interpreter lock). The cyclic garbage
         collector is paused while the plan is made and while the blocks are decoded and written
-        (``collector_paused``: their many small objects all live to the end), not during the reads,
-        which may wait on the network for a while.
+        (``collector_paused``: their many small objects all live to the end); during the reads
+        too where the store reads one at a time (a local directory: copies from the page cache,
+        and the collector's scans of the plan in between cost as much again), not where the reads
+        may wait on the network for a while.
         """
+        one_at_a_time = self.reader.files.parallel_reads == 1
+        with collector_paused() if one_at_a_time else contextlib.nullcontext():
+            self._load(cks)
+
+    def _load(self, cks: Sequence[bytes]) -> None:
         cks = sorted(set(cks))
         wanted = [(ck, part) for ck in cks for part in self._by_kg.get(key_group_of(ck), ())]
         self.open_indexes([part for _, part in wanted], lambda p: key_groups_of([ck for ck, q in wanted if q is p]))
