@@ -200,6 +200,9 @@ class PartReader:
     def __init__(self, files: DfsFiles) -> None:
         self.files = files
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        #: the store reads one at a time (``DfsFiles.parallel_reads`` 1: a local directory): a
+        #: caller's reads are better made on its own thread than queued on the one-thread pool
+        self.one_at_a_time = files.parallel_reads == 1
 
     def pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:

@@ -242,8 +242,7 @@ class LazyRestore:
         and the collector's scans of the plan in between cost as much again), not where the reads
         may wait on the network for a while.
         """
-        one_at_a_time = self.reader.files.parallel_reads == 1
-        with collector_paused() if one_at_a_time else contextlib.nullcontext():
+        with collector_paused() if self.reader.one_at_a_time else contextlib.nullcontext():
             self._load(cks)
 
     def _load(self, cks: Sequence[bytes]) -> None:
@@ -338,7 +337,7 @@ class LazyRestore:
         Why no decoding while reads go on: each zstd call releases the interpreter lock, and getting
         it back behind the reading threads cost more than the call (docs/benchmarks.md); on an
         object store the decode is a small part of a request's latency."""
-        if len(runs) == 1 or self.reader.files.parallel_reads == 1:
+        if len(runs) == 1 or self.reader.one_at_a_time:
             return {key: data for run in runs for key, data in self._read_run(run).items()}
         reads: list[concurrent.futures.Future[_Datas]] = []
         try:
